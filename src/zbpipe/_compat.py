@@ -1,0 +1,27 @@
+"""Every private torch name zbpipe relies on, in one place.
+
+torch.distributed.pipelining keeps its action IR and its action runtime private. A torch
+upgrade that renames them should touch this file only; the rest of zbpipe imports from here.
+Tested against torch 2.13.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.pipelining.schedules import (  # noqa: F401  (re-exported)
+    PipelineScheduleMulti,
+    _Action,
+    _ComputationType,
+    _PipelineContext,
+    _PipelineScheduleRuntime,
+    _wait_batch_p2p,
+)
+from torch.distributed.pipelining.stage import PipelineStage, _PipelineStageBase  # noqa: F401
+
+FORWARD = _ComputationType.FORWARD
+BACKWARD_INPUT = _ComputationType.BACKWARD_INPUT
+BACKWARD_WEIGHT = _ComputationType.BACKWARD_WEIGHT
+FULL_BACKWARD = _ComputationType.FULL_BACKWARD
+
+#: zbpipe's paper letters -> torch's computation types (lossless both ways).
+KIND_TO_TORCH = {"F": FORWARD, "B": BACKWARD_INPUT, "W": BACKWARD_WEIGHT, "BW": FULL_BACKWARD}
+TORCH_TO_KIND = {v: k for k, v in KIND_TO_TORCH.items()}

@@ -1,0 +1,180 @@
+"""Plans: which compute action every rank runs, in which order, and where each stage lives.
+
+A plan uses the paper's letters:
+
+* ``F``  forward of one microbatch through one stage,
+* ``B``  the input-gradient half of its backward (torch calls this ``I``),
+* ``W``  the weight-gradient half of its backward,
+* ``BW`` the fused full backward (torch calls this ``B``).
+
+This module is pure Python and must never import torch: plan generators and the
+simulator are tested by hypothesis over thousands of cases without a process group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Mapping, Sequence
+
+Kind = Literal["F", "B", "W", "BW"]
+KINDS: tuple[str, ...] = ("F", "B", "W", "BW")
+Placement = Literal["loop", "v"]
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """One compute action: ``kind`` of ``microbatch`` on ``stage``."""
+
+    stage: int
+    kind: str
+    microbatch: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"Action kind must be one of {KINDS}, got {self.kind!r}")
+        if self.stage < 0 or self.microbatch < 0:
+            raise ValueError(f"Action stage and microbatch must be >= 0, got {self!r}")
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+
+class PlanError(ValueError):
+    """A plan is malformed: incomplete, out of dependency order, or deadlocking.
+
+    The message names the rank and the step (index in that rank's order) that broke.
+    """
+
+
+def loop_placement(num_ranks: int, num_stages: int) -> dict[int, int]:
+    """Stage ``s`` on rank ``s % num_ranks`` (torch's default, 1 or more stages per rank)."""
+    return {s: s % num_ranks for s in range(num_stages)}
+
+
+def v_placement(num_ranks: int) -> dict[int, int]:
+    """``2 * num_ranks`` stages in a V: rank ``r`` holds stages ``r`` and ``2p - 1 - r``."""
+    placement = {}
+    for r in range(num_ranks):
+        placement[r] = r
+        placement[2 * num_ranks - 1 - r] = r
+    return placement
+
+
+@dataclass(frozen=True)
+class Plan:
+    """For each rank, the ordered compute actions it runs; plus the stage-to-rank placement.
+
+    ``order`` has no ``None`` padding: idle time exists only in the simulator's timed output.
+    """
+
+    name: str
+    num_ranks: int
+    n_microbatches: int
+    placement: Mapping[int, int]
+    order: Mapping[int, tuple[Action, ...]]
+    style: Placement = "loop"
+    meta: Mapping[str, object] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "placement", dict(sorted(self.placement.items())))
+        object.__setattr__(
+            self, "order", {r: tuple(self.order.get(r, ())) for r in range(self.num_ranks)}
+        )
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.placement)
+
+    def stages_of(self, rank: int) -> list[int]:
+        """Stage indices held by ``rank``, ascending."""
+        return [s for s, r in self.placement.items() if r == rank]
+
+    def uses_split_backward(self) -> bool:
+        return any(a.kind in ("B", "W") for acts in self.order.values() for a in acts)
+
+    def validate(self) -> None:
+        """Static checks: placement, completeness, and per-stage F < B < W order.
+
+        Cross-rank properties (deadlock freedom, memory) are checked by ``simulate``.
+        """
+        validate_structure(self)
+
+    def __str__(self) -> str:
+        return format_grid(self)
+
+
+def validate_structure(plan: Plan) -> None:
+    p, m = plan.num_ranks, plan.n_microbatches
+    if p < 1 or m < 1:
+        raise PlanError(f"plan {plan.name}: num_ranks and n_microbatches must be >= 1, got {p}, {m}")
+    stages = sorted(plan.placement)
+    if stages != list(range(len(stages))):
+        raise PlanError(f"plan {plan.name}: stages must be 0..S-1, got {stages}")
+    for s, r in plan.placement.items():
+        if not 0 <= r < p:
+            raise PlanError(f"plan {plan.name}: stage {s} placed on rank {r}, outside 0..{p - 1}")
+    seen: dict[tuple[int, str, int], int] = {}
+    done_kinds: dict[tuple[int, int], set[str]] = {}
+    for rank, actions in plan.order.items():
+        for step, a in enumerate(actions):
+            where = f"plan {plan.name}: rank {rank} step {step} ({a})"
+            if a.stage not in plan.placement:
+                raise PlanError(f"{where}: stage {a.stage} does not exist")
+            if plan.placement[a.stage] != rank:
+                raise PlanError(f"{where}: stage {a.stage} lives on rank {plan.placement[a.stage]}")
+            if a.microbatch >= m:
+                raise PlanError(f"{where}: microbatch {a.microbatch} >= n_microbatches {m}")
+            key = (a.stage, a.kind, a.microbatch)
+            if key in seen:
+                raise PlanError(f"{where}: duplicate, first at step {seen[key]}")
+            done = done_kinds.setdefault((a.stage, a.microbatch), set())
+            if a.kind in ("B", "BW") and "F" not in done:
+                raise PlanError(f"{where}: backward before its forward")
+            if a.kind == "W" and "B" not in done:
+                raise PlanError(f"{where}: weight gradient before its input gradient B")
+            if a.kind in ("B", "BW") and ({"B", "BW"} & done):
+                raise PlanError(f"{where}: second backward for the same microbatch")
+            seen[key] = step
+            done.add(a.kind)
+    for s in stages:
+        for mb in range(m):
+            kinds = done_kinds.get((s, mb), set())
+            if kinds not in ({"F", "BW"}, {"F", "B", "W"}):
+                missing = "F and BW, or F, B and W"
+                raise PlanError(
+                    f"plan {plan.name}: stage {s} microbatch {mb} has {sorted(kinds)}; needs {missing}"
+                )
+
+
+def format_grid(plan: Plan, width: int | None = None) -> str:
+    """Draw the plan as a rank-by-step grid (no timing: column k is each rank's k-th action)."""
+    cells = {r: [str(a) for a in acts] for r, acts in plan.order.items()}
+    w = width or max((len(c) for cs in cells.values() for c in cs), default=3)
+    head = f"{plan.name}: {plan.num_ranks} ranks, {plan.num_stages} stages, {plan.n_microbatches} microbatches"
+    lines = [head]
+    for r in range(plan.num_ranks):
+        lines.append(f"rank {r:>2} | " + " ".join(c.rjust(w) for c in cells[r]))
+    return "\n".join(lines)
+
+
+def make_plan(
+    name: str,
+    num_ranks: int,
+    n_microbatches: int,
+    placement: Mapping[int, int],
+    order: Mapping[int, Sequence[Action]],
+    style: Placement = "loop",
+    **meta: object,
+) -> Plan:
+    """Build and statically validate a plan (generators call this)."""
+    p = Plan(
+        name=name,
+        num_ranks=num_ranks,
+        n_microbatches=n_microbatches,
+        placement=placement,
+        order={r: tuple(acts) for r, acts in order.items()},
+        style=style,
+        meta=meta,
+    )
+    p.validate()
+    return p
