@@ -1,0 +1,120 @@
+"""``zbpipe`` command line: ``simulate`` one schedule, ``compare`` them all.
+
+Each subcommand is a ``build_parser`` entry plus a ``_cmd_<name>(args) -> int`` handler, so new
+subcommands (``demo``, ``draw``) add one ``add_parser`` block and one handler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from .plan import Costs, Plan, PlanError, SimResult, known_names, plan, plan_to_csv, simulate
+
+
+def _costs_arg(text: str) -> Costs:
+    try:
+        return Costs.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zbpipe", description="Zero Bubble pipeline schedules: plan and simulate.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("-p", "--num-ranks", type=int, required=True, help="pipeline ranks")
+        p.add_argument("-m", "--n-microbatches", type=int, required=True, help="microbatches per step")
+        p.add_argument("--costs", type=_costs_arg, default=Costs(),
+                       help="per-stage costs of the model split into p stages, e.g. f=1,b=1,w=1,comm=0")
+        p.add_argument("--memory-limit", type=float, default=None, help="per-rank activation memory limit")
+
+    sim = sub.add_parser("simulate", help="simulate one schedule and print its bubble rate")
+    sim.add_argument("--schedule", default="ZBH1", help=f"one of: {', '.join(known_names())}")
+    common(sim)
+    sim.add_argument("--grid", action="store_true", help="also print the rank-by-step grid")
+    sim.add_argument("--json", metavar="FILE", help="write the result (and timeline) as JSON")
+    sim.add_argument("--csv", metavar="FILE", help="write the plan in torch's schedule CSV format")
+    sim.set_defaults(handler=_cmd_simulate)
+
+    cmp_ = sub.add_parser("compare", help="simulate every known schedule side by side")
+    common(cmp_)
+    cmp_.set_defaults(handler=_cmd_compare)
+    return parser
+
+
+def chunk_costs(costs: Costs, p: Plan) -> Costs:
+    """Costs of one chunk when ``p`` cuts the same model into more stages than ranks.
+
+    ``--costs`` describe the model split into ``num_ranks`` stages; a plan with ``k`` stages per
+    rank gets each stage's cost divided by ``k`` (DESIGN.md: comparisons keep the model fixed).
+    """
+    k = p.num_stages // p.num_ranks
+    return costs if k == 1 else costs.split(k)
+
+
+def _run(name: str, args: argparse.Namespace) -> tuple[Plan, SimResult]:
+    pl = plan(name, args.num_ranks, args.n_microbatches, costs=None if name.lower().startswith("torch:") else args.costs,
+              memory_limit=args.memory_limit)
+    return pl, simulate(pl, chunk_costs(args.costs, pl), memory_limit=args.memory_limit)
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    pl, res = _run(args.schedule, args)
+    print(f"{pl.name}: {pl.num_ranks} ranks, {pl.num_stages} stages, {pl.n_microbatches} microbatches")
+    print(f"bubble rate: {res.bubble_rate:.4f}")
+    print(f"makespan: {res.makespan:.4f}")
+    print("peak memory per rank: " + ", ".join(f"{r}: {v:g}" for r, v in sorted(res.peak_memory.items())))
+    if args.grid:
+        print(pl)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(_result_json(pl, res), f, indent=1)
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            f.write(plan_to_csv(pl))
+    return 0
+
+
+def _result_json(pl: Plan, res: SimResult) -> dict:
+    return {
+        "schedule": pl.name, "num_ranks": pl.num_ranks, "n_microbatches": pl.n_microbatches,
+        "num_stages": pl.num_stages, "bubble_rate": res.bubble_rate, "makespan": res.makespan,
+        "peak_memory": {str(r): v for r, v in res.peak_memory.items()},
+        "timeline": {str(r): [[str(iv.action), iv.start, iv.end] for iv in ivs] for r, ivs in res.timeline.items()},
+    }
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    print(f"{'schedule':<28} {'bubble rate':>11} {'makespan':>10} {'max peak mem':>12}")
+    notes = []
+    for name in known_names():
+        try:
+            _, res = _run(name, args)
+        except (ValueError, PlanError) as e:  # a schedule that does not apply to these sizes
+            notes.append(f"{name}: skipped: {e}")
+            continue
+        except ImportError as e:
+            notes.append(f"{name}: skipped (torch not importable: {e})")
+            continue
+        peak = max(res.peak_memory.values())
+        print(f"{name:<28} {res.bubble_rate:>11.4f} {res.makespan:>10.4g} {peak:>12.4g}")
+    for note in notes:
+        print(note)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except (ValueError, PlanError) as e:
+        print(f"zbpipe {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

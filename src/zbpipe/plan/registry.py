@@ -1,0 +1,60 @@
+"""One explicit lookup from schedule name to plan generator.
+
+zbpipe's own generators are listed in ``GENERATORS``; add a line to register a new family.
+Names starting with ``torch:`` are torch's built-in schedules, built by ``zbpipe.torch_plans``,
+imported only when asked for so this layer stays torch-free.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+from .core import Plan
+from .costs import Costs
+from .onef1b import plan_1f1b
+from .zbh1 import plan_zbh1
+
+Generator = Callable[..., Plan]
+
+#: zbpipe's schedules: ``name -> generator(num_ranks, n_microbatches, costs, memory_limit, **options)``.
+GENERATORS: dict[str, Generator] = {
+    "1F1B": plan_1f1b,
+    "ZBH1": plan_zbh1,
+}
+
+#: torch's built-in schedules, by the class name ``torch.distributed.pipelining`` gives them.
+TORCH_SCHEDULES: tuple[str, ...] = (
+    "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "GPipe", "DualPipeV",
+)
+
+
+def known_names() -> list[str]:
+    """Every name ``plan`` accepts (zbpipe's, then torch's as ``torch:<Name>``)."""
+    return list(GENERATORS) + [f"torch:{n}" for n in TORCH_SCHEDULES]
+
+
+def plan(
+    name: str,
+    num_ranks: int,
+    n_microbatches: int,
+    costs: Costs | None = None,
+    memory_limit: float | None = None,
+    **options: object,
+) -> Plan:
+    """Build the plan called ``name`` (case-insensitive), e.g. ``plan("ZBH1", 8, 24)``.
+
+    ``torch:`` names accept ``stages_per_rank`` (default 2) for torch's interleaved schedules.
+    """
+    key = name.strip().lower()
+    if key.startswith("torch:"):
+        wanted = key[len("torch:"):]
+        for torch_name in TORCH_SCHEDULES:
+            if torch_name.lower() == wanted:
+                torch_plans = importlib.import_module("zbpipe.torch_plans")
+                return torch_plans.torch_plan(torch_name, num_ranks, n_microbatches, **options)
+    else:
+        for gen_name, gen in GENERATORS.items():
+            if gen_name.lower() == key:
+                return gen(num_ranks, n_microbatches, costs=costs, memory_limit=memory_limit, **options)
+    raise ValueError(f"unknown schedule {name!r}; known names (case-insensitive): {', '.join(known_names())}")
