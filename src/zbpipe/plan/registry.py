@@ -12,8 +12,10 @@ from typing import Callable
 
 from .core import Plan
 from .costs import Costs
+from .auto import plan_zb1p, plan_zb2p
 from .onef1b import plan_1f1b
 from .zbh1 import plan_zbh1
+from .zbh2 import plan_zbh2
 
 Generator = Callable[..., Plan]
 
@@ -21,6 +23,9 @@ Generator = Callable[..., Plan]
 GENERATORS: dict[str, Generator] = {
     "1F1B": plan_1f1b,
     "ZBH1": plan_zbh1,
+    "ZBH2": plan_zbh2,
+    "ZB1P": plan_zb1p,
+    "ZB2P": plan_zb2p,
 }
 
 #: torch's built-in schedules, by the class name ``torch.distributed.pipelining`` gives them.
@@ -45,7 +50,11 @@ def plan(
     """Build the plan called ``name`` (case-insensitive), e.g. ``plan("ZBH1", 8, 24)``.
 
     ``torch:`` names accept ``stages_per_rank`` (default 2) for torch's interleaved schedules.
+    ``refine=True`` (zbpipe's names) improves the plan with the exact MILP
+    (:func:`zbpipe.plan.milp.refine`, needs scipy); ``refine_time_limit`` bounds it in seconds.
     """
+    refine = bool(options.pop("refine", False))
+    refine_time_limit = float(options.pop("refine_time_limit", 30.0))
     key = name.strip().lower()
     if key.startswith("torch:"):
         wanted = key[len("torch:"):]
@@ -56,5 +65,11 @@ def plan(
     else:
         for gen_name, gen in GENERATORS.items():
             if gen_name.lower() == key:
-                return gen(num_ranks, n_microbatches, costs=costs, memory_limit=memory_limit, **options)
+                result = gen(num_ranks, n_microbatches, costs=costs, memory_limit=memory_limit, **options)
+                if refine:
+                    from .milp import refine as refine_plan
+
+                    limit = memory_limit if memory_limit is not None else result.meta.get("memory_limit")
+                    result = refine_plan(result, costs, limit, time_limit=refine_time_limit).plan
+                return result
     raise ValueError(f"unknown schedule {name!r}; known names (case-insensitive): {', '.join(known_names())}")
