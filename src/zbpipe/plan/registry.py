@@ -16,6 +16,7 @@ from .auto import plan_zb1p, plan_zb2p
 from .onef1b import plan_1f1b
 from .zbh1 import plan_zbh1
 from .zbh2 import plan_zbh2
+from .zbv import plan_zbv, plan_zbv_half, plan_zbv_min
 
 Generator = Callable[..., Plan]
 
@@ -26,6 +27,9 @@ GENERATORS: dict[str, Generator] = {
     "ZBH2": plan_zbh2,
     "ZB1P": plan_zb1p,
     "ZB2P": plan_zb2p,
+    "ZBV": plan_zbv,
+    "ZBVHalf": plan_zbv_half,
+    "ZBVMin": plan_zbv_min,
 }
 
 #: torch's built-in schedules, by the class name ``torch.distributed.pipelining`` gives them.

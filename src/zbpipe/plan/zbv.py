@@ -1,0 +1,150 @@
+"""ZB-V, V-Half and V-Min: V-placement plans with controllable activation memory (pure Python).
+
+References: "Zero Bubble Pipeline Parallelism" (Qi et al., ICLR 2024), Sec. 6 (ZB-V), and
+"Pipeline Parallelism with Controllable Memory" (Qi et al., NeurIPS 2024; V-Half, V-Min).
+The three share the V placement (rank ``r`` holds stages ``r`` and ``2p - 1 - r``) and differ
+in the activation memory a rank may hold, in units of one microbatch of a stage of the same
+model cut into ``p`` stages (two chunks), i.e. twice a chunk's ``mem_f``:
+
+=======  =========================  ===============================
+mode     per-rank budget (units)    paper's bubble rate (F = B = W)
+=======  =========================  ===============================
+``zb``   1F1B's peak, ``p``         0 for m >= 2p
+``half`` ``(p + 2) / 2``            about ``p / (2m)``
+``min``  ``(p + 4) / 3``            about ``2p / (3m)``
+=======  =========================  ===============================
+
+The plan is searched, not hard-coded: several candidate orders (the paper's ZB-V F/B order
+with W placed by the real costs, and the greedy scheduler of ``vshape`` under a few tie-break
+strategies) are timed with the actual F, B, W and comm costs, and the one with the shortest
+longest-rank span (the bubble rate's denominator), then shortest makespan, wins.
+Deterministic: candidates are tried in a fixed order and ties keep the first.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+from .core import Plan, PlanError, make_plan, v_placement
+from .costs import Costs, StageCosts
+from .simulate import simulate
+from .vshape import GreedyResult, Strategy, execute_fb_order, greedy_v, min_budget, zbv_fb_order
+
+log = logging.getLogger(__name__)
+
+MemoryMode = Literal["zb", "half", "min"]
+_NAMES = {"zb": "ZBV", "half": "ZBVHalf", "min": "ZBVMin"}
+
+
+def stage0_unit(stage_costs: list[StageCosts]) -> float:
+    """One microbatch of stage 0 of the same model cut into p stages: chunks 0 and 1."""
+    return stage_costs[0].mem_f + stage_costs[1].mem_f
+
+
+def default_budget(num_ranks: int, stage_costs: list[StageCosts], memory: MemoryMode) -> float:
+    """The mode's per-rank activation budget, in ``Costs`` memory units."""
+    p = num_ranks
+    if memory == "zb":
+        # 1F1B on the same model: its stage i (chunks 2i, 2i+1) holds p - i microbatches
+        return max((p - i) * (stage_costs[2 * i].mem_f + stage_costs[2 * i + 1].mem_f) for i in range(p))
+    factor = (p + 2) / 2 if memory == "half" else (p + 4) / 3
+    return factor * stage0_unit(stage_costs)
+
+
+def _strategies(num_ranks: int, memory: MemoryMode) -> list[Strategy]:
+    leads: list[int | None] = [None, 1, 2, 3, 4]
+    if num_ranks > 4:
+        leads += [num_ranks // 2, num_ranks]
+    out = []
+    for lead in leads:
+        for f_first in (False, True):
+            out.append(Strategy(chunk0_lead=lead, f_first=f_first))
+    if memory == "zb":
+        out.append(Strategy(chunk0_lead=1, lead_slope=2))
+        out.append(Strategy(w_wait=0.5))
+    return out
+
+
+def _candidates(p: int, m: int, sc: list[StageCosts], budget: float, memory: MemoryMode):
+    """Yield ``(label, GreedyResult)`` in a fixed order."""
+    fb = zbv_fb_order(p, m)
+    for eager_w in (False, True):
+        res = execute_fb_order(p, m, sc, budget, fb, eager_w)
+        if res is not None:
+            yield f"zbv-order(eager_w={eager_w})", res
+    res = execute_fb_order(p, m, sc, budget, zbv_fb_order(p, m, with_w=True), eager_w=False)
+    if res is not None:
+        yield "zbv-order(paper W)", res
+    for st in _strategies(p, memory):
+        yield f"greedy{st}", greedy_v(p, m, sc, budget, st)
+
+
+def plan_zbv(
+    num_ranks: int,
+    n_microbatches: int,
+    costs: Costs | None = None,
+    memory_limit: float | None = None,
+    memory: MemoryMode = "zb",
+) -> Plan:
+    """A V-placement zero-bubble plan: ZB-V (``memory="zb"``), V-Half (``"half"``), V-Min (``"min"``).
+
+    ``costs`` describe each of the ``2 * num_ranks`` stages (chunks); ``memory_limit`` (per rank,
+    in ``Costs`` memory units) replaces the mode's default budget. Raises ``ValueError`` if no
+    plan fits the limit, naming the smallest limit that works.
+    """
+    if memory not in _NAMES:
+        raise ValueError(f"memory must be one of {sorted(_NAMES)}, got {memory!r}")
+    if num_ranks < 1 or n_microbatches < 1:
+        raise ValueError(f"num_ranks and n_microbatches must be >= 1, got {num_ranks}, {n_microbatches}")
+    p, m = num_ranks, n_microbatches
+    costs = costs if costs is not None else Costs()
+    sc = costs.per_stage(2 * p)
+    floor = min_budget(sc, p)
+    if memory_limit is not None:
+        budget = float(memory_limit)
+        if budget < floor - 1e-9:
+            raise ValueError(
+                f"memory_limit={memory_limit} is too small for a V plan with these costs: a rank must hold "
+                f"one microbatch of each of its two stages; use memory_limit >= {floor:g}"
+            )
+    else:
+        budget = default_budget(p, sc, memory)
+        if budget < floor:
+            log.warning("%s default budget %g is below the minimum %g; using the minimum", memory, budget, floor)
+            budget = floor
+
+    best: tuple[tuple[float, float, int], str, GreedyResult] | None = None
+    for i, (label, res) in enumerate(_candidates(p, m, sc, budget, memory)):
+        if max(res.peak_memory.values()) > budget + 1e-9:
+            continue
+        key = (round(res.longest_span, 9), round(res.makespan, 9), i)
+        if best is None or key < best[0]:
+            best = (key, label, res)
+    if best is None:
+        raise ValueError(f"no {_NAMES[memory]} plan fits memory_limit={budget:g}; use memory_limit >= {floor:g}")
+    _, label, res = best
+    plan = make_plan(
+        _NAMES[memory], p, m, v_placement(p), res.order, style="v",
+        memory=memory, memory_budget=budget, strategy=label,
+    )
+    try:
+        simulate(plan, costs, memory_limit=budget)  # independent check of deadlock freedom and memory
+    except PlanError as exc:  # a bug in the generator, not the user's fault
+        raise RuntimeError(f"plan_zbv built an invalid plan ({label}): {exc}") from exc
+    log.debug("%s p=%d m=%d: chose %s (span %.4g)", plan.name, p, m, label, res.longest_span)
+    return plan
+
+
+def plan_zbv_half(
+    num_ranks: int, n_microbatches: int, costs: Costs | None = None, memory_limit: float | None = None
+) -> Plan:
+    """V-Half: about half of 1F1B's activation memory."""
+    return plan_zbv(num_ranks, n_microbatches, costs, memory_limit, memory="half")
+
+
+def plan_zbv_min(
+    num_ranks: int, n_microbatches: int, costs: Costs | None = None, memory_limit: float | None = None
+) -> Plan:
+    """V-Min: about a third of 1F1B's activation memory."""
+    return plan_zbv(num_ranks, n_microbatches, costs, memory_limit, memory="min")
