@@ -1,0 +1,518 @@
+"""The split backward of Zero Bubble: B (input/activation gradients) now, W (weight gradients) later.
+
+Everything goes through public autograd: ``torch.autograd.grad`` with ``GradientEdge`` outputs and
+inputs, ``Node.register_prehook`` and ``Node.next_functions``. The engine only runs the part of
+the graph that leads to the requested inputs, and inside a node it only computes the outputs whose
+edge leads there (``AddmmBackward`` computes ``grad @ W`` for its input but not ``x.T @ grad`` for
+its weight when only the input is asked for). B and W are two different requests on one graph.
+
+Vocabulary used in the comments below (all about the autograd graph of one stage and microbatch):
+
+* **targets**: where B stops. On a stage whose inputs require grad, the inputs' gradient edges. On
+  the first stage (no input requires grad) the lowest *activation* nodes, see ``_stage0_targets``.
+* **activation region A**: every node with a path to a target. B runs exactly these nodes.
+* **weight region**: nodes outside A (and not targets) with a path to a parameter. W runs them.
+* **boundary**: a node of A with an edge into the weight region, or a stage-0 target. B records
+  the gradient that arrives at it (a prehook); W re-enters the graph there.
+
+W makes one ``autograd.grad`` call per boundary (seeded with the recorded gradient, asking only for
+its weight-region edges, so the engine runs that one node and computes only its weight outputs),
+then one call over the whole weight region from those edges to the parameters. One call seeded at
+every boundary would instead recompute the activation chain between boundaries (boundary k's
+activation edge leads to boundary k-1's parameters): twice the activation work.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["WeightGrad", "backward_input", "backward_full"]
+
+
+@dataclass
+class _Boundary:
+    """Where W re-enters the graph: ``node`` receives ``grads`` (recorded during B)."""
+
+    node: Node
+    grads: tuple[Tensor | None, ...] | None
+    weight_edges: list[tuple[Node, int]]  # (child, input_nr) edges into the weight region
+    act_children: list[Node]  # children B already handled (in A, or targets)
+    conflict: bool  # a weight edge's child is also reachable through an activation child
+
+
+class WeightGrad:
+    """The pending weight pass W of one (stage, microbatch); ``run()`` it exactly once."""
+
+    def __init__(
+        self,
+        boundaries: list[_Boundary],
+        root_seeds: list[tuple[Node, int, Tensor]],
+        params: list[torch.nn.Parameter],
+        param_nodes: list[Node],
+        known_storages: set[int],
+    ) -> None:
+        self._boundaries: list[_Boundary] | None = boundaries
+        self._root_seeds = root_seeds
+        self._params = params
+        self._param_nodes = param_nodes
+        self._known_storages = known_storages
+
+    @property
+    def done(self) -> bool:
+        return self._boundaries is None
+
+    def run(self) -> None:
+        """Compute the parameter gradients and accumulate them into ``p.grad`` like autograd."""
+        if self._boundaries is None:
+            raise RuntimeError(
+                "WeightGrad.run() was called twice: the weight pass of a microbatch runs once and "
+                "frees its graph; run backward_input again on a new forward to get a new WeightGrad"
+            )
+        boundaries, root_seeds = self._boundaries, self._root_seeds
+        # Drop our references first, so that an exception midway still leaves no graph alive.
+        self._boundaries, self._root_seeds = None, []
+        param_index = {n: i for i, n in enumerate(self._param_nodes)}
+        contributions: list[list[Tensor]] = [[] for _ in self._params]
+        # Seeds of the weight-region call, keyed by edge. A dict keeps insertion order, so the
+        # summation order (hence the rounding) is deterministic.
+        seeds: dict[tuple[Node, int], list[Tensor]] = {}
+
+        def collect(child: Node, nr: int, g: Tensor | None) -> None:
+            if g is None:
+                return
+            if child in param_index:  # a parameter's AccumulateGrad: the gradient is final
+                contributions[param_index[child]].append(g)
+            else:
+                seeds.setdefault((child, nr), []).append(g)
+
+        for child, nr, g in root_seeds:
+            collect(child, nr, g)
+        # Conflict calls run the activation children again (with undefined gradients), so nothing
+        # may be freed until they are done: they go first, all with retain_graph=True.
+        any_conflict = any(b.conflict for b in boundaries)
+        ordered = sorted(boundaries, key=lambda b: not b.conflict)
+        for b in ordered:
+            grads = self._boundary_pass(b, retain=any_conflict)
+            for (child, nr), g in zip(b.weight_edges, grads, strict=True):
+                collect(child, nr, g)
+            b.grads = None
+        del boundaries, ordered
+
+        if seeds:
+            self._weight_region_pass(seeds, contributions, retain=any_conflict)
+        seeds.clear()
+
+        with torch.no_grad():
+            for p, parts in zip(self._params, contributions, strict=True):
+                if parts:
+                    _accumulate(p, parts, self._known_storages)
+        self._params, self._param_nodes = [], []
+
+    @staticmethod
+    def _boundary_pass(b: _Boundary, retain: bool) -> tuple[Tensor | None, ...]:
+        """Re-run one boundary node, asking only for its weight-region edges."""
+        assert b.grads is not None
+        outs = [GradientEdge(b.node, i) for i, g in enumerate(b.grads) if g is not None]
+        seeds = [g for g in b.grads if g is not None]
+        if not outs:
+            return tuple(None for _ in b.weight_edges)
+        handles = []
+        try:
+            if b.conflict:
+                # A weight-region node below this boundary is also reachable through one of its
+                # activation children (e.g. a bias AccumulateGrad shared by two uses of one
+                # Linear). The engine will then compute the activation edge too; clamping every
+                # activation child's incoming gradient to "undefined" makes that path contribute
+                # nothing (built-in formulas skip undefined gradients), so each contribution is
+                # counted once: its own boundary's call delivers it.
+                for child in b.act_children:
+                    handles.append(child.register_prehook(lambda go: tuple(None for _ in go)))
+            return torch.autograd.grad(
+                outs,
+                [GradientEdge(c, nr) for c, nr in b.weight_edges],
+                grad_outputs=seeds,
+                retain_graph=retain,
+                allow_unused=True,
+            )
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _weight_region_pass(
+        self,
+        seeds: dict[tuple[Node, int], list[Tensor]],
+        contributions: list[list[Tensor]],
+        retain: bool,
+    ) -> None:
+        """One call from every weight-region entry edge to the parameters.
+
+        The weight region has no path back into A (a node with one would be in A), so this call
+        runs only weight-only work (a TBackward, a weight-norm, an EmbeddingBackward, ...). A node
+        reached from several entries (a weight shared by two boundaries) sums them in its input
+        buffer, as in a fused backward.
+        """
+        edges = [GradientEdge(n, nr) for n, nr in seeds]
+        grads = [_sum(parts) for parts in seeds.values()]
+        res = torch.autograd.grad(
+            edges,
+            [GradientEdge(n, 0) for n in self._param_nodes],
+            grad_outputs=grads,
+            retain_graph=retain,
+            allow_unused=True,
+        )
+        for i, g in enumerate(res):
+            if g is not None:
+                contributions[i].append(g)
+
+
+def backward_input(
+    outputs: Sequence[Tensor],
+    output_grads: Sequence[Tensor | None] | None,
+    inputs: Sequence[Any],
+    params: Sequence[torch.nn.Parameter],
+) -> tuple[tuple[Tensor | None, ...], WeightGrad]:
+    """B: gradients of ``inputs`` (not accumulated into ``.grad``) and the pending W.
+
+    ``outputs`` are the stage's output tensors, or ``[loss]`` on the last stage with
+    ``output_grads=None`` (then every gradient is ones). Parameter gradients are not computed here;
+    ``WeightGrad.run()`` computes and accumulates them. Gradients flow to ``params`` only: other
+    leaves that require grad get none from W.
+    """
+    outs, grads = _valid_outputs(outputs, output_grads)
+    grad_params = _unique_params(params)
+    param_nodes = [get_gradient_edge(p).node for p in grad_params]
+    input_pos = [i for i, x in enumerate(inputs) if isinstance(x, Tensor) and x.requires_grad]
+    input_edges = [get_gradient_edge(inputs[i]) for i in input_pos]
+    result: list[Tensor | None] = [None] * len(inputs)
+    if not outs:
+        return tuple(result), WeightGrad([], [], grad_params, param_nodes, set())
+
+    g = _Graph.build(outs, {e.node for e in input_edges}, set(param_nodes))
+    reached_inputs = [e for e in input_edges if e.node in g.children]
+    if reached_inputs:
+        targets = {e.node for e in reached_inputs}
+    else:
+        targets = _stage0_targets(g)
+    in_a = g.reaching(targets)  # the activation region: exactly the nodes B's call will run
+
+    boundaries: list[_Boundary] = []
+    for node in g.order:
+        if node not in in_a and node not in targets:
+            continue
+        weight_edges, act_children = [], []
+        for child, nr in node.next_functions:
+            if child is None:
+                continue
+            if child in in_a or child in targets:
+                act_children.append(child)
+            elif g.reaches_param(child):
+                weight_edges.append((child, nr))
+        if node in targets and node not in g.input_nodes:
+            # A stage-0 target: B records what arrives at it; W runs all of it.
+            boundaries.append(_Boundary(node, None, weight_edges, [], False))
+        elif node in in_a and weight_edges:
+            boundaries.append(_Boundary(node, None, weight_edges, act_children, False))
+    for b in boundaries:
+        b.conflict = g.conflict(b)
+
+    # Output edges that start directly in the weight region (an output computed from parameters
+    # only) are seeds of W's weight-region call; B has nothing to do for them.
+    root_seeds = []
+    for t, gr in zip(outs, grads, strict=True):
+        e = get_gradient_edge(t)
+        if e.node not in in_a and e.node not in targets and g.reaches_param(e.node):
+            root_seeds.append((e.node, e.output_nr, gr))
+
+    # --- B: one call; prehooks record what reaches each boundary of A (the node's full incoming
+    # gradient: all of its parents are in A and the engine runs a node only after all of them).
+    recorded: dict[Node, tuple[Tensor | None, ...]] = {}
+    handles = []
+    for b in boundaries:
+        if b.node in in_a:
+            handles.append(b.node.register_prehook(_recorder(recorded, b.node)))
+    stage0_targets = [n for n in g.order if n in targets and n not in g.input_nodes]
+    target_edges: list[GradientEdge] = list(reached_inputs)
+    slots: list[tuple[Node, int]] = []
+    for n in stage0_targets:
+        # Capture (not run) every input slot of a stage-0 target: asking for GradientEdge(n, i)
+        # makes the engine stop at n and hand back the sum arriving at slot i.
+        for i in range(_num_slots(n)):
+            target_edges.append(GradientEdge(n, i))
+            slots.append((n, i))
+    try:
+        res = torch.autograd.grad(
+            outs, target_edges, grad_outputs=grads, retain_graph=True, allow_unused=True
+        )
+    finally:
+        for h in handles:
+            h.remove()
+
+    by_edge = dict(zip([(e.node, e.output_nr) for e in reached_inputs], res[: len(reached_inputs)]))
+    for pos, e in zip(input_pos, input_edges, strict=True):
+        result[pos] = by_edge.get((e.node, e.output_nr))
+    captured: dict[Node, list[Tensor | None]] = {n: [None] * _num_slots(n) for n in stage0_targets}
+    for (n, i), gr in zip(slots, res[len(reached_inputs):], strict=True):
+        captured[n][i] = gr
+    for b in boundaries:
+        b.grads = tuple(captured[b.node]) if b.node in captured else recorded.get(b.node)
+    boundaries = [b for b in boundaries if b.grads is not None and any(x is not None for x in b.grads)]
+
+    known = {_storage(t) for t in grads} | {_storage(t) for t in res if t is not None}
+    for b in boundaries:
+        known |= {_storage(t) for t in b.grads if t is not None}
+    logger.debug(
+        "B: %d nodes in A, %d targets, %d boundaries (%d with conflict), %d root seeds",
+        len(in_a), len(targets), len(boundaries), sum(b.conflict for b in boundaries), len(root_seeds),
+    )
+    return tuple(result), WeightGrad(boundaries, root_seeds, grad_params, param_nodes, known)
+
+
+def backward_full(
+    outputs: Sequence[Tensor], output_grads: Sequence[Tensor | None] | None, inputs: Sequence[Any]
+) -> tuple[Tensor | None, ...]:
+    """BW, the fused reference: ``torch.autograd.backward`` (parameters accumulate as usual).
+
+    Returns the gradients of ``inputs``; an input's own ``.grad`` is left as it was.
+    """
+    outs, grads = _valid_outputs(outputs, output_grads)
+    result: list[Tensor | None] = [None] * len(inputs)
+    saved: dict[int, Tensor | None] = {}
+    captured: dict[int, Tensor] = {}
+    handles = []
+    for i, x in enumerate(inputs):
+        if not (isinstance(x, Tensor) and x.requires_grad):
+            continue
+        if x.grad_fn is None:  # a leaf: read what autograd accumulates, then restore .grad
+            saved[i], x.grad = x.grad, None
+        else:  # a non-leaf: observe the gradient on its way to the earlier graph
+
+            def hook(gr: Tensor, i: int = i) -> None:
+                captured[i] = gr if i not in captured else captured[i] + gr
+
+            handles.append(x.register_hook(hook))
+    try:
+        if outs:
+            torch.autograd.backward(outs, grads)
+    finally:
+        for h in handles:
+            h.remove()
+        for i, old in saved.items():
+            result[i], inputs[i].grad = inputs[i].grad, old
+    for i, gr in captured.items():
+        result[i] = gr
+    return tuple(result)
+
+
+# ---------------------------------------------------------------------------------------------
+# graph analysis
+
+
+@dataclass
+class _Graph:
+    """The stage's autograd graph below its outputs, walked once."""
+
+    order: list[Node]  # parents before children (topological)
+    children: dict[Node, list[Node]]  # distinct non-None children, walk stopped at terminals
+    input_nodes: set[Node]
+    param_nodes: set[Node]
+    params_below: dict[Node, frozenset[Node]]  # parameter AccumulateGrads reachable from a node
+    parents: dict[Node, int]  # number of distinct parents
+
+    @classmethod
+    def build(cls, outs: list[Tensor], input_nodes: set[Node], param_nodes: set[Node]) -> _Graph:
+        roots = [get_gradient_edge(t).node for t in outs]
+        children: dict[Node, list[Node]] = {}
+        post: list[Node] = []
+        # Iterative DFS (graphs of deep stages exceed Python's recursion limit). The walk stops
+        # at the stage inputs: what lies behind them belongs to an earlier stage.
+        for root in roots:
+            if root in children:
+                continue
+            children[root] = []
+            stack = [(root, iter(_kids(root, input_nodes)))]
+            while stack:
+                node, it = stack[-1]
+                for ch in it:
+                    if ch not in children[node]:
+                        children[node].append(ch)
+                    if ch not in children:
+                        children[ch] = []
+                        stack.append((ch, iter(_kids(ch, input_nodes))))
+                        break
+                else:
+                    stack.pop()
+                    post.append(node)
+        params_below: dict[Node, frozenset[Node]] = {}
+        parents: dict[Node, int] = {}
+        for node in post:  # children first
+            below = {node} if node in param_nodes else set()
+            for ch in children[node]:
+                below |= params_below[ch]
+                parents[ch] = parents.get(ch, 0) + 1
+            params_below[node] = frozenset(below)
+        return cls(post[::-1], children, input_nodes, param_nodes, params_below, parents)
+
+    def reaches_param(self, node: Node) -> bool:
+        return bool(self.params_below.get(node))
+
+    def reaching(self, targets: set[Node]) -> set[Node]:
+        """Nodes with a path to a target (targets themselves excluded)."""
+        hit: set[Node] = set()
+        for node in reversed(self.order):  # children first
+            if any(ch in targets or ch in hit for ch in self.children[node]):
+                hit.add(node)
+        return hit - targets
+
+    def conflict(self, b: _Boundary) -> bool:
+        """Is one of b's weight-edge children also reachable through b's activation children?"""
+        shared = {c for c, _ in b.weight_edges if self.parents.get(c, 0) >= 2}
+        if not shared or not b.act_children:
+            return False
+        seen: set[Node] = set()
+        stack = list(b.act_children)
+        while stack:
+            n = stack.pop()
+            if n in shared:
+                return True
+            if n in seen:
+                continue
+            seen.add(n)
+            stack.extend(self.children.get(n, ()))
+        return False
+
+
+def _kids(node: Node, input_nodes: set[Node]) -> list[Node]:
+    if node in input_nodes:
+        return []
+    return [ch for ch, _ in node.next_functions if ch is not None]
+
+
+def _stage0_targets(g: _Graph) -> set[Node]:
+    """Where B stops on a stage none of whose inputs requires grad (typically stage 0).
+
+    With no input to reach, "activation" cannot be defined by reachability. A node is taken as
+    activation work when it leads to two or more distinct parameters (it mixes several weights'
+    paths, e.g. a layer's AddmmBackward reaching W and b, or anything above two layers), or when
+    the gradient arriving at it is not shaped like any parameter it leads to (an activation-shaped
+    gradient: GeluBackward, EmbeddingBackward, an mm without bias). A transposed weight's
+    TBackward (one parameter, weight-shaped) is weight work. B stops at the *lowest* activation
+    nodes (none of whose children is activation) and records what arrives there; W runs them.
+    Targets must not lie below one another (B would not run the upper one, and the lower would
+    miss its contribution), so only the topmost of a chain is kept.
+
+    This is a heuristic on shapes: it changes how work splits between B and W, never the result.
+    """
+    act: set[Node] = set()
+    for node in g.order:
+        below = g.params_below.get(node, frozenset())
+        if node in g.param_nodes or not below:
+            continue
+        if len(below) >= 2 or not _param_shaped(node, below):
+            act.add(node)
+    frontier = {n for n in act if not any(ch in act for ch in g.children[n])}
+    under: set[Node] = set()
+    for node in g.order:  # parents first: mark everything strictly below a frontier node
+        if node in frontier or node in under:
+            under.update(g.children[node])
+    return {n for n in frontier if n not in under}
+
+
+def _param_shaped(node: Node, below: frozenset[Node]) -> bool:
+    try:
+        shapes = [tuple(m.shape) for m in node._input_metadata]
+    except (AttributeError, RuntimeError):  # no metadata: assume weight work (safe for results)
+        return True
+    param_shapes = {tuple(sorted(_acc_shape(p))) for p in below}
+    return all(tuple(sorted(s)) in param_shapes for s in shapes)
+
+
+def _acc_shape(acc: Node) -> tuple[int, ...]:
+    return tuple(acc.variable.shape)
+
+
+def _num_slots(node: Node) -> int:
+    try:
+        return len(node._input_metadata)
+    except (AttributeError, RuntimeError):
+        return 1
+
+
+def _recorder(store: dict[Node, tuple[Tensor | None, ...]], node: Node):
+    def hook(grad_outputs: tuple[Tensor | None, ...]) -> None:
+        store[node] = tuple(grad_outputs)
+
+    return hook
+
+
+# ---------------------------------------------------------------------------------------------
+# small helpers
+
+
+def _valid_outputs(
+    outputs: Sequence[Tensor], output_grads: Sequence[Tensor | None] | None
+) -> tuple[list[Tensor], list[Tensor]]:
+    """Outputs that carry a gradient, with their gradients (ones when ``output_grads`` is None)."""
+    if output_grads is not None and len(output_grads) != len(outputs):
+        raise ValueError(
+            f"output_grads has {len(output_grads)} entries for {len(outputs)} outputs: pass one "
+            "gradient (or None) per output, or output_grads=None for a scalar loss"
+        )
+    outs, grads = [], []
+    for i, t in enumerate(outputs):
+        if not isinstance(t, Tensor) or not t.requires_grad:
+            continue
+        if output_grads is None:
+            grads.append(torch.ones_like(t))
+        elif output_grads[i] is None:  # an unused output: no gradient flows from it
+            continue
+        else:
+            grads.append(output_grads[i])
+        outs.append(t)
+    return outs, grads
+
+
+def _unique_params(params: Sequence[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    seen: set[int] = set()
+    out = []
+    for p in params:
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def _sum(parts: list[Tensor]) -> Tensor:
+    total = parts[0]
+    for p in parts[1:]:
+        total = total + p
+    return total
+
+
+def _storage(t: Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _accumulate(p: torch.nn.Parameter, parts: list[Tensor], known_storages: set[int]) -> None:
+    """Accumulate like AccumulateGrad (torch/csrc/autograd/functions/accumulate_grad.h).
+
+    First gradient: autograd steals the new tensor when nothing else holds it and its strides
+    match the parameter's ("layout contract"), else it copies into the parameter's layout. We
+    steal only tensors we know are fresh (not sharing storage with a gradient handed to us or
+    returned by B), since a stolen tensor is later added to in place. Later gradients: in place.
+    """
+    g = _sum(parts).detach()
+    if p.grad is None:
+        if g.stride() != p.stride() or _storage(g) in known_storages or g._base is not None:
+            g = torch.empty_strided(p.size(), p.stride(), dtype=p.dtype, device=p.device).copy_(g)
+        p.grad = g
+    else:
+        p.grad += g

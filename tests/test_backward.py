@@ -1,0 +1,391 @@
+"""The split backward (B then W) gives the gradients of a fused torch.autograd.backward.
+
+Every test builds a module, deep-copies it, runs the fused reference on the copy with
+torch.autograd.backward, and the split path (backward_input, later WeightGrad.run) on the
+original, same inputs, fp32 on CPU.
+
+Tolerance: B and W call the same ATen backward formulas on the same saved tensors as the fused
+engine, so without weight reuse the results are bitwise equal (one test asserts exactly that).
+Where a weight or node is shared, the split sums the same contributions in a different order,
+which changes rounding only: rtol=1e-6/atol=1e-7 is a few ulps of fp32 (eps 1.2e-7) at the
+magnitudes used here (values O(1), sums of a handful of terms).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from zbpipe.backward import WeightGrad, backward_full, backward_input
+
+RTOL, ATOL = 1e-6, 1e-7
+
+
+def _seed(n: int = 0) -> None:
+    torch.manual_seed(n)
+
+
+def _stack(hidden: int = 16, layers: int = 3) -> nn.Module:
+    mods: list[nn.Module] = []
+    for _ in range(layers):
+        mods += [nn.Linear(hidden, hidden), nn.GELU()]
+    return nn.Sequential(*mods)
+
+
+def _fused(module: nn.Module, inputs: list, out_grads: list | None, call=None):
+    """Reference: plain torch.autograd.backward; returns input grads (read from .grad)."""
+    ins = [x.detach().clone().requires_grad_(x.requires_grad) if torch.is_tensor(x) else x for x in inputs]
+    outs = call(module, *ins) if call else module(*ins)
+    outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+    pairs = [(o, g) for o, g in zip(outs, out_grads or [None] * len(outs)) if o.requires_grad]
+    if out_grads is None:
+        torch.autograd.backward([o for o, _ in pairs], [torch.ones_like(o) for o, _ in pairs])
+    else:
+        pairs = [(o, g) for o, g in pairs if g is not None]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    return [x.grad if torch.is_tensor(x) and x.requires_grad else None for x in ins]
+
+
+def _split(module: nn.Module, inputs: list, out_grads: list | None, call=None):
+    ins = [x.detach().clone().requires_grad_(x.requires_grad) if torch.is_tensor(x) else x for x in inputs]
+    outs = call(module, *ins) if call else module(*ins)
+    outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+    params = list(module.parameters())
+    dins, w = backward_input(outs, out_grads, ins, params)
+    for p in params:
+        assert p.grad is None, "B must not compute parameter gradients"
+    for x in ins:
+        if torch.is_tensor(x):
+            assert x.grad is None, "B must not accumulate into input .grad"
+    w.run()
+    return list(dins)
+
+
+def _assert_same(ref_mod, mod, ref_dins, dins, exact: bool = False) -> None:
+    check = (lambda a, b: torch.testing.assert_close(a, b, rtol=0, atol=0)) if exact else (
+        lambda a, b: torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL))
+    for (name, rp), p in zip(ref_mod.named_parameters(), mod.parameters(), strict=True):
+        if rp.grad is None:
+            assert p.grad is None, f"{name}: autograd leaves grad None, split set it"
+        else:
+            assert p.grad is not None, f"{name}: split left grad None"
+            check(p.grad, rp.grad)
+    assert len(ref_dins) == len(dins)
+    for a, b in zip(ref_dins, dins, strict=True):
+        if a is None:
+            assert b is None
+        else:
+            check(b, a)
+
+
+def _compare(module, inputs, out_grads=None, call=None, exact=False):
+    ref = copy.deepcopy(module)
+    ref_dins = _fused(ref, inputs, out_grads, call)
+    dins = _split(module, inputs, out_grads, call)
+    _assert_same(ref, module, ref_dins, dins, exact)
+    return ref, module
+
+
+def test_middle_stage_linear_gelu_stack_is_bitwise_equal():
+    _seed()
+    m = _stack()
+    x = torch.randn(8, 16, requires_grad=True)
+    _compare(m, [x], [torch.randn(8, 16)], exact=True)
+
+
+def test_last_stage_scalar_loss_with_default_ones():
+    _seed(1)
+    m = nn.Sequential(_stack(), nn.Flatten(0))
+    x = torch.randn(4, 16, requires_grad=True)
+    _compare(m, [x], None, call=lambda mod, x: mod(x).square().mean(), exact=True)
+
+
+def test_first_stage_float_input_without_grad():
+    _seed(2)
+    m = _stack()
+    _compare(m, [torch.randn(8, 16)], [torch.randn(8, 16)], exact=True)
+
+
+def test_first_stage_embedding_token_ids():
+    _seed(3)
+    m = nn.Sequential(nn.Embedding(50, 16), _stack())
+    ids = torch.randint(0, 50, (4, 6))
+    _compare(m, [ids], [torch.randn(4, 6, 16)], exact=True)
+
+
+def test_first_stage_b_does_the_activation_matmuls():
+    # A 3-layer Linear stack on stage 0 has 2 activation matmuls (grad @ W for layers 3 and 2;
+    # layer 1's input needs none) and 3 weight matmuls. torch's own split runs all 5 in W.
+    _seed(4)
+    m = _stack(layers=3)
+    out = m(torch.randn(8, 16))
+    with torch.profiler.profile() as prof_b:
+        _, w = backward_input([out], [torch.randn(8, 16)], [None], list(m.parameters()))
+    with torch.profiler.profile() as prof_w:
+        w.run()
+    mm = ("aten::mm", "aten::addmm")
+    assert sum(e.name in mm for e in prof_b.events()) == 2
+    assert sum(e.name in mm for e in prof_w.events()) == 3
+
+
+def test_middle_stage_b_skips_weight_matmuls():
+    _seed(5)
+    m = _stack(layers=3)
+    x = torch.randn(8, 16, requires_grad=True)
+    out = m(x)
+    with torch.profiler.profile() as prof_b:
+        _, w = backward_input([out], [torch.randn(8, 16)], [x], list(m.parameters()))
+    with torch.profiler.profile() as prof_w:
+        w.run()
+    mm = ("aten::mm", "aten::addmm")
+    assert sum(e.name in mm for e in prof_b.events()) == 3
+    assert sum(e.name in mm for e in prof_w.events()) == 3
+
+
+class _TwiceLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.ln = nn.LayerNorm(16)
+
+    def forward(self, x):
+        h = self.ln(torch.tanh(self.lin(x)))
+        return self.ln(self.lin(h) + x)
+
+
+def test_weight_used_twice_in_one_stage():
+    _seed(6)
+    x = torch.randn(8, 16, requires_grad=True)
+    _compare(_TwiceLinear(), [x], [torch.randn(8, 16)])
+
+
+def test_weight_used_twice_on_first_stage():
+    _seed(7)
+    _compare(_TwiceLinear(), [torch.randn(8, 16)], [torch.randn(8, 16)])
+
+
+class _Scale(torch.autograd.Function):
+    """y = x * w (w a vector), with a hand-written backward."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, w = ctx.saved_tensors
+        return gy * w, (gy * x).sum(0)
+
+
+class _WithCustom(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.w = nn.Parameter(torch.randn(16))
+        self.b = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.b(_Scale.apply(torch.relu(self.a(x)), self.w))
+
+
+def test_custom_autograd_function_middle_stage():
+    _seed(8)
+    _compare(_WithCustom(), [torch.randn(8, 16, requires_grad=True)], [torch.randn(8, 16)])
+
+
+def test_custom_autograd_function_first_stage():
+    _seed(9)
+    _compare(_WithCustom(), [torch.randn(8, 16)], [torch.randn(8, 16)])
+
+
+class _MultiOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 8)
+        self.c = nn.Linear(16, 4)
+
+    def forward(self, x, mask):
+        h = torch.relu(self.a(x))
+        # outputs: used, unused (grad None), not requiring grad, used
+        return self.b(h), self.c(h), mask.float() * 2, h * 3
+
+
+def test_several_outputs_some_without_grad_some_unused():
+    _seed(10)
+    x = torch.randn(8, 16, requires_grad=True)
+    mask = torch.rand(8, 16) > 0.5
+    grads = [torch.randn(8, 8), None, None, torch.randn(8, 16)]
+    ref, m = _compare(_MultiOut(), [x, mask], grads)
+    assert m.c.weight.grad is None  # its only output received no gradient, as in autograd
+
+
+class _WithBuffers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 16))
+
+    def forward(self, x):
+        return self.bn(self.lin(x)) * self.scale
+
+
+def test_modules_with_buffers_batchnorm_train_mode():
+    _seed(11)
+    m = _WithBuffers().train()
+    ref, m = _compare(m, [torch.randn(8, 16, requires_grad=True)], [torch.randn(8, 16)])
+    torch.testing.assert_close(m.bn.running_mean, ref.bn.running_mean, rtol=0, atol=0)
+
+
+class _FrozenAndUnused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = nn.Linear(16, 16).requires_grad_(False)
+        self.live = nn.Linear(16, 16)
+        self.unused = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.live(torch.relu(self.frozen(x)))
+
+
+@pytest.mark.parametrize("input_grad", [True, False])
+def test_frozen_and_unused_parameters_keep_grad_none(input_grad):
+    _seed(12)
+    ref, m = _compare(
+        _FrozenAndUnused(), [torch.randn(8, 16, requires_grad=input_grad)], [torch.randn(8, 16)]
+    )
+    assert m.frozen.weight.grad is None and m.unused.weight.grad is None
+    assert m.live.weight.grad is not None
+
+
+def _microbatches(n: int, first_stage: bool):
+    _seed(13)
+    xs = [torch.randn(8, 16, requires_grad=not first_stage) for _ in range(n)]
+    gs = [torch.randn(8, 16) for _ in range(n)]
+    return xs, gs
+
+
+@pytest.mark.parametrize("first_stage", [False, True])
+def test_accumulation_interleaved_b_w_is_bitwise_equal_to_fused_1f1b(first_stage):
+    # Pipeline order B0 B1 W0 B2 W1 W2; the reference runs fused backward for 0, 1, 2: the same
+    # order of accumulation into .grad, so equality is exact on a model without weight reuse.
+    _seed(14)
+    m = _stack()
+    ref = copy.deepcopy(m)
+    xs, gs = _microbatches(3, first_stage)
+    for x, g in zip(xs, gs):
+        backward_full([ref(x)], [g], [x])
+    params = list(m.parameters())
+    outs = [m(x) for x in xs]
+    pending: dict[int, WeightGrad] = {}
+    for op, i in [("B", 0), ("B", 1), ("W", 0), ("B", 2), ("W", 1), ("W", 2)]:
+        if op == "B":
+            _, pending[i] = backward_input([outs[i]], [gs[i]], [xs[i]], params)
+        else:
+            pending.pop(i).run()
+    for rp, p in zip(ref.parameters(), params, strict=True):
+        assert torch.equal(p.grad, rp.grad)
+        assert p.grad.is_contiguous()
+
+
+def test_accumulation_with_weight_reuse_matches_fused():
+    _seed(15)
+    m = _TwiceLinear()
+    ref = copy.deepcopy(m)
+    xs, gs = _microbatches(3, False)
+    for x, g in zip(xs, gs):
+        torch.autograd.backward(ref(x), g)
+    params = list(m.parameters())
+    outs = [m(x) for x in xs]
+    b = [backward_input([o], [g], [x], params)[1] for o, g, x in zip(outs, gs, xs)]
+    for w in reversed(b):  # any order of W gives the same sum up to rounding
+        w.run()
+    for rp, p in zip(ref.parameters(), params, strict=True):
+        torch.testing.assert_close(p.grad, rp.grad, rtol=RTOL, atol=ATOL)
+
+
+class _Keep(torch.autograd.Function):
+    """Identity whose backward needs a saved tensor; exposes it for a weakref."""
+
+    saved: list = []
+
+    @staticmethod
+    def forward(ctx, x, w):
+        s = x * 1.0
+        ctx.save_for_backward(s, w)
+        _Keep.saved.append(weakref.ref(s))
+        return x * w
+
+    @staticmethod
+    def backward(ctx, gy):
+        s, w = ctx.saved_tensors
+        return gy * w, (gy * s).sum(0)
+
+
+@pytest.mark.parametrize("input_grad", [True, False])
+def test_graph_is_freed_after_w_and_second_run_raises(input_grad):
+    _seed(16)
+    _Keep.saved.clear()
+    lin = nn.Linear(16, 16)
+    w = nn.Parameter(torch.randn(16))
+    x = torch.randn(8, 16, requires_grad=input_grad)
+    out = lin(_Keep.apply(torch.tanh(x), w))
+    dins, wg = backward_input([out], [torch.randn(8, 16)], [x], [*lin.parameters(), w])
+    gc.collect()
+    assert _Keep.saved[0]() is not None, "W still needs the saved tensor"
+    wg.run()
+    del out, dins
+    gc.collect()
+    assert _Keep.saved[0]() is None, "the graph (and its saved tensors) outlived W"
+    with pytest.raises(RuntimeError, match="called twice"):
+        wg.run()
+
+
+def test_backward_full_returns_input_grads_and_leaves_input_grad_alone():
+    _seed(17)
+    m = _stack()
+    x = torch.randn(8, 16, requires_grad=True)
+    x.grad = torch.full((8, 16), 7.0)
+    g = torch.randn(8, 16)
+    (dx,) = backward_full([m(x)], [g], [x])
+    x2 = x.detach().clone().requires_grad_()
+    (ref,) = torch.autograd.grad(copy.deepcopy(m)(x2), [x2], g)
+    torch.testing.assert_close(dx, ref, rtol=0, atol=0)
+    assert torch.equal(x.grad, torch.full((8, 16), 7.0))
+
+
+def test_mismatched_output_grads_is_a_clear_error():
+    m = _stack()
+    out = m(torch.randn(2, 16, requires_grad=True))
+    with pytest.raises(ValueError, match="output_grads has 2 entries for 1 outputs"):
+        backward_input([out], [None, None], [], list(m.parameters()))
+
+
+class _AddParam(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.randn(8, 16))
+
+    def forward(self, x):
+        return x + self.p  # AddBackward hands the very same gradient tensor to x and p
+
+
+def test_parameter_grad_does_not_alias_gradients_handed_in_or_out():
+    _seed(18)
+    m = _AddParam()
+    x = torch.randn(8, 16, requires_grad=True)
+    g = torch.randn(8, 16)
+    (dx,), w = backward_input([m(x)], [g], [x], list(m.parameters()))
+    w.run()
+    expected = g.clone()
+    torch.testing.assert_close(m.p.grad, expected, rtol=0, atol=0)
+    dx.add_(100.0)
+    g.add_(100.0)
+    torch.testing.assert_close(m.p.grad, expected, rtol=0, atol=0)
