@@ -1,0 +1,42 @@
+"""zbpipe: Zero Bubble pipeline-parallel schedules for torch.distributed.pipelining.
+
+The plan layer (``Costs``, ``plan``, ``simulate``, ``Action``, ``Plan``) is imported eagerly and
+never imports torch. Torch-facing names are resolved lazily (PEP 562) on first access, so
+``import zbpipe.plan`` works on a machine without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+from .plan import Action, Costs, Plan, PlanError, SimResult, plan, simulate
+
+#: lazily imported public name -> module that defines it
+_LAZY: dict[str, str] = {
+    "ScheduleZBH1": "zbpipe.schedules",
+    "Schedule1F1BMulti": "zbpipe.schedules",
+    "ScheduleZBH2": "zbpipe.schedules",
+    "ScheduleZBV": "zbpipe.schedules",
+    "ScheduleZBAuto": "zbpipe.schedules",
+    "get_schedule_class": "zbpipe.schedules",
+    "PlannedSchedule": "zbpipe.runtime",
+    "Tracer": "zbpipe.trace",
+    "Trace": "zbpipe.trace",
+}
+
+__all__ = ["Action", "Costs", "Plan", "PlanError", "SimResult", "plan", "simulate", *_LAZY]
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'zbpipe' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # cache: later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

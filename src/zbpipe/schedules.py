@@ -1,0 +1,133 @@
+"""zbpipe's torch schedule classes: each says which plan it runs, nothing more.
+
+They take torch's constructor shape (``stages, n_microbatches, loss_fn=None, ...,
+scale_grads=True, backward_requires_autograd=True``) plus keyword-only zbpipe options, and
+torch's ``step(*args, target=None, losses=None, **kwargs)``. See :mod:`zbpipe.runtime`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from .plan import Costs, Plan
+from .runtime import PlannedSchedule
+
+
+class Schedule1F1BMulti(PlannedSchedule):
+    """1F1B with fused backward, run by zbpipe's runtime (traced like every zbpipe schedule).
+
+    The baseline that zero-bubble schedules are measured against; one stage per rank.
+    """
+
+    plan_name = "1F1B"
+
+
+class ScheduleZBH1(PlannedSchedule):
+    """ZB-H1 (Qi et al., ICLR 2024): 1F1B with every backward split into B and W, the W passes
+    deferred into the pipeline's bubbles. Peak activation memory equals 1F1B's.
+
+    One stage per rank (loop placement). ``exact=True`` keeps 1F1B's weight-gradient
+    accumulation order, so gradients are bitwise identical to 1F1B's.
+    """
+
+    plan_name = "ZBH1"
+
+    def __init__(self, *args: Any, exact: bool = False, **kwargs: Any) -> None:
+        self.exact = exact
+        super().__init__(*args, **kwargs)
+
+    def build_plan(self, num_ranks: int, n_microbatches: int, costs: Costs, **options: Any) -> Plan:
+        return super().build_plan(num_ranks, n_microbatches, costs, exact=self.exact, **options)
+
+
+class ScheduleZBH2(PlannedSchedule):
+    """ZB-H2 (Qi et al., ICLR 2024): more warm-up forwards (about twice 1F1B's activation memory)
+    so the W passes fill every bubble; zero bubble with equal costs. One stage per rank."""
+
+    plan_name = "ZBH2"
+
+
+class ScheduleZBV(PlannedSchedule):
+    """ZB-V and its memory-controlled variants, planned from the stage costs.
+
+    Two stages (model chunks) per rank in V placement: rank ``r`` holds stages ``r`` and
+    ``2p - 1 - r``. ``memory`` chooses the activation-memory budget per rank:
+
+    * ``"zb"``   ZB-V: 1F1B's peak; near-zero bubble;
+    * ``"half"`` V-Half: about half of 1F1B's ((p + 2) / 2 units against p);
+    * ``"min"``  V-Min: about a third ((p + 4) / 3 units).
+
+    ``costs`` describe one chunk; ``None`` means equal F, B and W.
+    """
+
+    plan_name = "ZBV"
+    placement = "v"
+    stages_per_rank = 2
+
+    def __init__(self, *args: Any, memory: Literal["zb", "half", "min"] = "zb", **kwargs: Any) -> None:
+        if memory not in ("zb", "half", "min"):
+            raise ValueError(f"ScheduleZBV: memory must be 'zb', 'half' or 'min', got {memory!r}")
+        self.memory = memory
+        super().__init__(*args, **kwargs)
+
+    def build_plan(self, num_ranks: int, n_microbatches: int, costs: Costs, **options: Any) -> Plan:
+        return super().build_plan(num_ranks, n_microbatches, costs, memory=self.memory, **options)
+
+
+class ScheduleZBAuto(PlannedSchedule):
+    """The paper's automatic zero-bubble schedule (ZB-1p / ZB-2p), planned from the stage costs.
+
+    ``memory_limit``: ``"1p"`` (1F1B's peak activation memory), ``"2p"`` (twice that: the
+    paper's near-zero-bubble budget) or a number in the memory units of ``costs``. One stage
+    per rank. ``refine=True`` improves the plan with the exact MILP (needs scipy).
+    """
+
+    plan_name = "ZB2P"
+
+    def __init__(self, *args: Any, memory_limit: str | float = "2p", refine: bool = False, **kwargs: Any) -> None:
+        if isinstance(memory_limit, str) and memory_limit not in ("1p", "2p"):
+            raise ValueError(f"ScheduleZBAuto: memory_limit must be '1p', '2p' or a number, got {memory_limit!r}")
+        if not isinstance(memory_limit, str) and not (isinstance(memory_limit, (int, float)) and memory_limit > 0):
+            raise ValueError(f"ScheduleZBAuto: a numeric memory_limit must be > 0, got {memory_limit!r}")
+        self.memory_limit = memory_limit
+        self.refine = refine
+        super().__init__(*args, **kwargs)
+
+    def build_plan(self, num_ranks: int, n_microbatches: int, costs: Costs, **options: Any) -> Plan:
+        from .plan import plan
+
+        if isinstance(self.memory_limit, str):
+            name, limit = ("ZB1P" if self.memory_limit == "1p" else "ZB2P"), None
+        else:
+            name, limit = "ZB2P", float(self.memory_limit)
+        return plan(name, num_ranks, n_microbatches, costs=costs, memory_limit=limit, refine=self.refine, **options)
+
+
+#: zbpipe's schedule classes by the name torch/torchtitan configs use.
+SCHEDULES: dict[str, type[PlannedSchedule]] = {
+    "ZBH1": ScheduleZBH1,
+    "ZBH2": ScheduleZBH2,
+    "ZBV": ScheduleZBV,
+    "ZBAuto": ScheduleZBAuto,
+    "1F1BMulti": Schedule1F1BMulti,
+}
+
+
+def get_schedule_class(name: str) -> type:
+    """The schedule class for ``name`` (case-insensitive): zbpipe's names first, then torch's.
+
+    >>> get_schedule_class("ZBH1").__name__
+    'ScheduleZBH1'
+    """
+    for key, cls in SCHEDULES.items():
+        if name.lower() in (key.lower(), cls.__name__.lower()):
+            return cls
+    from torch.distributed.pipelining.schedules import get_schedule_class as torch_get
+
+    try:
+        return torch_get(name)
+    except ValueError:
+        raise ValueError(
+            f"unknown schedule {name!r}: zbpipe knows {sorted(SCHEDULES)}; torch's names are also accepted "
+            "(1F1B, Interleaved1F1B, GPipe, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV)"
+        ) from None

@@ -1,0 +1,148 @@
+"""Construction-time checks for zbpipe schedules.
+
+Everything here runs before any communication and depends only on arguments every rank has,
+so a misconfiguration raises the same ``ValueError`` on every rank instead of hanging at the
+first send.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from . import _compat as C
+from .plan import Costs, Plan
+
+
+def check_schedule_args(cls: type, stages: Any, n_microbatches: Any, costs: Any) -> list[Any]:
+    """Validate a schedule's constructor arguments; return the stages as a list."""
+    name = cls.__name__
+    if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int):
+        raise ValueError(f"{name}: n_microbatches must be an int >= 1, got {n_microbatches!r}")
+    if n_microbatches < 1:
+        raise ValueError(f"{name}: n_microbatches must be >= 1, got {n_microbatches}; pass the number of microbatches per step")
+    if isinstance(stages, C._PipelineStageBase):
+        stages = [stages]
+    if not isinstance(stages, (list, tuple)) or not stages:
+        raise ValueError(f"{name}: stages must be a non-empty list of torch PipelineStage objects, got {stages!r}")
+    for i, st in enumerate(stages):
+        if not isinstance(st, C._PipelineStageBase):
+            raise ValueError(
+                f"{name}: stages[{i}] is a {type(st).__name__}, not a torch.distributed.pipelining.PipelineStage; "
+                "wrap each model chunk in PipelineStage(module, stage_index, num_stages, device)"
+            )
+    if costs is not None and not isinstance(costs, Costs):
+        raise ValueError(f"{name}: costs must be a zbpipe.Costs or None, got {type(costs).__name__}")
+    first = stages[0]
+    num_ranks, rank, num_stages = first.group_size, first.group_rank, first.num_stages
+    for st in stages[1:]:
+        if (st.group_size, st.group_rank, st.num_stages) != (num_ranks, rank, num_stages):
+            raise ValueError(
+                f"{name}: all stages on a rank must share one process group and num_stages; "
+                f"stage {first.stage_index} has (group size {num_ranks}, rank {rank}, num_stages {num_stages}), "
+                f"stage {st.stage_index} has ({st.group_size}, {st.group_rank}, {st.num_stages})"
+            )
+    per_rank = cls.stages_per_rank
+    if len(stages) != per_rank:
+        raise ValueError(
+            f"{name}: expects exactly {per_rank} stage(s) per rank, got {len(stages)}; "
+            f"build {per_rank} PipelineStage(s) on each rank ({per_rank * num_ranks} in total)"
+        )
+    if num_stages != per_rank * num_ranks:
+        raise ValueError(
+            f"{name}: the pipeline has num_stages={num_stages} but {num_ranks} ranks x {per_rank} stage(s) per rank "
+            f"= {per_rank * num_ranks} are needed; set num_stages={per_rank * num_ranks} in every PipelineStage"
+        )
+    expected = sorted(s for s, r in cls.stage_index_to_rank(num_ranks).items() if r == rank)
+    got = sorted(st.stage_index for st in stages)
+    if got != expected:
+        raise ValueError(
+            f"{name}: rank {rank} holds stages {got} but {cls.placement!r} placement puts stages {expected} "
+            f"on rank {rank}; build PipelineStage(..., stage_index=i, ...) for i in {expected} on this rank"
+        )
+    return list(stages)
+
+
+def check_plan_for_runtime(plan: Plan, stages: Sequence[Any]) -> None:
+    """The runtime's own requirements on a (valid) plan."""
+    plan.validate()
+    for st in stages:
+        if plan.placement.get(st.stage_index) != st.group_rank:
+            raise ValueError(
+                f"plan {plan.name} places stage {st.stage_index} on rank {plan.placement.get(st.stage_index)}, "
+                f"but it was built on rank {st.group_rank}"
+            )
+    # torch keeps the last stage's losses in a list indexed by microbatch: forwards of the last
+    # stage must run in microbatch order.
+    last = plan.num_stages - 1
+    fwd = [a.microbatch for a in plan.order[plan.placement[last]] if a.stage == last and a.kind == "F"]
+    if fwd != sorted(fwd):
+        raise ValueError(f"plan {plan.name}: the last stage's forwards must run in microbatch order, got {fwd}")
+
+
+def check_not_compiled(cls: type, stages: Sequence[Any]) -> None:
+    """Refuse ``torch.compile``d submodules where the split backward must see the real graph.
+
+    A compiled region is one opaque autograd node: the input pass cannot stop before its
+    weight-gradient work, so B and W would each run the whole region's backward. Both
+    ``torch.compile(module)`` (an ``OptimizedModule``) and in-place ``module.compile()`` (the way
+    torchtitan compiles; it sets ``_compiled_call_impl``) are caught.
+    """
+    for st in stages:
+        for name, mod in st.submod.named_modules():
+            compiled = type(mod).__name__ == "OptimizedModule" or getattr(mod, "_compiled_call_impl", None) is not None
+            if compiled:
+                where = name or "the stage module itself"
+                raise ValueError(
+                    f"{cls.__name__}: stage {st.stage_index} submodule {where!r} is torch.compile'd, which hides the "
+                    "autograd graph the split backward (B/W) needs; compile after pipelining is not supported by "
+                    "split-backward schedules: remove the compile, or use a fused-backward schedule (Schedule1F1BMulti)"
+                )
+
+
+def config_fingerprint(cls: type, n_microbatches: int, num_stages: int, plan: Plan) -> str:
+    """A short digest of what every rank must agree on (schedule, sizes, the plan itself)."""
+    import hashlib
+
+    text = f"{cls.__name__}|{n_microbatches}|{num_stages}|{plan.name}|" + ";".join(
+        f"{r}:" + ",".join(map(str, plan.order[r])) for r in sorted(plan.order)
+    )
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def check_peers_agree(cls: type, group: Any, rank: int, fingerprint: str, summary: str) -> None:
+    """Exchange the configuration fingerprint with every pipeline rank; raise if any differs.
+
+    This is the one deliberate communication at construction: without it, ranks that disagree
+    (different n_microbatches, schedule or plan) would block forever at their first mismatched
+    send. A peer that never constructs its schedule ends this call at the process group's timeout.
+    """
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (rank, fingerprint, summary), group=group)
+    if len({fp for _, fp, _ in gathered}) > 1:
+        lines = "\n".join(f"  rank {r}: {s}" for r, _, s in sorted(gathered))
+        raise ValueError(
+            f"{cls.__name__}: pipeline ranks disagree on the schedule configuration:\n{lines}\n"
+            "construct the same schedule with the same n_microbatches, options and costs on every rank"
+        )
+
+
+def check_step_args(sched: Any, args: tuple, target: Any) -> None:
+    """``step()``'s inputs go to the rank holding stage 0, the target to the rank holding the last stage."""
+    stages = sched._stages
+    name = type(sched).__name__
+    has_first = any(st.is_first for st in stages)
+    has_last = any(st.is_last for st in stages)
+    if args and not has_first:
+        raise ValueError(
+            f"{name}.step(): rank {sched.rank} does not hold stage 0 but was given {len(args)} positional input(s); "
+            "pass inputs only on the rank holding stage 0 (call step(target=..., losses=...) or step() elsewhere)"
+        )
+    if has_first and not args:
+        raise ValueError(f"{name}.step(): rank {sched.rank} holds stage 0 and needs the batch: call step(x, ...)")
+    if has_last and sched._loss_fn is not None and target is None:
+        raise ValueError(
+            f"{name}.step(): rank {sched.rank} holds the last stage and the schedule has a loss_fn, "
+            "but no target was given: call step(..., target=y)"
+        )

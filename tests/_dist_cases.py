@@ -1,0 +1,203 @@
+"""Per-rank bodies of the multi-process tests (module level so spawned processes can import them)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage
+
+import zbpipe
+from zbpipe.testing.models import TinyGPTConfig, build_stages, lm_loss, synthetic_batch
+
+CFG = TinyGPTConfig(tricky=True)
+
+
+def reference_grads(mods: list[nn.Module], ids: torch.Tensor, tgt: torch.Tensor, m: int):
+    """Unpipelined reference: the whole model, losses averaged over microbatches like scale_grads=True."""
+    ref = copy.deepcopy(nn.Sequential(*mods))
+    losses = [lm_loss(ref(x), y) for x, y in zip(ids.chunk(m), tgt.chunk(m))]
+    (torch.stack(losses).sum() / m).backward()
+    return ref, [l.detach() for l in losses]
+
+
+def run_pipeline_step(rank, world, cls, m, mods, ids, tgt, **options):
+    """Build this rank's stages of ``mods`` and run one ``step``; return (stage indices, losses)."""
+    num_stages = len(mods)
+    mine = sorted(s for s, r in cls.stage_index_to_rank(world).items() if r == rank)
+    stages = [PipelineStage(mods[s], s, num_stages, torch.device("cpu")) for s in mine]
+    sched = cls(stages, m, loss_fn=lm_loss, **options)
+    args = (ids,) if 0 in mine else ()
+    target = tgt if num_stages - 1 in mine else None
+    losses: list = []
+    sched.step(*args, target=target, losses=losses)
+    return mine, losses, sched
+
+
+def grads_match_reference(rank, world, schedule, m, options=None, seed=1):
+    """Run one step of ``schedule`` and compare every local parameter's grad with the reference.
+
+    Returns the largest absolute difference seen; raises if any grad is off.
+    """
+    cls = getattr(zbpipe, schedule)
+    options = options or {}
+    num_stages = world * cls.stages_per_rank
+    mods = build_stages(CFG, num_stages, seed=seed)
+    ids, tgt = synthetic_batch(CFG, batch=2 * m, step=seed)
+    ref, ref_losses = reference_grads(mods, ids, tgt, m)
+    mine, losses, _ = run_pipeline_step(rank, world, cls, m, mods, ids, tgt, **options)
+    worst = 0.0
+    for s in mine:
+        for (name, p), (_, q) in zip(mods[s].named_parameters(), ref[s].named_parameters()):
+            assert p.grad is not None, f"{schedule} m={m}: stage {s} {name} has no grad"
+            # fp32, same ops, only the summation order across microbatches can differ.
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6,
+                                       msg=lambda e: f"{schedule} m={m} stage {s} {name}: {e}")
+            worst = max(worst, (p.grad - q.grad).abs().max().item())
+    if num_stages - 1 in mine:
+        torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-6, atol=1e-6)
+    return worst
+
+
+def grads_cases(rank, world, cases):
+    """Run several ``(schedule, m, options)`` cases in one process group (spawning is the slow part)."""
+    return [grads_match_reference(rank, world, s, m, o) for s, m, o in cases]
+
+
+def bitwise_equal_to_1f1b(rank, world, m):
+    """ZBH1(exact=True) gives gradients bitwise equal to 1F1B's on the same model and data."""
+    num_stages = world
+    out = {}
+    for name, opts in (("Schedule1F1BMulti", {}), ("ScheduleZBH1", {"exact": True})):
+        mods = build_stages(TinyGPTConfig(tricky=False), num_stages, seed=3)
+        ids, tgt = synthetic_batch(TinyGPTConfig(tricky=False), batch=2 * m, step=3)
+        mine, _, _ = run_pipeline_step(rank, world, getattr(zbpipe, name), m, mods, ids, tgt, **opts)
+        out[name] = [p.grad.clone() for s in mine for p in mods[s].parameters()]
+    diffs = [torch.equal(a, b) for a, b in zip(out["Schedule1F1BMulti"], out["ScheduleZBH1"])]
+    assert all(diffs), f"rank {rank}: {diffs.count(False)} of {len(diffs)} grads differ from 1F1B"
+    return len(diffs)
+
+
+def construction_errors(rank, world):
+    """Every misconfiguration raises ValueError at construction, on every rank, without communicating.
+
+    Returns {case: message} so the test can check each message names the fix.
+    """
+    from zbpipe import ScheduleZBH1
+
+    cfg = TinyGPTConfig()
+    mods = build_stages(cfg, 2 * world, seed=0)
+    cpu = torch.device("cpu")
+    good = PipelineStage(build_stages(cfg, world)[rank], rank, world, cpu)
+    cases = {
+        "n_microbatches=0": lambda: ScheduleZBH1([good], 0, loss_fn=lm_loss),
+        "n_microbatches=2.0": lambda: ScheduleZBH1([good], 2.0, loss_fn=lm_loss),
+        "not a stage": lambda: ScheduleZBH1([mods[rank]], 4, loss_fn=lm_loss),
+        "two stages per rank": lambda: ScheduleZBH1(
+            [PipelineStage(mods[s], s, 2 * world, cpu) for s in (rank, rank + world)], 4, loss_fn=lm_loss),
+        "num_stages != ranks": lambda: ScheduleZBH1(
+            [PipelineStage(mods[rank], rank, 2 * world, cpu)], 4, loss_fn=lm_loss),
+        "wrong stage index": lambda: ScheduleZBH1(
+            [PipelineStage(mods[0], (rank + 1) % world, world, cpu)], 4, loss_fn=lm_loss),
+    }
+    out = {}
+    for name, make in cases.items():
+        try:
+            make()
+        except ValueError as e:
+            out[name] = str(e)
+        else:
+            raise AssertionError(f"rank {rank}: {name} constructed without error")
+    return out
+
+
+def peers_disagree(rank, world):
+    """Rank 0 asks for 4 microbatches, the others for 6: every rank gets the same ValueError."""
+    from zbpipe import ScheduleZBH1
+
+    stage = PipelineStage(build_stages(TinyGPTConfig(), world)[rank], rank, world, torch.device("cpu"))
+    try:
+        ScheduleZBH1([stage], 4 if rank == 0 else 6, loss_fn=lm_loss)
+    except ValueError as e:
+        return str(e)
+    raise AssertionError(f"rank {rank}: disagreeing ranks constructed without error")
+
+
+def step_argument_errors(rank, world):
+    """step() with inputs on a non-first rank, or no target on the last rank, raises ValueError."""
+    from zbpipe import ScheduleZBH1
+
+    cfg = TinyGPTConfig()
+    stage = PipelineStage(build_stages(cfg, world)[rank], rank, world, torch.device("cpu"))
+    sched = ScheduleZBH1([stage], 2, loss_fn=lm_loss)
+    ids, tgt = synthetic_batch(cfg, 4, 0)
+    try:
+        if rank == 0:
+            sched.step()  # the first stage needs the batch
+        else:
+            sched.step(ids)  # inputs on a rank that does not hold stage 0 (no target either)
+    except ValueError as e:
+        return str(e)
+    raise AssertionError(f"rank {rank}: bad step() arguments accepted")
+
+
+def compiled_submodule_error(rank, world):
+    from zbpipe import ScheduleZBH1
+
+    mod = build_stages(TinyGPTConfig(), world)[rank]
+    mod[-1].compile()  # in place, the way torchtitan compiles (not caught by torch's own check)
+    stage = PipelineStage(mod, rank, world, torch.device("cpu"))
+    try:
+        ScheduleZBH1([stage], 2, loss_fn=lm_loss, check_peers=False)
+    except ValueError as e:
+        return str(e)
+    raise AssertionError("compiled submodule accepted")
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+def raise_in_forward_of_microbatch_3(rank, world):
+    """Rank 1 raises in microbatch 3's forward; rank 0 must not wait forever."""
+    from zbpipe import ScheduleZBH1
+
+    cfg = TinyGPTConfig()
+    mod = build_stages(cfg, world)[rank]
+    if rank == 1:
+        calls = {"n": 0}
+
+        def bomb(module, inputs):
+            calls["n"] += 1
+            if calls["n"] == 4:  # microbatch 3 (0-based), forwards run in microbatch order
+                raise _Boom("injected failure in microbatch 3's forward")
+
+        mod.register_forward_pre_hook(bomb)
+    stage = PipelineStage(mod, rank, world, torch.device("cpu"))
+    sched = ScheduleZBH1([stage], 6, loss_fn=lm_loss)
+    ids, tgt = synthetic_batch(cfg, 12, 0)
+    sched.step(*((ids,) if rank == 0 else ()), target=tgt if rank == world - 1 else None)
+    return "finished"
+
+
+def determinism(rank, world, schedule, options, m):
+    """Two runs from the same seed give bitwise identical losses and parameters (after an optimizer step)."""
+    cls = getattr(zbpipe, schedule)
+    runs = []
+    for _ in range(2):
+        mods = build_stages(CFG, world * cls.stages_per_rank, seed=7)
+        ids, tgt = synthetic_batch(CFG, 2 * m, step=7)
+        mine, losses, _ = run_pipeline_step(rank, world, cls, m, mods, ids, tgt, **options)
+        params = [p for s in mine for p in mods[s].parameters()]
+        torch.optim.SGD(params, lr=0.1, momentum=0.9).step()
+        runs.append(([l.clone() for l in losses], [p.detach().clone() for p in params]))
+    (l1, p1), (l2, p2) = runs
+    assert all(torch.equal(a, b) for a, b in zip(l1, l2)), "losses differ between identical runs"
+    assert all(torch.equal(a, b) for a, b in zip(p1, p2)), "parameters differ between identical runs"
+    return len(p1)
+
+
+def determinism_cases(rank, world, case_list):
+    return [determinism(rank, world, s, o, m) for s, o, m in case_list]

@@ -1,0 +1,31 @@
+"""A bad configuration raises ValueError at construction, naming the fix, on every rank, fast."""
+
+import time
+
+import pytest
+
+from zbpipe.testing import run_ranks
+
+import _dist_cases as cases
+
+pytestmark = pytest.mark.dist
+
+EXPECTED_PHRASES = {
+    "n_microbatches=0": "n_microbatches must be >= 1",
+    "n_microbatches=2.0": "n_microbatches must be an int",
+    "not a stage": "not a torch.distributed.pipelining.PipelineStage",
+    "two stages per rank": "expects exactly 1 stage(s) per rank, got 2",
+    "num_stages != ranks": "set num_stages=2 in every PipelineStage",
+    "wrong stage index": "build PipelineStage(..., stage_index=i, ...) for i in",
+}
+
+
+def test_misconfigurations_raise_on_every_rank_without_hanging():
+    t0 = time.monotonic()
+    per_rank = run_ranks(cases.construction_errors, 2, timeout=90)
+    elapsed = time.monotonic() - t0
+    for rank, messages in enumerate(per_rank):
+        for case, phrase in EXPECTED_PHRASES.items():
+            assert phrase in messages[case], f"rank {rank} {case}: {messages[case]!r}"
+    # Nobody waited on a peer: process start-up dominates (the PG timeout is 60 s).
+    assert elapsed < 45, elapsed
