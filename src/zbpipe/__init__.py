@@ -22,6 +22,7 @@ _LAZY: dict[str, str] = {
     "ScheduleZBAuto": "zbpipe.schedules",
     "get_schedule_class": "zbpipe.schedules",
     "PlannedSchedule": "zbpipe.runtime",
+    "PostValidatedStep": "zbpipe.optim",
     "Tracer": "zbpipe.trace",
     "Trace": "zbpipe.trace",
 }

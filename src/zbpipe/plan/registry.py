@@ -13,6 +13,7 @@ from typing import Callable
 from .core import Plan
 from .costs import Costs
 from .auto import plan_zb1p, plan_zb2p
+from .continuous import plan_continuous
 from .onef1b import plan_1f1b
 from .zbh1 import plan_zbh1
 from .zbh2 import plan_zbh2
@@ -30,6 +31,7 @@ GENERATORS: dict[str, Generator] = {
     "ZBV": plan_zbv,
     "ZBVHalf": plan_zbv_half,
     "ZBVMin": plan_zbv_min,
+    "Continuous": plan_continuous,
 }
 
 #: torch's built-in schedules, by the class name ``torch.distributed.pipelining`` gives them.

@@ -1,0 +1,347 @@
+"""Continuous (flush-free) plans: ``n_minibatches`` mini-batches of ``m`` microbatches back to back.
+
+A flushed schedule pays its warm-up and drain at every optimizer step. A continuous plan runs
+N mini-batches in one plan over ``N * m`` microbatches (global index ``k * m + j`` for
+microbatch ``j`` of mini-batch ``k``), one stage per rank, and pays them once. Each rank's order
+is a finite **warm-up**, ``N - 1`` copies of a **period** (one mini-batch boundary in steady
+state, microbatch indices shifted by ``m`` each time) and a **drain** (:class:`ContinuousParts`).
+
+Three semantics of the optimizer step (``mode``):
+
+* ``"sync"``: exactly synchronous training. Stage ``s`` steps its optimizer for mini-batch ``k``
+  as soon as its own W passes of ``k`` are done, and its first F of ``k + 1`` waits only for that
+  step. Structural rule: in each rank's order every ``W(s, .)`` of ``k`` precedes every
+  ``F(s, .)`` of ``k + 1``, so a rank's order is the concatenation of one-mini-batch orders
+  ``S_r`` (the same for every mini-batch). Other ranks run ahead freely: stage ``s`` runs the
+  next mini-batch's forwards while stage ``s - 1`` is still draining, and a zero-bubble ``S``
+  (ZB-H2 shape: every rank busy from its first F to its last W) makes the boundary free. ``S``
+  is picked among the automatic heuristic's candidates (``auto.list_schedule``, plus the ZB-H2
+  warm-up caps, ZB-H1 and 1F1B with W right after B) by the simulated makespan of 4 joined
+  mini-batches under the memory limit (default ZB-2p's, twice 1F1B's peak; at least 1F1B's).
+  Candidates with a larger single-mini-batch makespan or rank span than "1F1B with W after B"
+  are dropped, which bounds any N: ``makespan(N) <= (N - 1) * span(S) + makespan(S) <=
+  N * makespan(1F1B)`` (shift mini-batch ``k`` by ``k * span(S)``: that timing is feasible, and
+  the simulator's as-soon-as-possible timing of the same orders is never later).
+* ``"2bw"``: PipeDream-2BW. Mini-batch ``k`` runs on weight version ``max(k - 1, 0)`` (version
+  ``v`` = the weights after ``v`` updates), and update ``k`` (after ``k``'s last W on the stage)
+  makes ``W(k + 1) = W(k) - step(grad at W(k - 1))``. So ``F`` of ``k + 2`` waits for the
+  update of ``k`` and at most 2 versions live per stage. The order is a stream: 1F1B with W
+  right after B over all ``N * m`` microbatches, warm-up ``w_r = min(m, d * (p - 1 - r))``
+  forwards with ``d`` in {1, 1.5, 2} chosen by simulation (more warm-up hides ``comm``).
+* ``"stash"``: PipeDream weight stashing. A microbatch's backward on a stage uses the weights
+  its forward used (the version current at its F). The order is the 1F1B-with-W-after-B stream
+  with ``w_r = min(m, p - 1 - r)``: at most ``p - s`` microbatches in flight on stage ``s``, so
+  at most ``p - s`` versions (the latest and one per in-flight microbatch); with ``m = 1`` this
+  is PipeDream exactly (staleness ``p - 1 - s`` updates, ``p - s`` versions).
+
+In the stream modes the warm-up is capped at ``m`` forwards: the warm-up, period and drain
+must not depend on N (``3m`` actions per period leave ``m - w`` steady units for warm-up plus
+drain), and 2BW needs it for its version rule. With ``m < p - 1 - r`` the cap costs a bubble
+per microbatch on rank ``r``, and stash then keeps fewer versions than ``p - s``.
+
+``check_continuous`` re-derives these rules from the order alone (the simulator does not know
+about mini-batches) and ``plan_continuous`` calls it. ``meta["step_after"][rank][k]`` is the
+index in the rank's order of the action after which mini-batch ``k``'s optimizer step runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Literal, Mapping, Sequence
+
+from .auto import STRATEGIES, Strategy, list_schedule, onef1b_peak
+from .core import Action, Plan, PlanError, loop_placement, make_plan
+from .costs import Costs, StageCosts
+from .simulate import simulate
+from .zbh1 import zbh1_rank_order
+
+log = logging.getLogger(__name__)
+
+Mode = Literal["sync", "2bw", "stash"]
+MODES: tuple[str, ...] = ("sync", "2bw", "stash")
+_EPS = 1e-9
+_PROBE = 4  # mini-batches joined to compare candidate periods (warm-up and drain paid once)
+
+Orders = dict[int, tuple[Action, ...]]
+
+
+def _shift(actions: Sequence[Action], offset: int) -> list[Action]:
+    return [Action(a.stage, a.kind, a.microbatch + offset) for a in actions]
+
+
+@dataclass(frozen=True)
+class ContinuousParts:
+    """Per rank: the warm-up, the repeating period and the drain (microbatches of mini-batch 0/1)."""
+
+    warmup: Orders
+    """Runs once; microbatch indices of mini-batch 0 (``0..m-1``)."""
+    period: Orders
+    """Joined ``N - 1`` times, copy ``k`` shifted by ``k * m``; indices in ``0..2m-1``."""
+    drain: Orders
+    """Runs once, shifted by ``(N - 1) * m``; indices in ``0..m-1``."""
+    minibatch_size: int
+    mode: str
+    memory_limit: float
+    source: str
+
+    def join(self, n_minibatches: int) -> dict[int, list[Action]]:
+        """Each rank's order for ``n_minibatches`` mini-batches: warm-up, N - 1 periods, drain."""
+        if n_minibatches < 1:
+            raise ValueError(f"n_minibatches must be >= 1, got {n_minibatches}")
+        m = self.minibatch_size
+        orders = {}
+        for r in self.warmup:
+            order = list(self.warmup[r])
+            for k in range(n_minibatches - 1):
+                order += _shift(self.period[r], k * m)
+            orders[r] = order + _shift(self.drain[r], (n_minibatches - 1) * m)
+        return orders
+
+
+def _split_segment(segment: Mapping[int, Sequence[Action]], m: int) -> tuple[Orders, Orders, Orders]:
+    """Parts of the sync plan from a one-mini-batch order: head = F before the first B."""
+    warmup, period, drain = {}, {}, {}
+    for r, acts in segment.items():
+        acts = list(acts)
+        h = next((i for i, a in enumerate(acts) if a.kind != "F"), len(acts))
+        warmup[r] = tuple(acts[:h])
+        drain[r] = tuple(acts[h:])
+        period[r] = tuple(acts[h:] + _shift(acts[:h], m))
+    return warmup, period, drain
+
+
+def _stream_parts(p: int, m: int, warmups: Sequence[int]) -> tuple[Orders, Orders, Orders]:
+    """1F1B with W right after B over an endless stream of microbatches, cut every ``m``."""
+    warmup, period, drain = {}, {}, {}
+    for r in range(p):
+        w = warmups[r]
+        unit = lambda i: [Action(r, "F", i + w), Action(r, "B", i), Action(r, "W", i)]  # noqa: E731
+        warmup[r] = tuple(Action(r, "F", j) for j in range(w))
+        period[r] = tuple(a for i in range(m) for a in unit(i))
+        drain[r] = tuple([a for i in range(m - w) for a in unit(i)]
+                         + [a for i in range(m - w, m) for a in (Action(r, "B", i), Action(r, "W", i))])
+    return warmup, period, drain
+
+
+def _peak(order: Sequence[Action], sc: list[StageCosts]) -> float:
+    mem = peak = 0.0
+    for a in order:
+        mem += sc[a.stage].mem(a.kind)
+        peak = max(peak, mem)
+    return peak
+
+
+def _sync_segments(p: int, m: int, sc: list[StageCosts], limit: float) -> list[tuple[str, dict]]:
+    """Candidate one-mini-batch orders: the heuristic's, ZB-H2's warm-up caps, ZB-H1, W-after-B."""
+    cands: list[tuple[str, dict]] = [
+        ("w-after-b", {r: zbh1_rank_order(r, p, m, lag=0) for r in range(p)}),
+        ("zbh1", {r: zbh1_rank_order(r, p, m) for r in range(p)}),
+    ]
+    caps = tuple(2 * (p - r) - 1 for r in range(p))
+    strategies = list(STRATEGIES) + [Strategy(max_inflight=caps), Strategy(max_inflight=caps, keep_ahead=False)]
+    for i, strategy in enumerate(strategies):
+        res = list_schedule(p, m, sc, limit, strategy)
+        if res is not None:
+            cands.append((f"heuristic{i}", res[0]))
+    return [(name, o) for name, o in cands if all(_peak(a, sc) <= limit + _EPS for a in o.values())]
+
+
+def continuous_parts(
+    num_ranks: int,
+    n_microbatches: int,
+    costs: Costs | None = None,
+    memory_limit: float | None = None,
+    mode: Mode = "sync",
+) -> ContinuousParts:
+    """The warm-up, period and drain of the continuous plan (``n_microbatches`` per mini-batch).
+
+    Deterministic and independent of the number of mini-batches: ``plan_continuous`` only joins.
+    """
+    p, m = num_ranks, n_microbatches
+    if p < 1 or m < 1:
+        raise ValueError(f"num_ranks and n_microbatches must be >= 1, got {p}, {m}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    costs = costs or Costs()
+    sc = costs.per_stage(p)
+    base = onef1b_peak(p, m, costs)
+    limit = 2 * base if memory_limit is None else float(memory_limit)
+    if limit < base - _EPS:
+        raise ValueError(
+            f"Continuous: memory_limit {limit:g} is below 1F1B's peak {base:g}; a continuous plan "
+            f"needs at least that much. Raise memory_limit to {base:g} or more"
+        )
+    placement = loop_placement(p, p)
+
+    def probe(parts: tuple[Orders, Orders, Orders], n: int = _PROBE) -> float:
+        cp = ContinuousParts(*parts, minibatch_size=m, mode=mode, memory_limit=limit, source="")
+        return simulate(make_plan("probe", p, n * m, placement, cp.join(n)), costs).makespan
+
+    if mode == "sync":
+        ref = None
+        scored = []
+        for i, (name, seg) in enumerate(_sync_segments(p, m, sc, limit)):
+            r = simulate(make_plan("segment", p, m, placement, seg), costs)
+            span = max(iv[-1].end - iv[0].start for iv in r.timeline.values() if iv)
+            if ref is None:  # w-after-b comes first: the bound every candidate must meet
+                ref = (span, r.makespan)
+            elif span > ref[0] + _EPS or r.makespan > ref[1] + _EPS:
+                continue
+            parts = _split_segment(seg, m)
+            scored.append((round(probe(parts), 9), i, name, parts))
+    else:
+        factors = (1.0, 1.5, 2.0) if mode == "2bw" else (1.0,)
+        scored = []
+        seen = set()
+        for i, d in enumerate(factors):
+            warmups = tuple(min(m, math.floor(d * (p - 1 - r))) for r in range(p))
+            if warmups in seen:
+                continue
+            seen.add(warmups)
+            parts = _stream_parts(p, m, warmups)
+            joined = ContinuousParts(*parts, minibatch_size=m, mode=mode, memory_limit=limit, source="").join(2)
+            if any(_peak(a, sc) > limit + _EPS for a in joined.values()):
+                continue
+            scored.append((round(probe(parts), 9), i, f"stream-warmup-x{d:g}", parts))
+    if not scored:
+        raise ValueError(
+            f"Continuous ({mode}): no plan fits memory_limit {limit:g}; raise it (1F1B's peak is {base:g})"
+        )
+    best = min(scored, key=lambda c: (c[0], c[1]))
+    log.debug("Continuous %s p=%d m=%d limit=%g: %s, probe makespan %g", mode, p, m, limit, best[2], best[0])
+    return ContinuousParts(*best[3], minibatch_size=m, mode=mode, memory_limit=limit, source=best[2])
+
+
+def plan_continuous(
+    num_ranks: int,
+    n_microbatches: int,
+    costs: Costs | None = None,
+    memory_limit: float | None = None,
+    n_minibatches: int = 2,
+    mode: Mode = "sync",
+) -> Plan:
+    """The continuous plan: ``n_minibatches`` mini-batches of ``n_microbatches`` each, no flush.
+
+    The plan's ``n_microbatches`` is ``n_minibatches * n_microbatches`` (global index
+    ``k * m + j``). Raises ``ValueError`` for a bad argument or a ``memory_limit`` below 1F1B's.
+    """
+    if n_minibatches < 1:
+        raise ValueError(f"n_minibatches must be >= 1, got {n_minibatches}")
+    parts = continuous_parts(num_ranks, n_microbatches, costs, memory_limit, mode)
+    orders = parts.join(n_minibatches)
+    m, n = n_microbatches, n_minibatches
+    plan = make_plan(
+        "Continuous", num_ranks, n * m, loop_placement(num_ranks, num_ranks), orders,
+        minibatch_size=m, n_minibatches=n, mode=mode, memory_limit=parts.memory_limit,
+        source=parts.source, step_after=step_positions(orders, m, n),
+    )
+    simulate(plan, costs, parts.memory_limit)  # deadlock and memory: raises PlanError
+    check_continuous(plan)
+    return plan
+
+
+def step_positions(orders: Mapping[int, Sequence[Action]], m: int, n: int) -> dict[int, tuple[int, ...]]:
+    """Per rank, the index of the action after which mini-batch ``k``'s optimizer step runs.
+
+    That is the last W (or BW) of ``k``, and never before the step of ``k - 1`` (steps are in order).
+    """
+    out = {}
+    for r, acts in orders.items():
+        last = [-1] * n
+        for i, a in enumerate(acts):
+            if a.kind in ("W", "BW"):
+                k = a.microbatch // m
+                last[k] = max(last[k], i)
+        for k in range(1, n):
+            last[k] = max(last[k], last[k - 1])
+        out[r] = tuple(last)
+    return out
+
+
+def version_bound(mode: str, num_stages: int, stage: int) -> int:
+    """Documented maximum number of live weight versions on ``stage``."""
+    return {"sync": 1, "2bw": 2, "stash": num_stages - stage}[mode]
+
+
+def live_versions(plan: Plan) -> dict[int, int]:
+    """Per stage, the maximum number of weight versions alive at once, replaying each rank's order.
+
+    Live = the latest version (what the optimizer updates) plus the version each in-flight
+    microbatch (F done, last backward pass not done) runs on. Raises ``PlanError`` if a forward
+    needs a version the stage has not produced yet.
+    """
+    mode, m = plan.meta["mode"], int(plan.meta["minibatch_size"])
+    n = plan.n_microbatches // m
+    result = {}
+    for rank, acts in plan.order.items():
+        for s in plan.stages_of(rank):
+            todo = [sum(1 for a in acts if a.stage == s and a.kind in ("W", "BW") and a.microbatch // m == k)
+                    for k in range(n)]
+            latest = 0  # updates applied so far on this stage
+            uses: dict[int, int] = {}  # in-flight microbatch -> version
+            worst = 1
+            for step, a in enumerate(acts):
+                if a.stage != s:
+                    continue
+                k = a.microbatch // m
+                if a.kind == "F":
+                    need = {"sync": k, "2bw": max(k - 1, 0), "stash": latest}[mode]
+                    if need > latest:
+                        raise PlanError(
+                            f"plan {plan.name}: rank {rank} step {step} ({a}) runs mini-batch {k} on "
+                            f"weight version {need} ({mode}), but only {latest} optimizer steps of stage "
+                            f"{s} are done; move the W passes of mini-batch {need - 1} before it"
+                        )
+                    uses[a.microbatch] = need
+                elif a.kind in ("W", "BW"):
+                    del uses[a.microbatch]
+                    todo[k] -= 1
+                    while latest < n and todo[latest] == 0:  # steps run in mini-batch order
+                        latest += 1
+                worst = max(worst, len(set(uses.values()) | {latest}))
+            result[s] = worst
+    return result
+
+
+def check_continuous(plan: Plan) -> None:
+    """Validate the mini-batch rules the simulator does not know (raises ``PlanError``).
+
+    sync: on each stage every W of mini-batch k precedes every F of k + 1. 2bw / stash: a
+    forward never needs a version not yet produced, and live versions per stage stay within
+    :func:`version_bound`.
+    """
+    for key in ("mode", "minibatch_size"):
+        if key not in plan.meta:
+            raise PlanError(f"plan {plan.name}: meta lacks {key!r}; build it with plan_continuous")
+    mode, m = plan.meta["mode"], int(plan.meta["minibatch_size"])
+    if mode not in MODES or plan.n_microbatches % m:
+        raise PlanError(f"plan {plan.name}: mode {mode!r} / minibatch_size {m} do not fit the plan")
+    if mode == "sync":
+        for rank, acts in plan.order.items():
+            last_w: dict[tuple[int, int], int] = {}
+            for step, a in enumerate(acts):
+                if a.kind in ("W", "BW"):
+                    last_w[a.stage, a.microbatch // m] = step
+            for step, a in enumerate(acts):
+                k = a.microbatch // m
+                if a.kind == "F" and k > 0 and last_w.get((a.stage, k - 1), -1) > step:
+                    raise PlanError(
+                        f"plan {plan.name}: rank {rank} step {step} ({a}) is an F of mini-batch {k} "
+                        f"before the last W of mini-batch {k - 1} (step {last_w[a.stage, k - 1]}); "
+                        "sync mode steps the optimizer in between"
+                    )
+    for s, count in live_versions(plan).items():
+        bound = version_bound(mode, plan.num_stages, s)
+        if count > bound:
+            raise PlanError(
+                f"plan {plan.name}: stage {s} keeps {count} weight versions alive, above the {mode} "
+                f"bound {bound}; fewer microbatches in flight on rank {plan.placement[s]} would fix it"
+            )
+
+
+__all__ = [
+    "ContinuousParts", "MODES", "check_continuous", "continuous_parts", "live_versions",
+    "plan_continuous", "step_positions", "version_bound",
+]
