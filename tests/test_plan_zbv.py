@@ -44,18 +44,33 @@ def test_v_half_min_memory_and_bubble(p, m, mode, units, bubble) -> None:
     assert r.bubble_rate <= bubble(p, m) + 1e-9
 
 
+HEADLINE = dict(f=1, b=1.2, w=0.6, comm=0.05)
+
+
 @pytest.mark.parametrize("p", [4, 8, 16, 32])
 @pytest.mark.parametrize("k", [2, 3, 4])
-@pytest.mark.parametrize("cost", [
-    dict(f=1, b=1.2, w=0.6, comm=0.05), dict(f=1, b=1, w=0.5, comm=0.1), dict(f=1, b=1.5, w=1, comm=0.0),
-])
+def test_zbv_strictly_below_torch_zbv_at_unequal_costs(p, k) -> None:
+    # The grid: ZB-V must never be above torch's fixed ZBVZeroBubble order and should be
+    # strictly below in most points. Measured (docs/zbv-tables.md): strictly below on all 12, so
+    # every point asserts it. The reference is torch's own order, simulated on the same costs.
+    from zbpipe.plan.registry import plan
+
+    costs = Costs(**HEADLINE)
+    m = k * p
+    ours = simulate(plan_zbv(p, m, costs), costs)
+    torch_zbv = simulate(plan("torch:ZBVZeroBubble", p, m), costs)
+    assert ours.bubble_rate < torch_zbv.bubble_rate - 1e-9
+    assert ours.makespan <= torch_zbv.makespan + 1e-9
+
+
+@pytest.mark.parametrize("p", [4, 8])
+@pytest.mark.parametrize("k", [2, 3, 4])
+@pytest.mark.parametrize("cost", [dict(f=1, b=1, w=0.5, comm=0.1), dict(f=1, b=1.5, w=1, comm=0.0)])
 def test_zbv_never_worse_than_torch_zbv(p, k, cost) -> None:
     from zbpipe.plan.registry import plan
 
     costs = Costs(**cost)
     m = k * p
-    if p >= 16 and cost != dict(f=1, b=1.2, w=0.6, comm=0.05):
-        pytest.skip("p >= 16 only for the headline costs (keeps the file under 60 s)")
     ours = simulate(plan_zbv(p, m, costs), costs)
     torch_zbv = simulate(plan("torch:ZBVZeroBubble", p, m), costs)
     assert ours.bubble_rate <= torch_zbv.bubble_rate + 1e-9
@@ -77,7 +92,7 @@ costs_st = st.builds(
 )
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(p=st.integers(1, 8), m=st.integers(1, 32), costs=costs_st, mode=st.sampled_from(["zb", "half", "min"]))
 def test_any_case_complete_deadlock_free_within_budget(p, m, costs, mode) -> None:
     pl = plan_zbv(p, m, costs, memory=mode)
@@ -86,7 +101,7 @@ def test_any_case_complete_deadlock_free_within_budget(p, m, costs, mode) -> Non
     assert max(r.peak_memory.values()) <= pl.meta["memory_budget"] + 1e-9
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(p=st.integers(1, 8), m=st.integers(1, 32), costs=costs_st)
 def test_zbv_makespan_not_worse_than_1f1b(p, m, costs) -> None:
     r = simulate(plan_zbv(p, m, costs), costs)

@@ -1,0 +1,320 @@
+"""Local search over a valid plan: reorder actions within a rank while the simulated plan gets shorter.
+
+Any family's plan can be polished (pure Python, no torch). The objective is the bubble rate's
+denominator, the longest rank span, then the makespan: the bubble rate only gets lower and the
+throughput never gets worse. A move keeps validity by construction (same-rank dependencies stay
+in order), deadlock and the memory limit are checked per move, and a move is kept only if it
+*strictly* improves the objective, so ``improve`` never returns a worse plan.
+
+Moves, generated where the timeline shows waste (largest first):
+
+* fill an idle gap with a later weight-gradient pass W of the same rank (its B already ran);
+* move a W later, past the action it delays (a W in front of an F or B that was ready);
+* swap the action after a gap with the next one (run what is ready first).
+
+Re-simulation is the inner loop, so it runs on flat arrays with the dependencies resolved once
+(action ids, fixed comm delays): reordering a rank never changes what an action depends on.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import Iterator
+
+from .core import Action, Plan
+from .costs import Costs
+
+log = logging.getLogger(__name__)
+
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class _Eval:
+    """One simulation: per-action start/end, and the objective."""
+
+    start: list[float]
+    end: list[float]
+    key: tuple[float, float, float]
+
+
+class _Model:
+    """A plan's actions as ids with fixed durations, dependencies and memory changes."""
+
+    def __init__(self, plan: Plan, costs: Costs) -> None:
+        costs.check(plan.num_stages)
+        sc = [costs.stage(s) for s in range(plan.num_stages)]
+        last = plan.num_stages - 1
+        self.actions: list[Action] = []
+        self.rank: list[int] = []
+        ids: dict[Action, int] = {}
+        for r in range(plan.num_ranks):
+            for a in plan.order[r]:
+                ids[a] = len(self.actions)
+                self.actions.append(a)
+                self.rank.append(r)
+        self.dur = [sc[a.stage].time(a.kind) for a in self.actions]
+        self.mem = [sc[a.stage].mem(a.kind) for a in self.actions]
+        self.deps: list[tuple[tuple[int, float], ...]] = []
+        self.same_rank_deps: list[set[int]] = [set() for _ in self.actions]
+        for i, a in enumerate(self.actions):
+            deps = []
+            for d in _producers(a, last, ids):
+                delay = 0.0 if self.rank[d] == self.rank[i] else sc[self.actions[d].stage].comm
+                deps.append((d, delay))
+                if self.rank[d] == self.rank[i]:
+                    self.same_rank_deps[i].add(d)
+            self.deps.append(tuple(deps))
+        self.order = [[ids[a] for a in plan.order[r]] for r in range(plan.num_ranks)]
+        self.feeders = [i for i, a in enumerate(self.actions) if a.kind != "W"]
+
+    def evaluate(self, order: list[list[int]], base: _Eval | None = None, since: float = 0.0) -> _Eval | None:
+        """Simulate ``order`` (a worklist over ranks, each action looked at O(1) times); None on deadlock.
+
+        Incremental: with ``base`` (the simulation of an order that differs only in actions that
+        started at or after ``since`` there), every action that started before ``since`` keeps its
+        time, because all its causes started earlier still; only the rest is re-simulated.
+        """
+        n = len(self.actions)
+        p = len(order)
+        pos = [0] * p
+        free = [0.0] * p
+        if base is None:
+            start = [0.0] * n
+            end = [-1.0] * n
+        else:
+            start, end = list(base.start), list(base.end)
+            for r, seq in enumerate(order):
+                i = bisect.bisect_left(seq, since, key=base.start.__getitem__)
+                pos[r] = i
+                free[r] = end[seq[i - 1]] if i > 0 else 0.0
+                for a in seq[i:]:
+                    end[a] = -1.0
+        waiting: dict[int, list[int]] = {}
+        todo = list(range(p))
+        deps, dur = self.deps, self.dur
+        while todo:
+            r = todo.pop()
+            seq = order[r]
+            i, t = pos[r], free[r]
+            while i < len(seq):
+                a = seq[i]
+                s = t
+                blocked = -1
+                for d, delay in deps[a]:
+                    e = end[d]
+                    if e < 0.0:
+                        blocked = d
+                        break
+                    if e + delay > s:
+                        s = e + delay
+                if blocked >= 0:
+                    waiting.setdefault(blocked, []).append(r)
+                    break
+                t = s + dur[a]
+                start[a] = s
+                end[a] = t
+                i += 1
+                woken = waiting.pop(a, None)
+                if woken:
+                    todo.extend(woken)
+            pos[r], free[r] = i, t
+        if any(pos[r] < len(order[r]) for r in range(len(order))):
+            return None
+        firsts = [start[seq[0]] for seq in order if seq]
+        lasts = [end[seq[-1]] for seq in order if seq]
+        span = max((end[seq[-1]] - start[seq[0]] for seq in order if seq), default=0.0)
+        makespan = max(lasts, default=0.0) - min(firsts, default=0.0)
+        # third, a smooth tie-break: F and B feed other actions, so finishing them earlier is
+        # progress even before it shortens the span (W feed nothing and are left free to move)
+        feed = sum(map(end.__getitem__, self.feeders))
+        return _Eval(start, end, (round(span, 9), round(makespan, 9), round(feed, 6)))
+
+    def peak(self, seq: list[int]) -> float:
+        mem = peak = 0.0
+        for a in seq:
+            mem += self.mem[a]
+            peak = max(peak, mem)
+        return peak
+
+
+def _producers(a: Action, last: int, ids: dict[Action, int]) -> list[int]:
+    """Ids of the actions whose results ``a`` waits for (the simulator's dependency rules)."""
+    if a.kind == "F":
+        return [ids[Action(a.stage - 1, "F", a.microbatch)]] if a.stage > 0 else []
+    if a.kind == "W":
+        return [ids[Action(a.stage, "B", a.microbatch)]]
+    out = [ids[Action(a.stage, "F", a.microbatch)]]
+    if a.stage < last:
+        nxt = Action(a.stage + 1, "B", a.microbatch)
+        out.append(ids[nxt] if nxt in ids else ids[Action(a.stage + 1, "BW", a.microbatch)])
+    return out
+
+
+def _moved(seq: list[int], src: int, dst: int) -> list[int]:
+    """``seq`` with the action at ``src`` moved to index ``dst`` (of the result)."""
+    out = seq[:src] + seq[src + 1:]
+    out.insert(dst, seq[src])
+    return out
+
+
+def _can_move(model: _Model, seq: list[int], src: int, dst: int) -> bool:
+    """Moving keeps same-rank dependency order: nothing jumped over depends on, or feeds, the mover."""
+    a = seq[src]
+    if dst < src:
+        return not any(x in model.same_rank_deps[a] for x in seq[dst:src])
+    return not any(a in model.same_rank_deps[x] for x in seq[src + 1: dst + 1])
+
+
+def _critical_arcs(model: _Model, order: list[list[int]], ev: _Eval) -> list[tuple[int, int]]:
+    """``(rank, index)`` of each same-rank arc on the critical path of the longest rank.
+
+    Walk back from the last action of the longest rank through whatever made each action wait:
+    where that is the previous action of the same rank (not a dependency), reordering can help.
+    """
+    spans = [(ev.end[seq[-1]] - ev.start[seq[0]], r) for r, seq in enumerate(order) if seq]
+    _, r = max(spans)
+    where = {a: (q, i) for q, seq in enumerate(order) for i, a in enumerate(seq)}
+    a = order[r][-1]
+    arcs = []
+    while True:
+        q, i = where[a]
+        s = ev.start[a]
+        nxt = -1
+        for d, delay in model.deps[a]:
+            if abs(ev.end[d] + delay - s) <= _EPS:
+                nxt = d
+                break
+        if nxt < 0 and i > 0 and abs(ev.end[order[q][i - 1]] - s) <= _EPS:
+            arcs.append((q, i))
+            nxt = order[q][i - 1]
+        if nxt < 0:
+            return arcs
+        a = nxt
+
+
+def _candidate_moves(
+    model: _Model, order: list[list[int]], ev: _Eval, per_round: int
+) -> Iterator[tuple[int, int, int]]:
+    """``(rank, src, dst)`` moves aimed at the critical path, the largest idle gaps, and ready work
+    waiting behind other work."""
+    # critical-path moves first: cheap to find, and most often the ones that shorten the plan
+    for r, i in _critical_arcs(model, order, ev)[: 2 * per_round]:
+        seq = order[r]
+        yield (r, i, i - 1)  # the critical action overtakes its predecessor
+        if model.actions[seq[i - 1]].kind == "W":  # or the W in its way goes further back
+            for k in (2, 4, 8):
+                if i - 1 + k < len(seq):
+                    yield (r, i - 1, i - 1 + k)
+            yield (r, i - 1, len(seq) - 1)
+    spots: list[tuple[float, int, int, str]] = []  # (-waste, rank, index, what)
+    for r, seq in enumerate(order):
+        for i in range(1, len(seq)):
+            a, prev = seq[i], seq[i - 1]
+            gap = ev.start[a] - ev.end[prev]
+            if gap > _EPS:
+                spots.append((-gap, r, i, "gap"))
+            elif model.actions[a].kind != "W" and prev not in model.same_rank_deps[a]:
+                # a ready F or B waiting behind another action: try running it first
+                ready = max((ev.end[d] + delay for d, delay in model.deps[a]), default=0.0)
+                delay = ev.start[a] - max(ready, ev.start[prev])
+                if delay > _EPS:
+                    spots.append((-delay, r, i - 1, "late"))
+    spots.sort()
+    for _, r, i, what in spots[:per_round]:
+        seq = order[r]
+        if what == "gap":
+            # the first few later W whose B already ran on this rank (FIFO keeps memory low)
+            found = 0
+            for j in range(i + 1, len(seq)):
+                if model.actions[seq[j]].kind == "W":
+                    yield (r, j, i)
+                    found += 1
+                    if found == 2:
+                        break
+            if i + 1 < len(seq):
+                yield (r, i + 1, i)  # run the next action first if it is ready
+            yield (r, i - 1, i)  # or push the action before the gap past it
+        else:
+            yield (r, i + 1, i)  # the waiting action jumps ahead
+            if model.actions[seq[i]].kind == "W" and i + 2 < len(seq):
+                yield (r, i, i + 2)  # or a W steps back past two
+
+
+def improve(
+    plan: Plan,
+    costs: Costs | None = None,
+    memory_limit: float | None = None,
+    max_seconds: float | None = 1.0,
+    max_evals: int | None = None,
+) -> Plan:
+    """Polish ``plan`` by local search; the result is never worse (span, then makespan) nor invalid.
+
+    ``memory_limit`` (per rank) is kept; ``None`` keeps each rank at or below its peak in ``plan``.
+    The search stops at a local optimum, after ``max_evals`` simulations, or after ``max_seconds``.
+    A wall-clock budget makes the result depend on machine speed: plan generators that every rank
+    runs must pass ``max_seconds=None`` and a ``max_evals`` budget so all ranks get the same plan.
+    ``meta["improved_from"]`` records the input's name, span and makespan.
+    """
+    costs = costs or Costs()
+    if max_seconds is None and max_evals is None:
+        raise ValueError("improve needs a budget: give max_seconds or max_evals (or both)")
+    deadline = None if max_seconds is None else time.perf_counter() + max_seconds
+    model = _Model(plan, costs)
+    order = [list(seq) for seq in model.order]
+    ev = model.evaluate(order)
+    if ev is None:
+        raise ValueError(f"improve: plan {plan.name} deadlocks; give a valid plan (simulate() names the ranks)")
+    limits = [memory_limit if memory_limit is not None else model.peak(seq) for seq in order]
+    first_key = ev.key[:2]
+    evals, accepted = 1, 0
+    per_round = 8
+    tried: set[tuple[int, ...]] = set()
+
+    def budget_left() -> bool:
+        if max_evals is not None and evals >= max_evals:
+            return False
+        return deadline is None or time.perf_counter() < deadline
+
+    while budget_left():
+        improved = False
+        for r, src, dst in _candidate_moves(model, order, ev, per_round):
+            if not budget_left():
+                break
+            seq = order[r]
+            if src == dst or not 0 <= dst < len(seq) or not _can_move(model, seq, src, dst):
+                continue
+            new_seq = _moved(seq, src, dst)
+            if model.peak(new_seq) > limits[r] + _EPS:
+                continue
+            sig = (r, *new_seq)
+            if sig in tried:
+                continue
+            tried.add(sig)
+            trial = order[:r] + [new_seq] + order[r + 1:]
+            new_ev = model.evaluate(trial, ev, ev.start[seq[min(src, dst)]])
+            evals += 1
+            if new_ev is not None and new_ev.key < ev.key:
+                order, ev, improved = trial, new_ev, True
+                accepted += 1
+                tried.clear()
+                per_round = 8
+                break
+        if not improved:
+            if per_round >= 64:
+                break  # local optimum for every move we know
+            per_round *= 4  # look further down the list of wasted spots before giving up
+    if ev.key[:2] >= first_key:
+        return plan  # tie-break progress alone is no reason to change the plan
+    log.debug("improve %s: span/makespan %s -> %s in %d moves, %d simulations", plan.name, first_key, ev.key,
+              accepted, evals)
+    new_order = {r: tuple(model.actions[a] for a in seq) for r, seq in enumerate(order)}
+    meta = dict(plan.meta)
+    meta["improved_from"] = {"name": plan.name, "span": first_key[0], "makespan": first_key[1],
+                             "moves": accepted, "simulations": evals}
+    out = replace(plan, order=new_order, meta=meta)
+    out.validate()
+    return out
