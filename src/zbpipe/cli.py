@@ -1,4 +1,4 @@
-"""``zbpipe`` command line: ``simulate`` one schedule, ``compare`` them all.
+"""``zbpipe`` command line: ``simulate`` one schedule, ``compare`` them all, run the ``demo``.
 
 Each subcommand is a ``build_parser`` entry plus a ``_cmd_<name>(args) -> int`` handler, so new
 subcommands (``demo``, ``draw``) add one ``add_parser`` block and one handler.
@@ -43,6 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_ = sub.add_parser("compare", help="simulate every known schedule side by side")
     common(cmp_)
     cmp_.set_defaults(handler=_cmd_compare)
+
+    demo = sub.add_parser("demo", add_help=False,
+                          help="the main job: a real 2-rank CPU training run, ZB-H1 against torch's 1F1B "
+                               "(zbpipe demo --help for its options)")
+    demo.add_argument("demo_args", nargs=argparse.REMAINDER)
+    demo.set_defaults(handler=_cmd_demo)
     return parser
 
 
@@ -93,7 +99,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     notes = []
     for name in known_names():
         try:
-            _, res = _run(name, args)
+            pl, res = _run(name, args)
         except (ValueError, PlanError) as e:  # a schedule that does not apply to these sizes
             notes.append(f"{name}: skipped: {e}")
             continue
@@ -101,13 +107,24 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             notes.append(f"{name}: skipped (torch not importable: {e})")
             continue
         peak = max(res.peak_memory.values())
+        if pl.meta.get("n_minibatches"):  # a continuous plan runs several optimizer steps
+            name = f"{name} ({pl.meta['n_minibatches']} steps)"
         print(f"{name:<28} {res.bubble_rate:>11.4f} {res.makespan:>10.4g} {peak:>12.4g}")
     for note in notes:
         print(note)
     return 0
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import main as demo_main  # imports torch; the planning commands do not
+
+    return demo_main(args.demo_args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"]:  # the demo owns its own options (and --help)
+        return _cmd_demo(argparse.Namespace(demo_args=argv[1:]))
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
