@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -40,7 +41,10 @@ def _entry(rank: int, world: int, port: int, pg_timeout: float, fn: Callable, ar
             timeout=timedelta(seconds=pg_timeout),
         )
         result = fn(rank, world, *args)
-        q.put((rank, "ok", result))
+        # Pickle here, not in the queue's feeder thread: an unpicklable result (a tensor that
+        # requires grad, say) must fail this rank now, not vanish and leave the parent waiting.
+        payload = pickle.dumps(result)
+        q.put((rank, "ok", payload))
     except BaseException:
         tb = traceback.format_exc()
         q.put((rank, "error", tb))
@@ -94,7 +98,10 @@ def run_ranks(
                 if errors and not any(p.is_alive() for p in procs):
                     break
                 continue
-            (results if status == "ok" else errors)[rank] = payload
+            if status == "ok":
+                results[rank] = pickle.loads(payload)
+            else:
+                errors[rank] = payload
             if errors:
                 # One rank failed: give the others a moment to report, then stop them.
                 deadline = min(deadline, time.monotonic() + 5.0)

@@ -1,0 +1,117 @@
+"""Make torch's own ``get_schedule_class`` know zbpipe's schedule names.
+
+torch resolves a schedule name (``"1F1B"``, ``"ZBVZeroBubble"``...) with
+``torch.distributed.pipelining.schedules.get_schedule_class``, a closed table. Code built on
+torch (torchtitan's ``pipeline_parallel`` module among others) imports that function by name
+and never asks anyone else. :func:`register` replaces it, in torch's module and in every
+already-imported module that holds it by name, with a wrapper that
+
+1. looks the name up in :data:`zbpipe.schedules.SCHEDULES` *at call time* (so classes added
+   to that dict later are found), matching the key or the class name, case-insensitively;
+2. otherwise calls torch's original function, unchanged (so torch's names and torch's
+   ``ValueError`` for unknown names behave exactly as before).
+
+zbpipe's names are looked up first: a zbpipe name equal to one of torch's would shadow it, so
+zbpipe avoids torch's names. The original stays reachable as ``wrapper.__wrapped__`` and as
+:func:`original_get_schedule_class`. :func:`unregister` puts it back everywhere the wrapper
+was installed. Both calls are explicit and idempotent; nothing happens at import time.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+from types import ModuleType
+from typing import Callable
+
+logger = logging.getLogger(__name__)
+
+_TORCH_MODULE = "torch.distributed.pipelining.schedules"
+_ATTR = "get_schedule_class"
+_MARK = "__zbpipe_registered__"
+
+
+def _torch_schedules() -> ModuleType:
+    import torch.distributed.pipelining.schedules as schedules
+
+    return schedules
+
+
+def _is_wrapper(fn: object) -> bool:
+    return getattr(fn, _MARK, False) is True
+
+
+def original_get_schedule_class() -> Callable[[str], type]:
+    """torch's own ``get_schedule_class``, whether or not :func:`register` has run."""
+    fn = getattr(_torch_schedules(), _ATTR)
+    return fn.__wrapped__ if _is_wrapper(fn) else fn
+
+
+def lookup_zbpipe(name: str) -> type | None:
+    """zbpipe's class for ``name`` (a ``SCHEDULES`` key or class name, any case), else ``None``."""
+    from .schedules import SCHEDULES
+
+    wanted = name.lower()
+    for key, cls in SCHEDULES.items():
+        if wanted in (key.lower(), cls.__name__.lower()):
+            return cls
+    return None
+
+
+def _make_wrapper(original: Callable[[str], type]) -> Callable[[str], type]:
+    @functools.wraps(original)
+    def get_schedule_class(schedule_name: str) -> type:
+        cls = lookup_zbpipe(schedule_name)
+        return cls if cls is not None else original(schedule_name)
+
+    get_schedule_class.__doc__ = (
+        "torch's get_schedule_class, extended by zbpipe.registration.register(): zbpipe's "
+        "schedule names first, then torch's. The original is __wrapped__."
+    )
+    setattr(get_schedule_class, _MARK, True)
+    return get_schedule_class
+
+
+def _modules_holding(fn: object) -> list[ModuleType]:
+    # A copy of sys.modules: importing can mutate it while we scan.
+    return [m for m in list(sys.modules.values())
+            if isinstance(m, ModuleType) and getattr(m, _ATTR, None) is fn]
+
+
+def register() -> Callable[[str], type]:
+    """Make ``torch.distributed.pipelining.schedules.get_schedule_class`` resolve zbpipe's names.
+
+    Rebinds the name in torch's module and in every loaded module that imported it by name
+    (e.g. ``torchtitan.distributed.pipeline_parallel``); modules imported afterwards pick up the
+    wrapper from torch. Idempotent: a second call only rebinds modules loaded since the first.
+    Returns the wrapper.
+    """
+    torch_mod = _torch_schedules()
+    current = getattr(torch_mod, _ATTR)
+    original = current.__wrapped__ if _is_wrapper(current) else current
+    wrapper = current if _is_wrapper(current) else _make_wrapper(original)
+    patched = _modules_holding(original)
+    for module in patched:
+        setattr(module, _ATTR, wrapper)
+    if patched:
+        logger.debug("zbpipe: get_schedule_class wrapped in %s", sorted(m.__name__ for m in patched))
+    return wrapper
+
+
+def unregister() -> None:
+    """Undo :func:`register`: every module holding the wrapper gets torch's original back."""
+    current = getattr(_torch_schedules(), _ATTR)
+    if not _is_wrapper(current):
+        return
+    original = current.__wrapped__
+    for module in _modules_holding(current):
+        setattr(module, _ATTR, original)
+
+
+def is_registered() -> bool:
+    """Whether torch's ``get_schedule_class`` currently resolves zbpipe's names."""
+    return _is_wrapper(getattr(_torch_schedules(), _ATTR))
+
+
+__all__ = ["register", "unregister", "is_registered", "original_get_schedule_class", "lookup_zbpipe"]
