@@ -1,0 +1,166 @@
+"""Real multi-process runs: zbpipe's schedules against torch's built-ins on the same model.
+
+Two gloo processes, one thread each. Every schedule trains its own copy of the same tiny GPT
+(the model is fixed: 1-stage-per-rank schedules get 2 blocks per stage, V/interleaved ones 1
+block per chunk). Repetitions are interleaved (each repetition runs every schedule once, in a
+rotating order) so machine noise hits all alike. Reported per schedule: step time (max over
+ranks) with its ratio to torch's Schedule1F1B paired per repetition (min/median/max), the bubble
+rate measured from traced compute intervals, and the peak bytes of saved activations per rank.
+
+Run:  PYTHONPATH=src python benchmarks/real_run.py [--reps 10] [--microbatches 4] [--hidden 512]
+Writes benchmarks/results/real_run.json; docs/benchmarks.md records what we saw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+SCHEDULES = (
+    "torch:1F1B", "torch:Interleaved1F1B", "torch:ZBVZeroBubble",
+    "ZBH1", "ZBV", "ZBVHalf", "ZBVMin",
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    reps: int = 10
+    microbatches: int = 4
+    microbatch_size: int = 4
+    hidden: int = 512
+    seq: int = 128
+    blocks: int = 4
+    schedules: tuple[str, ...] = SCHEDULES
+
+
+def _build(name: str, rank: int, world: int, cfg: Config) -> tuple[Any, list, Any, Any]:
+    import torch
+    from torch.distributed.pipelining import (
+        PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble,
+    )
+
+    from zbpipe.memory import SavedActivationMeter
+    from zbpipe.plan import loop_placement, v_placement
+    from zbpipe.schedules import ScheduleZBH1, ScheduleZBV
+    from zbpipe.testing.models import TinyGPTConfig, build_stages, lm_loss
+    from zbpipe.trace import Tracer, attach_stage_tracer
+
+    two_chunks = name not in ("torch:1F1B", "ZBH1")
+    n_stages = 2 * world if two_chunks else world
+    mcfg = TinyGPTConfig(vocab=256, hidden=cfg.hidden, seq=cfg.seq, heads=4,
+                         blocks_per_stage=cfg.blocks // n_stages)
+    modules = build_stages(mcfg, n_stages, seed=0)
+    placement = v_placement(world) if name in ("torch:ZBVZeroBubble", "ZBV", "ZBVHalf", "ZBVMin") \
+        else loop_placement(world, n_stages)
+    mine = sorted(s for s, r in placement.items() if r == rank)
+    stages = [PipelineStage(modules[s], s, n_stages, torch.device("cpu")) for s in mine]
+    meter = SavedActivationMeter()
+    for st in stages:
+        meter.attach(st)
+    m = cfg.microbatches
+    if name.startswith("torch:"):
+        tracer = Tracer(rank=rank)
+        for st in stages:
+            attach_stage_tracer(st, tracer)
+        cls = {"torch:1F1B": Schedule1F1B, "torch:Interleaved1F1B": ScheduleInterleaved1F1B,
+               "torch:ZBVZeroBubble": ScheduleZBVZeroBubble}[name]
+        sched = cls(stages[0] if cls is Schedule1F1B else stages, m, loss_fn=lm_loss)
+    elif name == "ZBH1":
+        sched = ScheduleZBH1(stages, m, loss_fn=lm_loss)
+        tracer = sched.tracer
+    else:
+        memory = {"ZBV": "zb", "ZBVHalf": "half", "ZBVMin": "min"}[name]
+        sched = ScheduleZBV(stages, m, loss_fn=lm_loss, memory=memory)
+        tracer = sched.tracer
+    return sched, stages, tracer, meter
+
+
+def _rank_main(rank: int, world: int, cfg: Config) -> dict | None:
+    import torch
+    import torch.distributed as dist
+
+    from zbpipe.testing.models import TinyGPTConfig, synthetic_batch
+    from zbpipe.trace import Trace
+
+    runs = {name: _build(name, rank, world, cfg) for name in cfg.schedules}
+    mcfg = TinyGPTConfig(vocab=256, hidden=cfg.hidden, seq=cfg.seq)
+    ids, tgt = synthetic_batch(mcfg, cfg.microbatches * cfg.microbatch_size, 0)
+
+    def one_step(name: str) -> tuple[float, list, int]:
+        sched, stages, tracer, meter = runs[name]
+        has_first = any(s.is_first for s in stages)
+        has_last = any(s.is_last for s in stages)
+        for st in stages:
+            for p in st.submod.parameters():
+                p.grad = None
+        tracer.clear()
+        meter.reset_peak()
+        dist.barrier()
+        t0 = time.perf_counter()
+        sched.step(*((ids,) if has_first else ()), target=tgt if has_last else None)
+        return time.perf_counter() - t0, list(tracer.events), meter.peak_bytes
+
+    for name in cfg.schedules:  # warm-up (shape inference, allocator)
+        one_step(name)
+    records: list[tuple[int, str, float, list, int]] = []
+    for rep in range(cfg.reps):
+        k = rep % len(cfg.schedules)
+        for name in cfg.schedules[k:] + cfg.schedules[:k]:
+            t, events, peak = one_step(name)
+            records.append((rep, name, t, events, peak))
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, records)
+    if rank != 0:
+        return None
+    out: dict[str, Any] = {}
+    for name in cfg.schedules:
+        times, bubbles = [], []
+        for rep in range(cfg.reps):
+            per_rank = [next(r for r in recs if r[0] == rep and r[1] == name) for recs in gathered]
+            times.append(max(r[2] for r in per_rank))
+            bubbles.append(Trace({i: r[3] for i, r in enumerate(per_rank)}).bubble_rate)
+        peaks = [max(r[4] for r in recs if r[1] == name) for recs in gathered]
+        out[name] = {"step_time_s": times, "bubble_rate": bubbles, "peak_saved_bytes_per_rank": peaks}
+    base = out[cfg.schedules[0]]["step_time_s"]
+    for name in cfg.schedules:
+        ratios = [t / b for t, b in zip(out[name]["step_time_s"], base)]
+        out[name]["ratio_to_first"] = {"min": min(ratios), "median": statistics.median(ratios), "max": max(ratios)}
+    return out
+
+
+def main() -> None:
+    from zbpipe.testing import run_ranks
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    defaults = Config()
+    for f in ("reps", "microbatches", "microbatch_size", "hidden", "seq", "blocks"):
+        ap.add_argument(f"--{f.replace('_', '-')}", type=int, default=getattr(defaults, f))
+    ap.add_argument("--schedules", default=",".join(SCHEDULES))
+    ap.add_argument("--out", default="benchmarks/results/real_run.json")
+    args = ap.parse_args()
+    cfg = Config(**{f: getattr(args, f) for f in ("reps", "microbatches", "microbatch_size", "hidden", "seq", "blocks")},
+                 schedules=tuple(args.schedules.split(",")))
+    t0 = time.perf_counter()
+    res = run_ranks(_rank_main, 2, cfg, timeout=3600)[0]
+    print(f"2 ranks, m={cfg.microbatches}, microbatch {cfg.microbatch_size}x{cfg.seq} tokens, hidden {cfg.hidden}, "
+          f"{cfg.blocks} blocks, {cfg.reps} interleaved reps ({time.perf_counter() - t0:.0f} s)")
+    print(f"{'schedule':<24}{'median step':>12}{'vs ' + cfg.schedules[0]:>28}{'bubble':>9}{'peak saved MiB/rank':>22}")
+    for name in cfg.schedules:
+        r = res[name]
+        q = r["ratio_to_first"]
+        peaks = "/".join(f"{b / 2**20:.1f}" for b in r["peak_saved_bytes_per_rank"])
+        print(f"{name:<24}{statistics.median(r['step_time_s']) * 1e3:>9.1f} ms"
+              f"{q['median']:>10.3f} ({q['min']:.3f}-{q['max']:.3f})"
+              f"{statistics.median(r['bubble_rate']):>9.1%}{peaks:>22}")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"config": asdict(cfg), "results": res}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
