@@ -1,4 +1,4 @@
-"""``zbpipe`` command line: ``simulate`` one schedule, ``compare`` them all, run the ``demo``.
+"""``zbpipe`` command line: ``simulate`` one schedule, ``compare`` them all, ``draw`` a timeline, run the ``demo``.
 
 Each subcommand is a ``build_parser`` entry plus a ``_cmd_<name>(args) -> int`` handler, so new
 subcommands (``demo``, ``draw``) add one ``add_parser`` block and one handler.
@@ -43,6 +43,19 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_ = sub.add_parser("compare", help="simulate every known schedule side by side")
     common(cmp_)
     cmp_.set_defaults(handler=_cmd_compare)
+
+    draw = sub.add_parser("draw", help="draw a plan's simulated timeline, or a measured trace, as PNG and/or Chrome JSON")
+    draw.add_argument("--schedule", default="ZBH1", help="schedule to simulate and draw (ignored with --trace)")
+    draw.add_argument("--trace", metavar="FILE", help="draw a measured trace instead (the Chrome JSON Trace.write_chrome writes)")
+    draw.add_argument("-p", "--num-ranks", type=int, help="pipeline ranks (needed without --trace)")
+    draw.add_argument("-m", "--n-microbatches", type=int, help="microbatches per step (needed without --trace)")
+    draw.add_argument("--costs", type=_costs_arg, default=Costs(),
+                      help="per-stage costs of the model split into p stages, e.g. f=1,b=1,w=1,comm=0")
+    draw.add_argument("--memory-limit", type=float, default=None, help="per-rank activation memory limit")
+    draw.add_argument("--png", metavar="FILE", help="write the timeline picture here (needs matplotlib)")
+    draw.add_argument("--json", metavar="FILE", help="write Chrome/Perfetto trace JSON here (chrome://tracing, ui.perfetto.dev)")
+    draw.add_argument("--title", help="picture title (default: schedule, p, m, bubble rate)")
+    draw.set_defaults(handler=_cmd_draw)
 
     demo = sub.add_parser("demo", add_help=False,
                           help="the main job: a real 2-rank CPU training run, ZB-H1 against torch's 1F1B "
@@ -112,6 +125,42 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         print(f"{name:<28} {res.bubble_rate:>11.4f} {res.makespan:>10.4g} {peak:>12.4g}")
     for note in notes:
         print(note)
+    return 0
+
+
+def _cmd_draw(args: argparse.Namespace) -> int:
+    from . import draw  # matplotlib itself is imported only when a PNG is painted
+
+    if not (args.png or args.json):
+        raise ValueError("nothing to write: give --png FILE and/or --json FILE")
+    try:
+        if args.trace:
+            with open(args.trace) as f:
+                data = json.load(f)
+            boxes = draw.boxes_from_chrome(data)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(draw.to_chrome(boxes), f)
+            if args.png:
+                rate = draw.trace_png(data, args.png, title=args.title)
+                print(f"measured trace: {len(boxes)} ranks, bubble rate {rate:.4f}")
+        else:
+            if args.num_ranks is None or args.n_microbatches is None:
+                raise ValueError("drawing a schedule needs -p/--num-ranks and -m/--n-microbatches (or give --trace FILE)")
+            pl, res = _run(args.schedule, args)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(draw.plan_chrome(pl, result=res), f)
+            if args.png:
+                draw.plan_timeline_png(pl, None, args.png, result=res, title=args.title)
+            print(f"{pl.name}: {pl.num_ranks} ranks, {pl.n_microbatches} microbatches, "
+                  f"bubble rate {res.bubble_rate:.4f}, makespan {res.makespan:.4f}")
+    except ImportError as e:
+        print(f"zbpipe draw: error: {e}", file=sys.stderr)
+        return 2
+    for path in (args.png, args.json):
+        if path:
+            print(f"wrote {path}")
     return 0
 
 
