@@ -25,3 +25,18 @@ FULL_BACKWARD = _ComputationType.FULL_BACKWARD
 #: zbpipe's paper letters -> torch's computation types (lossless both ways).
 KIND_TO_TORCH = {"F": FORWARD, "B": BACKWARD_INPUT, "W": BACKWARD_WEIGHT, "BW": FULL_BACKWARD}
 TORCH_TO_KIND = {v: k for k, v in KIND_TO_TORCH.items()}
+
+
+def stage_message_bytes(stage: _PipelineStageBase, which: str) -> int:
+    """Bytes of one microbatch's activations a stage receives (``"inputs"``) or sends (``"outputs"``).
+
+    Read from the tensor metadata torch infers on the first step (``_stage_meta``, private);
+    0 before that. Used by :mod:`zbpipe.profile` to time messages of the real size.
+    """
+    metas = getattr(getattr(stage, "_stage_meta", None), which, None) or ()
+    total = 0
+    for meta in metas:
+        shape, dtype = getattr(meta, "shape", None), getattr(meta, "dtype", None)
+        if shape is not None and dtype is not None:
+            total += shape.numel() * dtype.itemsize
+    return total

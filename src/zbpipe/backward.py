@@ -497,8 +497,23 @@ def _sum(parts: list[Tensor]) -> Tensor:
     return total
 
 
-def _storage(t: Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+def _storage(t: Tensor) -> int | None:
+    """The data pointer of ``t``'s storage; ``None`` when it has none we can name.
+
+    A wrapper tensor subclass has no storage of its own (DTensor raises "invalid python storage"
+    here: tensor-parallel layers hand DTensor gradients to B's boundaries and W). For a DTensor
+    this is its local shard's storage; any other storage-less tensor gives ``None``, which
+    ``_accumulate`` treats as "maybe shared": it copies instead of stealing.
+    """
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(t, DTensor):
+            with torch.no_grad():
+                return _storage(t.to_local())
+        return None
 
 
 def _accumulate(p: torch.nn.Parameter, parts: list[Tensor], known_storages: set[int]) -> None:
@@ -511,7 +526,13 @@ def _accumulate(p: torch.nn.Parameter, parts: list[Tensor], known_storages: set[
     """
     g = _sum(parts).detach()
     if p.grad is None:
-        if g.stride() != p.stride() or _storage(g) in known_storages or g._base is not None:
+        storage = _storage(g)
+        if storage is None or type(g) is not torch.Tensor:
+            # A tensor subclass (a DTensor from a tensor-parallel layer): empty_strided would make
+            # a plain tensor; clone keeps the subclass, its placements and (dense) strides.
+            if storage is None or storage in known_storages or g._base is not None:
+                g = g.clone()
+        elif g.stride() != p.stride() or storage in known_storages or g._base is not None:
             g = torch.empty_strided(p.size(), p.stride(), dtype=p.dtype, device=p.device).copy_(g)
         p.grad = g
     else:

@@ -23,7 +23,9 @@ import torch
 
 from . import _compat as C
 from .backward import WeightGrad, backward_input
+from .inputs import FirstStageKeywords
 from .plan import Costs, Plan
+from .profile import CostProfiler, ProfileConfig
 from .trace import Tracer
 from .validation import (
     check_not_compiled,
@@ -67,11 +69,17 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         scale_grads: bool = True,
         backward_requires_autograd: bool = True,
         *,
-        costs: Costs | None = None,
+        costs: Costs | Literal["profile"] | None = None,
+        profile: ProfileConfig | None = None,
         trace: bool = True,
         check_peers: bool = True,
         **plan_options: Any,
     ) -> None:
+        # costs="profile": plan for equal costs now, measure real ones on the first steps, re-plan
+        # (zbpipe.profile). Everything else about construction is unchanged.
+        profiling = _check_profile_args(type(self), costs, profile)
+        if profiling:
+            costs = None
         stages = check_schedule_args(type(self), stages, n_microbatches, costs)
         super().__init__(
             stages=stages,
@@ -84,6 +92,9 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
             backward_requires_autograd=backward_requires_autograd,
         )
         self.costs = costs if costs is not None else Costs()
+        self._plan_options = plan_options  # kept for a re-plan from measured costs
+        #: the agreed per-stage costs once ``costs="profile"`` has measured them (else None)
+        self.measured_costs: Costs | None = None
         self.plan: Plan = self.build_plan(self.pp_group_size, n_microbatches, self.costs, **plan_options)
         check_plan_for_runtime(self.plan, stages)
         if self.plan.uses_split_backward():
@@ -92,11 +103,12 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
             fingerprint = config_fingerprint(type(self), n_microbatches, self._num_stages, self.plan)
             summary = f"{type(self).__name__}(n_microbatches={n_microbatches}, stages={self._num_stages}, plan {fingerprint})"
             check_peers_agree(type(self), stages[0].group, self.rank, fingerprint, summary)
-        torch_order = plan_to_torch_actions(self.plan)
-        self.pipeline_order = {r: list(acts) for r, acts in torch_order.items()}
-        self._prepare_schedule_with_comms(torch_order)
-        self.tracer = Tracer(rank=self.rank, enabled=trace)
+        self._lower(self.plan)
+        self.tracer = Tracer(rank=self.rank, enabled=trace or profiling)
+        self._profiler = CostProfiler(profile or ProfileConfig(), keep_tracing=trace) if profiling else None
         self._stage_by_index = {s.stage_index: s for s in stages}
+        # dict/TensorDict batches reach stage 0 by keyword (torch stages take only tensors positionally)
+        self._batch_keywords = FirstStageKeywords(stages)
         self._pending_w: dict[tuple[int, int], WeightGrad] = {}
         self._step_opts: tuple[bool, dict[str, Any] | None] = (True, None)
         #: microbatches whose loss was NaN/Inf in the last step (last-stage rank only)
@@ -110,6 +122,23 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
             self.register_custom_function(kind, fn)
 
     # ------------------------------------------------------------------ planning
+    def _lower(self, plan: Plan) -> None:
+        torch_order = plan_to_torch_actions(plan)
+        self.pipeline_order = {r: list(acts) for r, acts in torch_order.items()}
+        self._prepare_schedule_with_comms(torch_order)
+
+    def replan(self, new_plan: Plan) -> None:
+        """Run ``new_plan`` from the next step on (call between steps, on every rank, same plan).
+
+        Lowers it to torch's action lists again (torch re-inserts the communication). The caller
+        guarantees the ranks agree (``zbpipe.profile`` exchanges the fingerprint first).
+        """
+        check_plan_for_runtime(new_plan, self._stages)
+        if new_plan.uses_split_backward():
+            check_not_compiled(type(self), self._stages)
+        self._lower(new_plan)
+        self.plan = new_plan
+
     def build_plan(self, num_ranks: int, n_microbatches: int, costs: Costs, **options: Any) -> Plan:
         """The plan this schedule runs (every rank computes the same one)."""
         from .plan import plan
@@ -129,13 +158,17 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
     def step(self, *args: Any, target: Any = None, losses: list | None = None, **kwargs: Any) -> Any:
         """Run one step over ``n_microbatches`` microbatches (torch's ``step`` contract).
 
-        The rank holding stage 0 passes the batch (``args``); the rank holding the last stage
-        passes ``target`` and may pass a ``losses`` list to receive the per-microbatch losses.
+        The rank holding stage 0 passes the batch (``args``: tensors, or a dict / TensorDict that
+        stage 0 receives split into microbatches, see :mod:`zbpipe.inputs`); the rank holding the
+        last stage passes ``target`` and may pass a ``losses`` list to receive the per-microbatch losses.
         """
         check_step_args(self, args, target)
+        args, kwargs = self._batch_keywords.bind(args, kwargs, self._n_microbatches)
         self.tracer.clear()
         out = super().step(*args, target=target, losses=losses, **kwargs)
         self._report_nonfinite_losses(losses)
+        if self._profiler is not None:
+            self._profiler.after_step(self)  # collective on the profiling window's last step
         return out
 
     def _report_nonfinite_losses(self, losses: list | None) -> None:
@@ -208,8 +241,10 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
                 outputs, output_grads = (self._maybe_get_loss(stage, mb),), None
             else:
                 outputs, output_grads = stage_output, stage._retrieve_recv_grads(mb)
-            params = [p for p in stage.submod.parameters() if p.requires_grad]
             with _dp_no_sync(stage):
+                # Read the parameters inside _dp_no_sync: under FSDP2 it unshards the stage first,
+                # so these are the unsharded tensors the forward used (the graph's leaves).
+                params = [p for p in stage.submod.parameters() if p.requires_grad]
                 grads, weight_grad = backward_input(outputs, output_grads, input_values, params)
             self._pending_w[(s, mb)] = weight_grad
             num_args = len(stage._stage_meta.inputs)
@@ -240,11 +275,38 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         self._backward_epilogue(stage, mb)
 
 
-class _dp_no_sync:
-    """Keep FSDP2 from reducing gradients inside a microbatch's B or W.
+def _check_profile_args(cls: type, costs: Any, profile: Any) -> bool:
+    """True for ``costs="profile"``; a ValueError for other strings or a stray ``profile=``."""
+    if isinstance(costs, str):
+        if costs != "profile":
+            raise ValueError(f"{cls.__name__}: costs must be a zbpipe.Costs, None or 'profile', got {costs!r}")
+        if profile is not None and not isinstance(profile, ProfileConfig):
+            raise ValueError(f"{cls.__name__}: profile must be a zbpipe.profile.ProfileConfig, got {profile!r}")
+        return True
+    if profile is not None:
+        raise ValueError(f"{cls.__name__}: profile= only applies with costs='profile'; pass costs='profile' or drop it")
+    return False
 
-    The gradient reduction of a stage follows its last W (torch lowers a REDUCE_GRAD action
-    after it), not its last B. Mirrors what torch's stage does around its own backward.
+
+class _dp_no_sync:
+    """Prepare an FSDP2 stage for one split backward pass (B or W) of one microbatch.
+
+    1. No gradient reduction inside a microbatch's B or W: the reduce-scatter of a stage follows
+       its LAST W (torch lowers a REDUCE_GRAD action after it, which calls FSDP's post-backward
+       once), not its last B. Mirrors what torch's stage does around its own backward. FSDP2's
+       own hooks stay harmless: its pre-backward hook (on the stage outputs, so it fires in B
+       only) queues a final callback that runs post_backward with sync off (accumulate only),
+       and W's ``autograd.grad`` calls start inside the graph, below every FSDP hook.
+    2. Every FSDP module of the stage is unsharded (a no-op when it already is). With
+       ``reshard_after_forward=True`` a block is resharded after each forward, and FSDP2 then
+       registers the *sharded* DTensor parameters on the module. B must collect the unsharded
+       parameters (the leaves of the forward's graph; FSDP2 keeps those objects across
+       reshards): collected from a resharded block they are DTensors no graph node leads to,
+       and W silently drops their gradients. W may also read a weight (a weight-norm's grad
+       does) whose storage a later microbatch's forward freed. FSDP2's pre-backward hook would
+       all-gather in B anyway; for W it is one extra all-gather when a forward resharded the
+       block in between, the price of ``reshard_after_forward=True`` with a split backward.
+       Every dp rank runs the same plan, so these collectives match across the dp group.
     """
 
     def __init__(self, stage: Any) -> None:
@@ -257,6 +319,9 @@ class _dp_no_sync:
             self.module.set_is_last_backward(False)
             self.module.set_reshard_after_backward(False)
             self.module.set_requires_gradient_sync(False)
+            for sub in self.module.modules():
+                if isinstance(sub, FSDPModule):
+                    sub.unshard()
 
     def __exit__(self, *exc: object) -> None:
         return None

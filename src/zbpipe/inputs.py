@@ -1,0 +1,135 @@
+"""Batches that are dicts of tensors or ``tensordict.TensorDict`` s.
+
+What a user gets: **each microbatch has the structure of the batch passed to ``step()``**. With
+``sched.step(td, target=y)`` and a first stage written as ``def forward(self, batch): ...``, the
+first stage is called once per microbatch with a ``TensorDict`` holding rows ``[i*b/m, (i+1)*b/m)``
+of every entry (split along dim 0, its batch dimension; a plain dict of tensors likewise gives a
+dict). Nested dicts/TensorDicts split the same way; keys and ``batch_size`` follow the split.
+
+Why zbpipe has to help: torch 2.13's ``split_args_kwargs_into_chunks`` already splits a dict
+(pytree) and a TensorDict (tensordict registers itself with pytree and fixes ``batch_size``), but
+a ``PipelineStage`` rejects any positional input that is not a tensor ("All stage args must be
+tensors. Use kwargs for non-tensor inputs"). So zbpipe passes such a batch to stage 0 *by keyword*,
+named after the matching parameter of stage 0's ``forward`` (``batch=td``), which Python binds
+exactly like the positional call. Torch hands keyword inputs to every stage on the rank, so on a
+rank holding stage 0 and another stage (V placement: stages 0 and 2p-1) the other stage is kept
+from seeing them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import Any, Mapping, Sequence
+
+import torch
+
+
+def is_structured_batch(x: Any) -> bool:
+    """A dict of tensors or a TensorDict (anything a stage cannot take positionally in torch 2.13)."""
+    if isinstance(x, Mapping):
+        return True
+    td = sys.modules.get("tensordict")  # never import tensordict for users who do not use it
+    return td is not None and isinstance(x, td.TensorDictBase)
+
+
+def _leaves(x: Any, prefix: str = "batch") -> list[tuple[str, Any]]:
+    if isinstance(x, Mapping) or is_structured_batch(x):
+        out = []
+        for k in x.keys():
+            out += _leaves(x[k], f"{prefix}[{k!r}]")
+        return out
+    return [(prefix, x)]
+
+
+def check_batch(batch: Any, n_microbatches: int, name: str = "batch") -> None:
+    """Every tensor of a dict/TensorDict batch can be split along dim 0 into ``n_microbatches``.
+
+    torch would otherwise quietly make fewer microbatches (it takes the smallest dim 0) or fail
+    inside its splitter with an assertion.
+    """
+    sizes = {path: t.shape[0] for path, t in _leaves(batch, name) if isinstance(t, torch.Tensor) and t.dim() > 0}
+    scalars = [path for path, t in _leaves(batch, name) if isinstance(t, torch.Tensor) and t.dim() == 0]
+    if scalars:
+        raise ValueError(
+            f"{scalars[0]} is a 0-dim tensor and cannot be split into microbatches; give it a batch dimension "
+            "or pass it as a non-tensor (Python number) so it is repeated for every microbatch"
+        )
+    if len(set(sizes.values())) > 1:
+        raise ValueError(
+            f"the tensors of {name} disagree on their batch size (dim 0): {sizes}; every entry must have "
+            "the same dim 0, which is split into microbatches"
+        )
+    small = {p: s for p, s in sizes.items() if s < n_microbatches}
+    if small:
+        raise ValueError(
+            f"{name} has batch size {next(iter(small.values()))} < n_microbatches={n_microbatches}: "
+            "pass a larger batch or fewer microbatches"
+        )
+
+
+class FirstStageKeywords:
+    """Passes dict/TensorDict inputs of ``step()`` to stage 0 by keyword, and to no other stage.
+
+    Built once per schedule from the rank's stages (a no-op on ranks without stage 0).
+    """
+
+    def __init__(self, stages: Sequence[Any]) -> None:
+        self._first = next((s for s in stages if s.is_first), None)
+        self._keys: frozenset[str] = frozenset()
+        if self._first is not None:
+            for stage in stages:
+                if stage is not self._first:
+                    self._guard(stage)
+
+    def bind(self, args: tuple, kwargs: dict[str, Any], n_microbatches: int) -> tuple[tuple, dict[str, Any]]:
+        """``step()``'s ``(args, kwargs)`` as torch's stage accepts them.
+
+        Tensor-only positional inputs pass unchanged (torch's own path). If any positional input
+        is a dict/TensorDict, every positional input becomes a keyword argument named after stage
+        0's ``forward`` parameters.
+        """
+        if self._first is None or not any(is_structured_batch(a) for a in args):
+            self._keys = frozenset()
+            return args, kwargs
+        module = self._first.submod
+        sig = inspect.signature(module.forward)
+        params = list(sig.parameters.values())
+        for p, a in zip(params, args):
+            if p.kind in (p.POSITIONAL_ONLY, p.VAR_POSITIONAL):
+                raise ValueError(
+                    f"step(): a dict/TensorDict batch is passed to stage 0 by keyword (torch stages take only "
+                    f"tensors positionally), but {type(module).__name__}.forward's parameter {p.name!r} is "
+                    f"{'positional-only' if p.kind == p.POSITIONAL_ONLY else '*args'}; make it a normal "
+                    "parameter, or call step(name=batch) with a keyword forward accepts"
+                )
+        try:
+            bound = sig.bind_partial(*args, **kwargs)
+        except TypeError as e:
+            raise ValueError(
+                f"step(): cannot pass the positional inputs to {type(module).__name__}.forward{sig} by name: {e}"
+            ) from None
+        names = [p.name for p, _ in zip(params, args)]
+        for name, value in zip(names, args):
+            if is_structured_batch(value):
+                check_batch(value, n_microbatches, name)
+        self._keys = frozenset(names)
+        return (), {**kwargs, **{n: bound.arguments[n] for n in names}}
+
+    def _drop(self, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        if not kwargs or not self._keys:
+            return kwargs
+        return {k: v for k, v in kwargs.items() if k not in self._keys}
+
+    def _guard(self, stage: Any) -> None:
+        """Wrap this stage object's two entry points that receive ``step()``'s keywords."""
+        forward, prepare = stage.forward_one_chunk, stage._prepare_forward_infra
+
+        def forward_one_chunk(mb: int, args: Any, kwargs: dict | None = None, *rest: Any, **kw: Any) -> Any:
+            return forward(mb, args, self._drop(kwargs), *rest, **kw)
+
+        def _prepare_forward_infra(n: int, args: Any, kwargs: dict | None = None, *rest: Any, **kw: Any) -> Any:
+            return prepare(n, args, self._drop(kwargs), *rest, **kw)
+
+        stage.forward_one_chunk = forward_one_chunk
+        stage._prepare_forward_infra = _prepare_forward_infra
