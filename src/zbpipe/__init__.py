@@ -20,6 +20,7 @@ _LAZY: dict[str, str] = {
     "ScheduleZBH2": "zbpipe.schedules",
     "ScheduleZBV": "zbpipe.schedules",
     "ScheduleZBAuto": "zbpipe.schedules",
+    "ScheduleContinuous": "zbpipe.continuous",
     "get_schedule_class": "zbpipe.schedules",
     "PlannedSchedule": "zbpipe.runtime",
     "PostValidatedStep": "zbpipe.optim",

@@ -50,13 +50,9 @@ def original_get_schedule_class() -> Callable[[str], type]:
 
 def lookup_zbpipe(name: str) -> type | None:
     """zbpipe's class for ``name`` (a ``SCHEDULES`` key or class name, any case), else ``None``."""
-    from .schedules import SCHEDULES
+    from .schedules import find_schedule
 
-    wanted = name.lower()
-    for key, cls in SCHEDULES.items():
-        if wanted in (key.lower(), cls.__name__.lower()):
-            return cls
-    return None
+    return find_schedule(name)
 
 
 def _make_wrapper(original: Callable[[str], type]) -> Callable[[str], type]:

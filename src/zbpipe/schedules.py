@@ -113,21 +113,37 @@ SCHEDULES: dict[str, type[PlannedSchedule]] = {
 }
 
 
+def _all_schedules() -> dict[str, type]:
+    # ScheduleContinuous runs its own stream runtime (zbpipe.continuous); import it on demand.
+    from .continuous import ScheduleContinuous
+
+    return {**SCHEDULES, "Continuous": ScheduleContinuous}
+
+
+def find_schedule(name: str) -> type | None:
+    """zbpipe's class for ``name`` (a short name like ``"ZBV"`` or a class name, any case), else None."""
+    wanted = name.lower()
+    for key, cls in _all_schedules().items():
+        if wanted in (key.lower(), cls.__name__.lower()):
+            return cls
+    return None
+
+
 def get_schedule_class(name: str) -> type:
     """The schedule class for ``name`` (case-insensitive): zbpipe's names first, then torch's.
 
     >>> get_schedule_class("ZBH1").__name__
     'ScheduleZBH1'
     """
-    for key, cls in SCHEDULES.items():
-        if name.lower() in (key.lower(), cls.__name__.lower()):
-            return cls
+    found = find_schedule(name)
+    if found is not None:
+        return found
     from torch.distributed.pipelining.schedules import get_schedule_class as torch_get
 
     try:
         return torch_get(name)
     except ValueError:
         raise ValueError(
-            f"unknown schedule {name!r}: zbpipe knows {sorted(SCHEDULES)}; torch's names are also accepted "
+            f"unknown schedule {name!r}: zbpipe knows {sorted(_all_schedules())}; torch's names are also accepted "
             "(1F1B, Interleaved1F1B, GPipe, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV)"
         ) from None

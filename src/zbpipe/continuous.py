@@ -1,0 +1,426 @@
+"""``ScheduleContinuous``: flush-free pipelining across optimizer steps (one stage per rank).
+
+Execution model
+---------------
+The plan is :func:`zbpipe.plan.continuous.continuous_parts`: per rank a warm-up, a period per
+mini-batch boundary and a drain, over global microbatch indices ``g = k * m + j`` (mini-batch
+``k`` of the current stream, microbatch ``j``). The user hands in one mini-batch per
+:meth:`ScheduleContinuous.step` call. Every rank keeps the same
+:class:`~zbpipe.continuous_stream.StreamFrontier`: the orders of all ranks grown by one period
+per mini-batch, and a fixed point telling how far each rank can run with the data given so far.
+``step(k)`` runs, on this rank, exactly the new part of its own order: everything that needs only
+mini-batches ``0..k`` (directly, or through a peer that needs a later one), then returns.
+Actions that need mini-batch ``k + 1`` wait for the next call; :meth:`flush` swaps the last
+period for the drain and runs it to the end.
+
+Because every rank's slice is a dependency-closed prefix of its order, a receive this rank
+waits on always has its send posted by a peer in this call or an earlier one. Sends never block
+(``isend``; completed at :meth:`flush`), receives are posted right before the action that
+consumes them, and every stage runs its F passes (and its B passes) in microbatch order, so the
+point-to-point messages of one direction between two ranks are matched first-in first-out, whichever
+call each side posts them in. The same holds between calls made at different times on
+different ranks: stage 0 can start mini-batch ``k + 1`` while the last stage is still in
+``k``'s drain, which is the point of the schedule.
+
+zbpipe runs the compute itself (as :mod:`zbpipe.runtime` does): F through the stage module,
+B and W through :mod:`zbpipe.backward`, using torch's ``PipelineStage`` for shape inference,
+receive buffers and send ops. The stage's per-microbatch caches are keyed by the global index
+``g``: each receive gets a fresh buffer (a buffer is still an autograd input of its microbatch
+until that microbatch's W, so buffers are never reused across microbatches), and the stage is
+told its chunk count is unbounded.
+
+Modes (see docs/continuous.md)
+------------------------------
+* ``sync``: each stage steps its optimizer for mini-batch ``k`` right after its last W of
+  ``k`` (the plan's ``step_after``), and its first F of ``k + 1`` runs after that step.
+  Parameters equal a plain synchronous training loop.
+* ``2bw`` / ``stash``: separate weight versions (:mod:`zbpipe.continuous_versions`), the stage
+  run functionally with the version each microbatch must use.
+
+When results appear: the losses of mini-batch ``k`` are computed on the last stage's F passes
+of ``k``, which every continuous plan runs during ``step(k)``; they are returned (tagged
+``(k, [m losses])``) by the call during which the last of them was computed (``step(k)`` for
+the plans zbpipe generates), on the rank holding the last stage. ``flush()`` returns any not
+yet returned.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import sys
+from typing import Any, Callable, Literal
+
+import torch
+import torch.distributed as dist
+
+from . import _compat as C
+from .backward import WeightGrad, backward_input
+from .continuous_stream import StreamFrontier
+from .continuous_versions import WeightVersions
+from .optim import PostValidatedStep, StepReport
+from .plan import Costs
+from .plan.continuous import MODES, continuous_parts, plan_continuous, version_bound
+from .validation import check_not_compiled, check_peers_agree, check_schedule_args, check_step_args, config_fingerprint
+
+log = logging.getLogger(__name__)
+
+LossRecord = tuple[int, list[torch.Tensor]]
+OptimizerArg = torch.optim.Optimizer | Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+def _post(op: dist.P2POp) -> dist.Work:
+    if op.op is dist.isend:
+        return dist.isend(op.tensor, group=op.group, tag=op.tag, group_dst=op.group_peer)
+    return dist.irecv(op.tensor, group=op.group, tag=op.tag, group_src=op.group_peer)
+
+
+def _fresh(infos: tuple) -> tuple:
+    """New receive infos with their own buffers (never share a buffer between microbatches)."""
+    out = []
+    for info in infos:
+        c = copy.copy(info)
+        if c.buffer is not None:
+            c.buffer = torch.empty_like(info.buffer)
+        out.append(c)
+    return tuple(out)
+
+
+class ScheduleContinuous(C.PipelineScheduleMulti):
+    """Flush-free pipeline schedule: mini-batches flow across optimizer steps without a barrier.
+
+    ``stages``: this rank's one ``PipelineStage`` (loop placement: stage ``r`` on rank ``r``).
+    ``optimizer``: an optimizer over this stage's parameters, or a factory
+    ``callable(params) -> Optimizer`` called with them (either works in every mode: the
+    optimizer always steps the module's own parameters; 2bw/stash keep their weight versions
+    as separate copies). The schedule owns the step and the gradients (it sets them to None).
+    ``mode``: ``"sync"`` (default, exact synchronous semantics), ``"2bw"`` or ``"stash"``.
+    ``post_validate``: keyword arguments of :class:`~zbpipe.optim.PostValidatedStep`
+    (``max_norm``, ``check_finite``) to clip by the global gradient norm / skip non-finite steps
+    with no barrier; sync mode only. ``costs`` / ``memory_limit`` go to the plan generator.
+    """
+
+    placement = "loop"
+    stages_per_rank = 1
+
+    def __init__(
+        self,
+        stages: Any,
+        n_microbatches: int,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        args_chunk_spec: Any = None,
+        kwargs_chunk_spec: Any = None,
+        output_merge_spec: Any = None,
+        scale_grads: bool = True,
+        *,
+        optimizer: OptimizerArg,
+        mode: Literal["sync", "2bw", "stash"] = "sync",
+        costs: Costs | None = None,
+        memory_limit: float | None = None,
+        post_validate: dict[str, Any] | None = None,
+        check_peers: bool = True,
+    ) -> None:
+        stages = check_schedule_args(type(self), stages, n_microbatches, costs)
+        if mode not in MODES:
+            raise ValueError(f"ScheduleContinuous: mode must be one of {MODES}, got {mode!r}")
+        if loss_fn is None:
+            raise ValueError("ScheduleContinuous: loss_fn is required (the schedule trains; use torch's eval() schedules to infer)")
+        if post_validate is not None and mode != "sync":
+            raise ValueError("ScheduleContinuous: post_validate is supported in mode='sync' only; drop it or use sync")
+        super().__init__(stages=stages, n_microbatches=n_microbatches, loss_fn=loss_fn,
+                         args_chunk_spec=args_chunk_spec, kwargs_chunk_spec=kwargs_chunk_spec,
+                         output_merge_spec=output_merge_spec, scale_grads=scale_grads)
+        self.mode = mode
+        self.costs = costs if costs is not None else Costs()
+        self.stage = stages[0]
+        check_not_compiled(type(self), stages)
+        p, m = self.pp_group_size, n_microbatches
+        self.parts = continuous_parts(p, m, self.costs, memory_limit, mode)
+        if check_peers:
+            plan = plan_continuous(p, m, self.costs, memory_limit, n_minibatches=2, mode=mode)
+            fp = config_fingerprint(type(self), m, self._num_stages, plan)
+            check_peers_agree(type(self), self.stage.group, self.rank, fp,
+                              f"ScheduleContinuous(n_microbatches={m}, mode={mode}, plan {fp})")
+        params = [q for q in self.stage.submod.parameters()]
+        if isinstance(optimizer, torch.optim.Optimizer):
+            self.optimizer = optimizer
+        elif callable(optimizer):
+            self.optimizer = optimizer(params)
+        else:
+            raise ValueError("ScheduleContinuous: optimizer must be a torch Optimizer or a callable(params) -> Optimizer")
+        self._pv = PostValidatedStep(self.optimizer, group=self.stage.group, **post_validate) if post_validate else None
+        #: reports of the post-validated steps, in mini-batch order (post_validate only)
+        self.step_reports: list[StepReport] = []
+        self._versions = WeightVersions(self.stage.submod, mode) if mode != "sync" else None
+        self._initialized = False
+        self._base = 0  # mini-batches completed by earlier (flushed) streams
+        self._reset_stream()
+
+    # ------------------------------------------------------------------ public API
+    @classmethod
+    def stage_index_to_rank(cls, num_ranks: int) -> dict[int, int]:
+        return {s: s for s in range(num_ranks)}
+
+    @property
+    def minibatches_done(self) -> int:
+        """Mini-batches whose optimizer step this stage has applied."""
+        return self._base + self._stepped
+
+    @property
+    def in_flight(self) -> bool:
+        """True when mini-batches were given since the last :meth:`flush`."""
+        return self._given > 0 or (self._pv is not None and self._pv._pending is not None)
+
+    @property
+    def live_versions(self) -> int:
+        """Weight versions held now (1 in sync mode)."""
+        return 1 if self._versions is None else len(self._versions.store)
+
+    @property
+    def max_live_versions(self) -> int:
+        """The most weight versions held at once so far (1 in sync mode)."""
+        return 1 if self._versions is None else self._versions.peak
+
+    @property
+    def version_bound(self) -> int:
+        """The documented bound on :attr:`max_live_versions` for this stage."""
+        return version_bound(self.mode, self._num_stages, self.stage.stage_index)
+
+    def step(self, *args: Any, target: Any = None, losses: list | None = None, **kwargs: Any) -> list[LossRecord]:
+        """Hand in one mini-batch and run everything it makes runnable on this rank.
+
+        Returns (and appends to ``losses`` if given) ``(minibatch_index, [per-microbatch
+        losses])`` for the mini-batches whose losses were completed during this call (last
+        stage only; mini-batch indices count from the first step, across flushes).
+        """
+        check_step_args(self, args, target)
+        if not torch.is_grad_enabled():
+            raise RuntimeError("ScheduleContinuous.step() trains and needs autograd; do not call it under torch.no_grad()")
+        m = self._n_microbatches
+        arg_mbs, kwarg_mbs = self._split_inputs(args, kwargs)
+        target_mbs = list(torch.tensor_split(target, m, 0)) if target is not None else None
+        if not self._initialized:
+            self._initialize(arg_mbs[0], kwarg_mbs[0], target_mbs[0] if target_mbs else None)
+        start = self._given * m
+        for j in range(m):
+            self._args[start + j] = arg_mbs[j]
+            self._kwargs[start + j] = kwarg_mbs[j]
+            if target_mbs is not None:
+                self._targets[start + j] = target_mbs[j]
+        self._given += 1
+        self._frontier.give(self._given)
+        self._run(self._frontier.advance(self._given * m)[self.rank])
+        return self._report(losses)
+
+    def flush(self, losses: list | None = None) -> list[LossRecord]:
+        """Finish every mini-batch given: run the drain, wait for all sends, validate the last step.
+
+        Afterwards every stage has stepped its optimizer once per mini-batch given, the
+        parameters are final (post-validation settled), nothing is in flight, and ``step()``
+        may start a new stream (the mini-batch count continues). Returns the losses not yet
+        returned. Call it at the end of training and before evaluation or a checkpoint.
+        """
+        if self._given:
+            self._frontier.drain(self._given)
+            self._run(self._frontier.advance(self._given * self._n_microbatches)[self.rank])
+            if self._frontier.pending():
+                raise RuntimeError("zbpipe continuous: the drain did not finish; the plan is inconsistent")
+        for w in self._sends:
+            w.wait()
+        self._sends.clear()
+        self._validate()
+        out = self._report(losses)
+        if self._stepped != self._given or self._pending_w or self.stage.fwd_cache:
+            raise RuntimeError(f"zbpipe continuous: rank {self.rank} left work after flush "
+                               f"({self._stepped} of {self._given} steps)")
+        self._base += self._given
+        self._reset_stream()
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """This stage's module, optimizer state, weight versions (2bw/stash) and mini-batch count.
+
+        Tensors and plain Python only (``torch.load(..., weights_only=True)`` reads it).
+        Raises ``RuntimeError`` with work in flight: call flush() first.
+        """
+        self._refuse_in_flight("state_dict")
+        return {
+            "mode": self.mode, "stage_index": self.stage.stage_index, "n_microbatches": self._n_microbatches,
+            "minibatches_done": self._base, "module": self.stage.submod.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "versions": self._versions.state_dict() if self._versions is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved (same mode and stage; nothing in flight)."""
+        self._refuse_in_flight("load_state_dict")
+        for key, mine in (("mode", self.mode), ("stage_index", self.stage.stage_index)):
+            if state[key] != mine:
+                raise ValueError(f"ScheduleContinuous.load_state_dict: checkpoint has {key}={state[key]!r}, this schedule {mine!r}")
+        self.stage.submod.load_state_dict(state["module"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._base = int(state["minibatches_done"])
+        if self._versions is not None:
+            self._versions.load_state_dict(state["versions"])
+
+    # ------------------------------------------------------------------ internals
+    def _refuse_in_flight(self, what: str) -> None:
+        if self.in_flight:
+            raise RuntimeError(f"ScheduleContinuous.{what}(): {self._given} mini-batch(es) are in flight; call flush() first")
+
+    def _reset_stream(self) -> None:
+        self._frontier = StreamFrontier(self.parts)
+        self._given = 0
+        self._stepped = 0
+        self._f_count = 0  # F passes this rank has run in this stream (the frontier runs ahead of it)
+        self._args: dict[int, Any] = {}
+        self._kwargs: dict[int, Any] = {}
+        self._targets: dict[int, Any] = {}
+        self._losses: dict[int, torch.Tensor] = {}
+        self._loss_values: dict[int, torch.Tensor] = {}
+        self._reported = 0
+        self._w_done: dict[int, int] = {}
+        self._grad_acc: dict[int, dict[str, torch.Tensor]] = {}
+        self._pending_w: dict[int, WeightGrad] = {}
+        self._leaves: dict[int, dict[str, torch.Tensor]] = {}
+        self._sends: list[dist.Work] = []
+
+    def _initialize(self, args: Any, kwargs: Any, target: Any) -> None:
+        """torch's shape inference and buffers, then re-keyed by global microbatch (see module doc)."""
+        st = self.stage
+        st.has_backward = True
+        self._initialize_stages(args, kwargs, target)
+        self._act_template = st.args_recv_info[0]
+        self._grad_template = st.grad_recv_info.get(0)
+        if st.grad_send_info is None:
+            st.grad_send_info = st._create_grad_send_info(st.args_recv_info[0])
+        st.args_recv_info.clear()
+        st.grad_recv_info.clear()
+        st.chunks = sys.maxsize  # keys are global microbatch indices, unbounded
+        for q in st.submod.parameters():  # shape inference must not leave gradients behind
+            q.grad = None
+        self._initialized = True
+
+    def _minibatch(self, g: int) -> int:
+        return g // self._n_microbatches
+
+    def _run(self, actions: list) -> None:
+        for a in actions:
+            try:
+                {"F": self._forward, "B": self._backward_input, "W": self._backward_weight}[a.kind](a.microbatch)
+            except Exception:
+                log.error("zbpipe continuous: rank %d failed at %s (mini-batch %d of this stream)",
+                          self.rank, a, self._minibatch(a.microbatch))
+                raise
+        self._sends = [w for w in self._sends if not w.is_completed()]
+
+    def _validate(self) -> None:
+        if self._pv is not None:
+            report = self._pv.validate()
+            if report is not None:
+                self.step_reports.append(report)
+
+    def _forward(self, g: int) -> None:
+        st = self.stage
+        self._validate()  # the previous step must be settled before these weights are read
+        if st.is_first:
+            args = self._args.pop(g)
+        else:
+            st.args_recv_info[g] = _fresh(self._act_template)
+            for w in [_post(op) for op in st.get_fwd_recv_ops(g)]:
+                w.wait()
+            args = st._retrieve_recv_activations(g)
+            del st.args_recv_info[g]
+        kwargs = self._kwargs.pop(g) or {}
+        if self._versions is not None:
+            k = self._base + self._minibatch(g)
+            leaves = self._versions.acquire(g, self._versions.version_for(k))
+            self._leaves[g] = leaves
+            out = torch.func.functional_call(st.submod, leaves, tuple(args), kwargs)
+        else:
+            out = st.submod(*args, **kwargs)
+        out_tuple = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        inputs = [*args, *kwargs.values()]
+        st.fwd_cache[g] = (out_tuple, inputs)
+        self._f_count += 1
+        if st.is_last:
+            loss = self._loss_fn(out, self._targets.pop(g))
+            self._losses[g] = loss  # the graph, until B
+            self._loss_values[g] = loss.detach()  # what the user gets
+        else:
+            self._sends += [_post(op) for op in st.get_fwd_send_ops(g)]
+
+    def _backward_input(self, g: int) -> None:
+        st = self.stage
+        stage_output, input_values = st.fwd_cache.pop(g)
+        if st.is_last:
+            outputs, output_grads = (self._losses.pop(g),), None
+        else:
+            st.grad_recv_info[g] = _fresh(self._grad_template)
+            for w in [_post(op) for op in st.get_bwd_recv_ops(g)]:
+                w.wait()
+            outputs, output_grads = stage_output, st._retrieve_recv_grads(g)
+            del st.grad_recv_info[g]
+        if self._versions is not None:
+            params = list(self._leaves[g].values())
+        else:
+            params = [q for q in st.submod.parameters() if q.requires_grad]
+        grads, self._pending_w[g] = backward_input(outputs, output_grads, input_values, params)
+        if not st.is_first:
+            st.bwd_cache[g] = tuple(grads[: len(st._stage_meta.inputs)])
+            self._sends += [_post(op) for op in st.get_bwd_send_ops(g)]
+
+    def _backward_weight(self, g: int) -> None:
+        self._pending_w.pop(g).run()
+        k = self._minibatch(g)
+        if self._versions is not None:
+            acc = self._grad_acc.setdefault(k, {})
+            for name, leaf in self._leaves.pop(g).items():
+                if leaf.grad is not None:
+                    acc[name] = leaf.grad if name not in acc else acc[name] + leaf.grad
+            self._versions.release(g, self._next_forward_minibatch())
+        self._w_done[k] = self._w_done.get(k, 0) + 1
+        if self._w_done[k] == self._n_microbatches:  # the plan's step_after: the last W of k
+            if k != self._stepped:
+                raise RuntimeError(f"zbpipe continuous: mini-batch {k} finished before {self._stepped}")
+            self._optimizer_step(k)
+
+    def _next_forward_minibatch(self) -> int:
+        return self._base + self._f_count // self._n_microbatches
+
+    def _optimizer_step(self, k: int) -> None:
+        params = [q for q in self.stage.submod.parameters()]
+        if self._versions is not None:
+            acc = self._grad_acc.pop(k, {})
+            for name, q in self._versions.params.items():
+                q.grad = acc.get(name)
+        if self.scale_grads and self._n_microbatches != 1:
+            for q in params:
+                if q.grad is not None:
+                    q.grad.div_(self._n_microbatches)
+        if self._pv is not None:
+            self._pv.step()
+        else:
+            self.optimizer.step()
+        for q in params:
+            q.grad = None
+        if self._versions is not None:
+            self._versions.updated(self._next_forward_minibatch())
+        del self._w_done[k]
+        self._stepped += 1
+
+    def _report(self, losses: list | None) -> list[LossRecord]:
+        out: list[LossRecord] = []
+        if not self.stage.is_last:
+            return out
+        m = self._n_microbatches
+        while self._reported < self._given and all(self._reported * m + j in self._loss_values for j in range(m)):
+            k = self._reported
+            out.append((self._base + k, [self._loss_values.pop(k * m + j) for j in range(m)]))
+            self._reported += 1
+        if losses is not None:
+            losses.extend(out)
+        return out
+
+
+__all__ = ["ScheduleContinuous"]
