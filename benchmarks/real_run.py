@@ -60,23 +60,24 @@ def _build(name: str, rank: int, world: int, cfg: Config) -> tuple[Any, list, An
     mine = sorted(s for s, r in placement.items() if r == rank)
     stages = [PipelineStage(modules[s], s, n_stages, torch.device("cpu")) for s in mine]
     meter = SavedActivationMeter()
-    for st in stages:
-        meter.attach(st)
     m = cfg.microbatches
     if name.startswith("torch:"):
         tracer = Tracer(rank=rank)
         for st in stages:
             attach_stage_tracer(st, tracer)
+            meter.attach(st)
         cls = {"torch:1F1B": Schedule1F1B, "torch:Interleaved1F1B": ScheduleInterleaved1F1B,
                "torch:ZBVZeroBubble": ScheduleZBVZeroBubble}[name]
         sched = cls(stages[0] if cls is Schedule1F1B else stages, m, loss_fn=lm_loss)
     elif name == "ZBH1":
         sched = ScheduleZBH1(stages, m, loss_fn=lm_loss)
         tracer = sched.tracer
+        sched.attach_meter(meter)
     else:
         memory = {"ZBV": "zb", "ZBVHalf": "half", "ZBVMin": "min"}[name]
         sched = ScheduleZBV(stages, m, loss_fn=lm_loss, memory=memory)
         tracer = sched.tracer
+        sched.attach_meter(meter)
     return sched, stages, tracer, meter
 
 

@@ -33,6 +33,8 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
+from .saved import ACTIVATION, KEEP, SavedTensors, mark_unpacking
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["WeightGrad", "backward_input", "backward_full"]
@@ -179,8 +181,13 @@ def backward_input(
     output_grads: Sequence[Tensor | None] | None,
     inputs: Sequence[Any],
     params: Sequence[torch.nn.Parameter],
+    saved: SavedTensors | None = None,
 ) -> tuple[tuple[Tensor | None, ...], WeightGrad]:
     """B: gradients of ``inputs`` (not accumulated into ``.grad``) and the pending W.
+
+    ``saved``: the holders of what this microbatch's forward saved (:mod:`zbpipe.saved`). B tags
+    each unpack with the kind of node doing it and afterwards releases what only activation
+    nodes used: W never runs those nodes, so their saved tensors need not live until W.
 
     ``outputs`` are the stage's output tensors, or ``[loss]`` on the last stage with
     ``output_grads=None`` (then every gradient is ones). Parameter gradients are not computed here;
@@ -239,6 +246,14 @@ def backward_input(
     for b in boundaries:
         if b.node in in_a:
             handles.append(b.node.register_prehook(_recorder(recorded, b.node)))
+    # Saved-tensor release (zbpipe.saved): a prehook runs right before its node unpacks its saved
+    # tensors, so tagging there tells which holders only activation nodes (never re-run by W) used.
+    # A conflict boundary makes W re-run activation children, so then nothing is released early.
+    release_early = saved is not None and not any(b.conflict for b in boundaries)
+    if release_early:
+        keep = {b.node for b in boundaries}
+        for node in in_a:
+            handles.append(node.register_prehook(_tagger(KEEP if node in keep else ACTIVATION)))
     stage0_targets = [n for n in g.order if n in targets and n not in g.input_nodes]
     target_edges: list[GradientEdge] = list(reached_inputs)
     slots: list[tuple[Node, int]] = []
@@ -253,8 +268,11 @@ def backward_input(
             outs, target_edges, grad_outputs=grads, retain_graph=True, allow_unused=True
         )
     finally:
+        mark_unpacking(None)
         for h in handles:
             h.remove()
+    if release_early:
+        saved.release_activation_only()
 
     by_edge = dict(zip([(e.node, e.output_nr) for e in reached_inputs], res[: len(reached_inputs)]))
     for pos, e in zip(input_pos, input_edges, strict=True):
@@ -444,6 +462,13 @@ def _num_slots(node: Node) -> int:
         return len(node._input_metadata)
     except (AttributeError, RuntimeError):
         return 1
+
+
+def _tagger(kind: str):
+    def hook(grad_outputs: tuple[Tensor | None, ...]) -> None:
+        mark_unpacking(kind)
+
+    return hook
 
 
 def _recorder(store: dict[Node, tuple[Tensor | None, ...]], node: Node):

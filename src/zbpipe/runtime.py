@@ -16,6 +16,7 @@ Concrete schedules (:mod:`zbpipe.schedules`) only say which plan to build.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Callable, ClassVar, Literal
 
@@ -24,8 +25,10 @@ import torch
 from . import _compat as C
 from .backward import WeightGrad, backward_input
 from .inputs import FirstStageKeywords
+from .memory import SavedActivationMeter
 from .plan import Costs, Plan
 from .profile import CostProfiler, ProfileConfig
+from .saved import SavedTensors
 from .trace import Tracer
 from .validation import (
     check_not_compiled,
@@ -110,6 +113,8 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         # dict/TensorDict batches reach stage 0 by keyword (torch stages take only tensors positionally)
         self._batch_keywords = FirstStageKeywords(stages)
         self._pending_w: dict[tuple[int, int], WeightGrad] = {}
+        self._saved: dict[tuple[int, int], SavedTensors] = {}
+        self._meter: SavedActivationMeter | None = None
         self._step_opts: tuple[bool, dict[str, Any] | None] = (True, None)
         #: microbatches whose loss was NaN/Inf in the last step (last-stage rank only)
         self.nonfinite_microbatches: list[int] = []
@@ -123,6 +128,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
 
     # ------------------------------------------------------------------ planning
     def _lower(self, plan: Plan) -> None:
+        self._split_backward = plan.uses_split_backward()
         torch_order = plan_to_torch_actions(plan)
         self.pipeline_order = {r: list(acts) for r, acts in torch_order.items()}
         self._prepare_schedule_with_comms(torch_order)
@@ -166,14 +172,17 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         args, kwargs = self._batch_keywords.bind(args, kwargs, self._n_microbatches)
         self.tracer.clear()
         out = super().step(*args, target=target, losses=losses, **kwargs)
-        self._report_nonfinite_losses(losses)
         if self._profiler is not None:
             self._profiler.after_step(self)  # collective on the profiling window's last step
         return out
 
-    def _report_nonfinite_losses(self, losses: list | None) -> None:
-        if not losses:
-            return
+    def _update_losses(self, stages: Any, losses: list | None) -> None:
+        # torch hands the losses over (and clears its own list) here: check them first, whether
+        # or not the caller asked for them.
+        self._report_nonfinite_losses(self._internal_losses)
+        super()._update_losses(stages, losses)
+
+    def _report_nonfinite_losses(self, losses: list) -> None:
         bad = [i for i, l in enumerate(losses) if isinstance(l, torch.Tensor) and not torch.isfinite(l).all()]
         self.nonfinite_microbatches = bad
         if bad:
@@ -190,14 +199,33 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
     ) -> None:
         # torch's custom-function context carries no return_outputs / loss_kwargs: keep them here.
         self._step_opts = (return_outputs, loss_kwargs)
-        self._pending_w.clear()
         try:
             super()._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs)
+            if self._pending_w:
+                raise RuntimeError(f"zbpipe: weight passes never ran for (stage, microbatch) {sorted(self._pending_w)}")
         finally:
-            # A failed step must not leak autograd graphs into the next one.
+            # A failed step must not leak autograd graphs or saved activations into the next one.
             self._pending_w.clear()
-        if self._pending_w:
-            raise RuntimeError(f"zbpipe: weight passes never ran for {sorted(self._pending_w)}")
+            for saved in self._saved.values():
+                saved.release_all()
+            self._saved.clear()
+
+    def attach_meter(self, meter: SavedActivationMeter) -> None:
+        """Count this rank's saved-activation bytes with ``meter`` (see :mod:`zbpipe.memory`)."""
+        self._meter = meter
+
+    def _hold_saved(self, stage: Any, mb: int) -> Any:
+        """Own what this forward saves (zbpipe.saved), so B and W can release it early."""
+        if not (self._split_backward or self._meter is not None):
+            return contextlib.nullcontext()
+        saved = SavedTensors(observer=self._meter, skip=_storages(stage.submod.parameters()))
+        self._saved[(stage.stage_index, mb)] = saved
+        return saved.hooks()
+
+    def _release_saved(self, s: int, mb: int) -> None:
+        saved = self._saved.pop((s, mb), None)
+        if saved is not None:
+            saved.release_all()
 
     def _wait_recv(self, ops: dict, stage_idx: int, mb: int, what: str) -> None:
         key = (stage_idx, mb)
@@ -212,7 +240,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         if not stage.is_first and (s - 1) not in self._stage_by_index:
             self._wait_recv(self.fwd_recv_ops, s, mb, "F")
         return_outputs, loss_kwargs = self._step_opts
-        with self.tracer.span("F", s, mb):
+        with self.tracer.span("F", s, mb), self._hold_saved(stage, mb):
             output = stage.forward_one_chunk(
                 mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb], save_forward_output=return_outputs
             )
@@ -245,7 +273,9 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
                 # Read the parameters inside _dp_no_sync: under FSDP2 it unshards the stage first,
                 # so these are the unsharded tensors the forward used (the graph's leaves).
                 params = [p for p in stage.submod.parameters() if p.requires_grad]
-                grads, weight_grad = backward_input(outputs, output_grads, input_values, params)
+                grads, weight_grad = backward_input(
+                    outputs, output_grads, input_values, params, saved=self._saved.get((s, mb))
+                )
             self._pending_w[(s, mb)] = weight_grad
             num_args = len(stage._stage_meta.inputs)
             stage.bwd_cache[mb] = tuple(grads[:num_args])
@@ -264,6 +294,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         weight_grad = self._pending_w.pop((s, mb))
         with self.tracer.span("W", s, mb), _dp_no_sync(stage):
             weight_grad.run()
+        self._release_saved(s, mb)
 
     def _run_full_backward(self, action: Any, ctx: Any) -> None:
         s, mb = action.stage_index, action.microbatch_index
@@ -272,7 +303,18 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         last = self.backward_counter[s] == self._n_microbatches
         with self.tracer.span("BW", s, mb):
             stage.backward_one_chunk(mb, loss=self._maybe_get_loss(stage, mb), full_backward=True, last_backward=last)
+        self._release_saved(s, mb)
         self._backward_epilogue(stage, mb)
+
+
+def _storages(params: Any) -> set[int]:
+    out = set()
+    for p in params:
+        try:
+            out.add(p.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # a DTensor (FSDP2 sharded) has no storage
+            pass
+    return out
 
 
 def _check_profile_args(cls: type, costs: Any, profile: Any) -> bool:

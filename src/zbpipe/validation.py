@@ -31,7 +31,7 @@ def check_schedule_args(cls: type, stages: Any, n_microbatches: Any, costs: Any)
                 "wrap each model chunk in PipelineStage(module, stage_index, num_stages, device)"
             )
     if costs is not None and not isinstance(costs, Costs):
-        raise ValueError(f"{name}: costs must be a zbpipe.Costs or None, got {type(costs).__name__}")
+        raise ValueError(f"{name}: costs must be a zbpipe.Costs, 'profile' or None, got {type(costs).__name__}")
     first = stages[0]
     num_ranks, rank, num_stages = first.group_size, first.group_rank, first.num_stages
     for st in stages[1:]:

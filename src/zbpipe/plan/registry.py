@@ -71,6 +71,7 @@ def plan(
     else:
         for gen_name, gen in GENERATORS.items():
             if gen_name.lower() == key:
+                _check_options(gen_name, gen, options)
                 result = gen(num_ranks, n_microbatches, costs=costs, memory_limit=memory_limit, **options)
                 if refine:
                     from .milp import refine as refine_plan
@@ -79,3 +80,19 @@ def plan(
                     result = refine_plan(result, costs, limit, time_limit=refine_time_limit).plan
                 return result
     raise ValueError(f"unknown schedule {name!r}; known names (case-insensitive): {', '.join(known_names())}")
+
+
+def _check_options(name: str, gen: Generator, options: dict[str, object]) -> None:
+    """An option the generator does not take is a ValueError naming the ones it does."""
+    import inspect
+
+    params = inspect.signature(gen).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    known = [n for n in params if n not in ("num_ranks", "n_microbatches", "costs", "memory_limit")]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ValueError(
+            f"plan {name!r} does not take option(s) {unknown}; its options are {known or 'none'} "
+            "(plus costs, memory_limit, refine)"
+        )

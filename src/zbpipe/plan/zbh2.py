@@ -49,6 +49,6 @@ def plan_zbh2(
                 raise ValueError(
                     f"ZBH2: rank {r} needs peak memory {peak:g} above memory_limit {memory_limit:g} "
                     f"(ZB-H2 keeps up to 2p - 1 = {2 * p - 1} microbatches in flight); raise "
-                    "memory_limit or use plan_zb2p / plan_zb1p, which respect a limit"
+                    "memory_limit, or use the ZB2P / ZB1P plans (ScheduleZBAuto), which respect a limit"
                 )
     return plan
