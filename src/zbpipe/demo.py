@@ -23,13 +23,13 @@ from typing import Any
 class DemoConfig:
     steps: int = 8
     """Optimizer steps (the first is a warm-up and is left out of the summary)."""
-    microbatches: int = 8
-    """Microbatches per step."""
+    microbatches: int = 4
+    """Microbatches per step (2p: where 1F1B's bubble is large and ZB-H1 removes most of it)."""
     microbatch_size: int = 4
     """Sequences per microbatch."""
-    hidden: int = 256
+    hidden: int = 512
     """Model width."""
-    seq: int = 64
+    seq: int = 128
     """Sequence length."""
     blocks_per_stage: int = 2
     """Transformer blocks per pipeline stage."""
