@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Iterable, Mapping, NamedTuple, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from .plan import Costs, Plan, SimResult, simulate
+from .timeline import Event, to_chrome
 from .plan.metrics import bubble_rate as _bubble_rate
 
 logger = logging.getLogger(__name__)
@@ -29,15 +30,8 @@ KIND_NAMES: dict[str, str] = {
 SIM_UNIT_US = 1000.0
 
 
-class Box(NamedTuple):
-    """One compute action as drawn: ``kind`` of ``microbatch`` on ``stage``, run on ``rank``."""
-
-    rank: int
-    kind: str
-    stage: int
-    microbatch: int
-    start: float
-    end: float
+#: The drawing shape is the shared timeline record (kept under its drawing name).
+Box = Event
 
 
 # ---------------------------------------------------------------------------- sources of boxes
@@ -102,31 +96,6 @@ def boxes_from_chrome(data: Mapping[str, Any], time_scale: float = 1e6) -> dict[
     for boxes in out.values():
         boxes.sort(key=lambda b: b.start)
     return dict(sorted(out.items()))
-
-
-# ---------------------------------------------------------------------------- Chrome JSON
-def to_chrome(boxes_by_rank: Mapping[int, Sequence[Box]], time_scale: float = 1e6,
-              meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Chrome/Perfetto trace-event JSON: one complete event per compute action, one row per rank.
-
-    Same event shape as ``Trace.to_chrome`` (name ``F3``, cat ``F``, ``tid`` = rank). ``time_scale``
-    converts box times to microseconds (1e6 for seconds, :data:`SIM_UNIT_US` for cost units).
-    """
-    starts = [b.start for boxes in boxes_by_rank.values() for b in boxes]
-    t0 = min(starts) if starts else 0.0
-    rows = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
-            for r in sorted(boxes_by_rank)]
-    for rank in sorted(boxes_by_rank):
-        for b in boxes_by_rank[rank]:
-            rows.append({
-                "name": f"{b.kind}{b.microbatch}", "cat": b.kind, "ph": "X", "pid": 0, "tid": rank,
-                "ts": (b.start - t0) * time_scale, "dur": (b.end - b.start) * time_scale,
-                "args": {"stage": b.stage, "microbatch": b.microbatch},
-            })
-    out: dict[str, Any] = {"traceEvents": rows, "displayTimeUnit": "ms"}
-    if meta:
-        out["otherData"] = dict(meta)
-    return out
 
 
 def plan_chrome(plan: Plan, costs: Costs | None = None, result: SimResult | None = None) -> dict[str, Any]:

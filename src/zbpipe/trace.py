@@ -20,18 +20,7 @@ from typing import Any, Iterator
 import torch.distributed as dist
 
 from .plan.metrics import bubble_rate as _bubble_rate
-
-
-@dataclass(frozen=True)
-class Event:
-    """One compute action measured on one rank (seconds, ``time.perf_counter`` clock)."""
-
-    rank: int
-    kind: str
-    stage: int
-    microbatch: int
-    start: float
-    end: float
+from .timeline import Event, to_chrome
 
 
 @dataclass
@@ -92,20 +81,7 @@ class Trace:
 
     def to_chrome(self) -> dict[str, Any]:
         """Chrome/Perfetto trace-event JSON: one complete event (``ph: X``) per compute action."""
-        starts = [e.start for evs in self.events.values() for e in evs]
-        t0 = min(starts) if starts else 0.0
-        out = []
-        for rank in sorted(self.events):
-            for e in self.events[rank]:
-                out.append({
-                    "name": f"{e.kind}{e.microbatch}", "cat": e.kind, "ph": "X",
-                    "pid": 0, "tid": rank,
-                    "ts": (e.start - t0) * 1e6, "dur": (e.end - e.start) * 1e6,
-                    "args": {"stage": e.stage, "microbatch": e.microbatch},
-                })
-        meta = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
-                for r in sorted(self.events)]
-        return {"traceEvents": meta + out, "displayTimeUnit": "ms"}
+        return to_chrome(self.events)
 
     def write_chrome(self, path: str) -> None:
         with open(path, "w") as f:
