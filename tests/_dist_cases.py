@@ -201,3 +201,73 @@ def determinism(rank, world, schedule, options, m):
 
 def determinism_cases(rank, world, case_list):
     return [determinism(rank, world, s, o, m) for s, o, m in case_list]
+
+
+def eval_runs_no_backward(rank, world):
+    """torch's eval() on a zbpipe schedule runs forwards only: no parameter gets a gradient.
+
+    Also a schedule built without loss_fn steps forward-only, as torch's do.
+    """
+    from zbpipe import ScheduleZBH1
+
+    cfg = TinyGPTConfig()
+    mod = build_stages(cfg, world)[rank]
+    stage = PipelineStage(mod, rank, world, torch.device("cpu"))
+    sched = ScheduleZBH1([stage], 2, loss_fn=lm_loss)
+    ids, tgt = synthetic_batch(cfg, 4, 0)
+    with torch.no_grad():
+        sched.eval(*((ids,) if rank == 0 else ()), target=tgt if rank == world - 1 else None)
+    assert all(p.grad is None for p in mod.parameters()), "eval() computed gradients"
+    forward_only = ScheduleZBH1([PipelineStage(mod, rank, world, torch.device("cpu"))], 2, check_peers=False)
+    out = forward_only.step(*((ids,) if rank == 0 else ()))
+    assert all(p.grad is None for p in mod.parameters()), "a schedule without loss_fn computed gradients"
+    return None if out is None else tuple(out.shape)
+
+
+def ddp_stage_refused(rank, world):
+    from torch.nn.parallel import DistributedDataParallel
+
+    from zbpipe import ScheduleZBH1
+
+    # A data-parallel group of one per pipeline rank (every rank must create every group).
+    groups = [dist.new_group([r]) for r in range(world)]
+    mod = DistributedDataParallel(build_stages(TinyGPTConfig(), world)[rank], process_group=groups[rank])
+    try:
+        ScheduleZBH1([PipelineStage(mod, rank, world, torch.device("cpu"))], 2, loss_fn=lm_loss)
+    except ValueError as e:
+        return str(e)
+    raise AssertionError("a DDP-wrapped stage was accepted")
+
+
+class TwoOutputs(nn.Module):
+    """A stage with two tensor outputs (main path and a skip branch the next stage consumes)."""
+
+    def __init__(self, inner: nn.Module, first: bool) -> None:
+        super().__init__()
+        self.inner, self.first = inner, first
+        self.side = nn.Linear(CFG.hidden, CFG.hidden)
+
+    def forward(self, x, skip=None):
+        if self.first:
+            h = self.inner(x)
+            return h, self.side(h)
+        return self.inner(x + self.side(skip))
+
+
+def several_outputs(rank, world, m):
+    """Stage 0 sends two tensors to stage 1; gradients equal the unpipelined model's."""
+    from zbpipe import ScheduleZBH1
+
+    torch.manual_seed(5)
+    cfg = TinyGPTConfig(tricky=True)
+    mods = [TwoOutputs(s, first=(i == 0)) for i, s in enumerate(build_stages(cfg, 2, seed=5))]
+    ids, tgt = synthetic_batch(cfg, 2 * m, step=5)
+    ref = copy.deepcopy(mods)
+    losses = [lm_loss(ref[1](*ref[0](x)), y) for x, y in zip(ids.chunk(m), tgt.chunk(m))]
+    (torch.stack(losses).sum() / m).backward()
+    stage = PipelineStage(mods[rank], rank, 2, torch.device("cpu"))
+    sched = ScheduleZBH1([stage], m, loss_fn=lm_loss)
+    sched.step(*((ids,) if rank == 0 else ()), target=tgt if rank == 1 else None)
+    for (name, p), (_, q) in zip(mods[rank].named_parameters(), ref[rank].named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda e: f"{name}: {e}")
+    return rank

@@ -389,3 +389,32 @@ def test_parameter_grad_does_not_alias_gradients_handed_in_or_out():
     dx.add_(100.0)
     g.add_(100.0)
     torch.testing.assert_close(m.p.grad, expected, rtol=0, atol=0)
+
+
+class _SummedWeights(nn.Module):
+    """x @ (w1 + w2): one weight-only node hands the same gradient tensor to two parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(8, 8))
+        self.w2 = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ (self.w1 + self.w2))
+
+
+def test_two_parameters_fed_by_one_weight_node_accumulate_separately():
+    # Reference: fused backward over two microbatches. A stolen, shared gradient tensor would make
+    # the second microbatch's in-place add land in both parameters' .grad.
+    torch.manual_seed(0)
+    mod = _SummedWeights()
+    ref = copy.deepcopy(mod)
+    xs = [torch.randn(4, 8, requires_grad=True) for _ in range(2)]
+    for x in xs:
+        out = mod(x)
+        _, wg = backward_input([out], [torch.ones_like(out)], [x], list(mod.parameters()))
+        wg.run()
+        ref(x.detach().requires_grad_(True)).backward(torch.ones(4, 8))
+    assert mod.w1.grad.untyped_storage().data_ptr() != mod.w2.grad.untyped_storage().data_ptr()
+    torch.testing.assert_close(mod.w1.grad, ref.w1.grad, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(mod.w2.grad, ref.w2.grad, rtol=1e-6, atol=1e-7)

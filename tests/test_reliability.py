@@ -52,3 +52,13 @@ def test_same_seed_gives_bitwise_identical_runs_for_every_schedule(world):
     ]
     counts = run_ranks(cases.determinism_cases, world, case_list, timeout=240)
     assert all(c > 0 for per_rank in counts for c in per_rank)
+
+
+def test_eval_and_a_schedule_without_loss_fn_run_forward_only():
+    shapes = run_ranks(cases.eval_runs_no_backward, 2, timeout=90)
+    assert shapes[0] is None and shapes[1] is not None  # the last stage returns the merged output
+
+
+def test_ddp_wrapped_stage_is_refused():
+    for msg in run_ranks(cases.ddp_stage_refused, 2, timeout=90):
+        assert "DistributedDataParallel" in msg and "fully_shard" in msg

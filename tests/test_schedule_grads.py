@@ -52,3 +52,7 @@ def test_1f1b_multi_grads_equal_unpipelined_reference():
 def test_zbh1_exact_is_bitwise_identical_to_1f1b():
     counts = run_ranks(cases.bitwise_equal_to_1f1b, 2, 5, timeout=120)
     assert all(c > 0 for c in counts)
+
+
+def test_stage_with_two_tensor_outputs_grads_equal_reference():
+    assert run_ranks(cases.several_outputs, 2, 3, timeout=120) == [0, 1]

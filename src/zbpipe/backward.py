@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-from .saved import ACTIVATION, KEEP, SavedTensors, mark_unpacking
+from .saved import ACTIVATION, KEEP, SavedTensors, mark_unpacking, storage_ptr
 
 logger = logging.getLogger(__name__)
 
@@ -458,10 +458,8 @@ def _acc_shape(acc: Node) -> tuple[int, ...]:
 
 
 def _num_slots(node: Node) -> int:
-    try:
-        return len(node._input_metadata)
-    except (AttributeError, RuntimeError):
-        return 1
+    # No fallback: guessing 1 would silently drop the gradients of a multi-output target's other slots.
+    return len(node._input_metadata)
 
 
 def _tagger(kind: str):
@@ -522,23 +520,7 @@ def _sum(parts: list[Tensor]) -> Tensor:
     return total
 
 
-def _storage(t: Tensor) -> int | None:
-    """The data pointer of ``t``'s storage; ``None`` when it has none we can name.
-
-    A wrapper tensor subclass has no storage of its own (DTensor raises "invalid python storage"
-    here: tensor-parallel layers hand DTensor gradients to B's boundaries and W). For a DTensor
-    this is its local shard's storage; any other storage-less tensor gives ``None``, which
-    ``_accumulate`` treats as "maybe shared": it copies instead of stealing.
-    """
-    try:
-        return t.untyped_storage().data_ptr()
-    except RuntimeError:
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(t, DTensor):
-            with torch.no_grad():
-                return _storage(t.to_local())
-        return None
+_storage = storage_ptr
 
 
 def _accumulate(p: torch.nn.Parameter, parts: list[Tensor], known_storages: set[int]) -> None:
@@ -560,5 +542,9 @@ def _accumulate(p: torch.nn.Parameter, parts: list[Tensor], known_storages: set[
         elif g.stride() != p.stride() or storage in known_storages or g._base is not None:
             g = torch.empty_strided(p.size(), p.stride(), dtype=p.dtype, device=p.device).copy_(g)
         p.grad = g
+        # A weight-only node can hand one tensor to several parameters (x @ (w1 + w2)): the next
+        # parameter must copy it, or the next microbatch's in-place add would hit both grads.
+        if (ptr := _storage(g)) is not None:
+            known_storages.add(ptr)
     else:
         p.grad += g

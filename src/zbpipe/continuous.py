@@ -193,7 +193,7 @@ class ScheduleContinuous(C.PipelineScheduleMulti):
         losses])`` for the mini-batches whose losses were completed during this call (last
         stage only; mini-batch indices count from the first step, across flushes).
         """
-        check_step_args(self, args, target)
+        check_step_args(self, args, kwargs, target)
         if not torch.is_grad_enabled():
             raise RuntimeError("ScheduleContinuous.step() trains and needs autograd; do not call it under torch.no_grad()")
         m = self._n_microbatches
@@ -203,7 +203,8 @@ class ScheduleContinuous(C.PipelineScheduleMulti):
             self._initialize(arg_mbs[0], kwarg_mbs[0], target_mbs[0] if target_mbs else None)
         start = self._given * m
         for j in range(m):
-            self._args[start + j] = arg_mbs[j]
+            if self.stage.is_first:  # only stage 0 consumes positional inputs (else they would pile up)
+                self._args[start + j] = arg_mbs[j]
             self._kwargs[start + j] = kwarg_mbs[j]
             if target_mbs is not None:
                 self._targets[start + j] = target_mbs[j]

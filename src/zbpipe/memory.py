@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .saved import SavedTensors
+from .saved import SavedTensors, param_storages
 
 
 class SavedActivationMeter:
@@ -51,7 +51,7 @@ class SavedActivationMeter:
         Wraps this stage object's ``forward_one_chunk``. zbpipe schedules: use
         ``sched.attach_meter(meter)`` instead (their forwards already hold saved tensors).
         """
-        params = {p.untyped_storage().data_ptr() for p in stage.submod.parameters()}
+        params = param_storages(stage.submod.parameters())
         forward = stage.forward_one_chunk
 
         def forward_one_chunk(*args: Any, **kwargs: Any) -> Any:

@@ -21,6 +21,7 @@ import logging
 from typing import Any, Callable, ClassVar, Literal
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from . import _compat as C
 from .backward import WeightGrad, backward_input
@@ -28,7 +29,7 @@ from .inputs import FirstStageKeywords
 from .memory import SavedActivationMeter
 from .plan import Costs, Plan
 from .profile import CostProfiler, ProfileConfig
-from .saved import SavedTensors
+from .saved import SavedTensors, param_storages
 from .trace import Tracer
 from .validation import (
     check_not_compiled,
@@ -161,17 +162,26 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         return loop_placement(num_ranks, num_ranks * cls.stages_per_rank)
 
     # ------------------------------------------------------------------ stepping
-    def step(self, *args: Any, target: Any = None, losses: list | None = None, **kwargs: Any) -> Any:
+    def step(
+        self,
+        *args: Any,
+        target: Any = None,
+        losses: list | None = None,
+        return_outputs: bool = True,
+        loss_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> Any:
         """Run one step over ``n_microbatches`` microbatches (torch's ``step`` contract).
 
         The rank holding stage 0 passes the batch (``args``: tensors, or a dict / TensorDict that
         stage 0 receives split into microbatches, see :mod:`zbpipe.inputs`); the rank holding the
         last stage passes ``target`` and may pass a ``losses`` list to receive the per-microbatch losses.
         """
-        check_step_args(self, args, target)
+        check_step_args(self, args, kwargs, target)
         args, kwargs = self._batch_keywords.bind(args, kwargs, self._n_microbatches)
         self.tracer.clear()
-        out = super().step(*args, target=target, losses=losses, **kwargs)
+        out = super().step(*args, target=target, losses=losses, return_outputs=return_outputs,
+                           loss_kwargs=loss_kwargs, **kwargs)
         if self._profiler is not None:
             self._profiler.after_step(self)  # collective on the profiling window's last step
         return out
@@ -216,9 +226,9 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
 
     def _hold_saved(self, stage: Any, mb: int) -> Any:
         """Own what this forward saves (zbpipe.saved), so B and W can release it early."""
-        if not (self._split_backward or self._meter is not None):
+        if not stage.has_backward or not (self._split_backward or self._meter is not None):
             return contextlib.nullcontext()
-        saved = SavedTensors(observer=self._meter, skip=_storages(stage.submod.parameters()))
+        saved = SavedTensors(observer=self._meter, skip=param_storages(stage.submod.parameters()))
         self._saved[(stage.stage_index, mb)] = saved
         return saved.hooks()
 
@@ -262,6 +272,8 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
 
     def _run_backward_input(self, action: Any, ctx: Any) -> None:
         s, mb = action.stage_index, action.microbatch_index
+        if not self._stage_by_index[s].has_backward:  # eval(), or no loss_fn: forward only, like torch
+            return
         stage = self._backward_prologue(s, mb)
         with self.tracer.span("B", s, mb):
             stage_output, input_values = stage.fwd_cache.pop(mb)
@@ -269,13 +281,13 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
                 outputs, output_grads = (self._maybe_get_loss(stage, mb),), None
             else:
                 outputs, output_grads = stage_output, stage._retrieve_recv_grads(mb)
-            with _dp_no_sync(stage):
-                # Read the parameters inside _dp_no_sync: under FSDP2 it unshards the stage first,
-                # so these are the unsharded tensors the forward used (the graph's leaves).
-                params = [p for p in stage.submod.parameters() if p.requires_grad]
-                grads, weight_grad = backward_input(
-                    outputs, output_grads, input_values, params, saved=self._saved.get((s, mb))
-                )
+            _prepare_fsdp(stage)
+            # Read the parameters after _prepare_fsdp: under FSDP2 it unshards the stage first, so
+            # these are the unsharded tensors the forward used (the graph's leaves).
+            params = [p for p in stage.submod.parameters() if p.requires_grad]
+            grads, weight_grad = backward_input(
+                outputs, output_grads, input_values, params, saved=self._saved.get((s, mb))
+            )
             self._pending_w[(s, mb)] = weight_grad
             num_args = len(stage._stage_meta.inputs)
             stage.bwd_cache[mb] = tuple(grads[:num_args])
@@ -289,10 +301,12 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
     def _run_backward_weight(self, action: Any, ctx: Any) -> None:
         s, mb = action.stage_index, action.microbatch_index
         stage = self._stage_by_index[s]
+        if not stage.has_backward:
+            return
         self._assert_unsharded(stage)
-        self.backward_counter[s] += 1
         weight_grad = self._pending_w.pop((s, mb))
-        with self.tracer.span("W", s, mb), _dp_no_sync(stage):
+        with self.tracer.span("W", s, mb):
+            _prepare_fsdp(stage)
             weight_grad.run()
         self._release_saved(s, mb)
 
@@ -305,16 +319,6 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
             stage.backward_one_chunk(mb, loss=self._maybe_get_loss(stage, mb), full_backward=True, last_backward=last)
         self._release_saved(s, mb)
         self._backward_epilogue(stage, mb)
-
-
-def _storages(params: Any) -> set[int]:
-    out = set()
-    for p in params:
-        try:
-            out.add(p.untyped_storage().data_ptr())
-        except (RuntimeError, NotImplementedError):  # a DTensor (FSDP2 sharded) has no storage
-            pass
-    return out
 
 
 def _check_profile_args(cls: type, costs: Any, profile: Any) -> bool:
@@ -330,7 +334,7 @@ def _check_profile_args(cls: type, costs: Any, profile: Any) -> bool:
     return False
 
 
-class _dp_no_sync:
+def _prepare_fsdp(stage: Any) -> None:
     """Prepare an FSDP2 stage for one split backward pass (B or W) of one microbatch.
 
     1. No gradient reduction inside a microbatch's B or W: the reduce-scatter of a stage follows
@@ -350,20 +354,12 @@ class _dp_no_sync:
        block in between, the price of ``reshard_after_forward=True`` with a split backward.
        Every dp rank runs the same plan, so these collectives match across the dp group.
     """
-
-    def __init__(self, stage: Any) -> None:
-        self.module = stage.submod
-
-    def __enter__(self) -> None:
-        from torch.distributed.fsdp import FSDPModule
-
-        if isinstance(self.module, FSDPModule):
-            self.module.set_is_last_backward(False)
-            self.module.set_reshard_after_backward(False)
-            self.module.set_requires_gradient_sync(False)
-            for sub in self.module.modules():
-                if isinstance(sub, FSDPModule):
-                    sub.unshard()
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+    module = stage.submod
+    if not isinstance(module, FSDPModule):
+        return
+    module.set_is_last_backward(False)
+    module.set_reshard_after_backward(False)
+    module.set_requires_gradient_sync(False)
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.unshard()

@@ -63,6 +63,28 @@ class Holder:
                 self._finalizer()  # tell the observer now, and only once
 
 
+def storage_ptr(t: torch.Tensor) -> int | None:
+    """The data pointer of ``t``'s storage; ``None`` when it has none we can name.
+
+    A wrapper tensor subclass has no storage of its own (a DTensor raises "invalid python
+    storage"); for a DTensor this is its local shard's storage.
+    """
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(t, DTensor):
+            with torch.no_grad():
+                return storage_ptr(t.to_local())
+        return None
+
+
+def param_storages(params: Any) -> set[int]:
+    """Storage pointers of parameters (saved tensors sharing them are weights, not activations)."""
+    return {ptr for p in params if (ptr := storage_ptr(p)) is not None}
+
+
 class SavedTensors:
     """The saved tensors of one (stage, microbatch) forward."""
 
@@ -75,11 +97,8 @@ class SavedTensors:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
     def _pack(self, t: torch.Tensor) -> Any:
-        try:
-            if t.untyped_storage().data_ptr() in self._skip:
-                return t  # a parameter (or a view of one): releasing it would free nothing
-        except (RuntimeError, NotImplementedError):
-            pass
+        if storage_ptr(t) in self._skip:
+            return t  # a parameter (or a view of one): releasing it would free nothing
         h = Holder(t, self._observer)
         self.holders.append(h)
         return h

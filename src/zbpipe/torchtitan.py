@@ -282,7 +282,3 @@ def llama3_debugmodel_zbv() -> Any:
     """torchtitan 0.3.x: llama3 debug model with zbpipe's ZB-V (two stages per rank, V placement)."""
     return _llama3_debugmodel("ZBV")
 
-
-def llama3_debugmodel_continuous() -> Any:
-    """torchtitan 0.3.x: llama3 debug model with zbpipe's continuous schedule (when it lands)."""
-    return _llama3_debugmodel("Continuous")

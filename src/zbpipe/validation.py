@@ -32,6 +32,15 @@ def check_schedule_args(cls: type, stages: Any, n_microbatches: Any, costs: Any)
             )
     if costs is not None and not isinstance(costs, Costs):
         raise ValueError(f"{name}: costs must be a zbpipe.Costs, 'profile' or None, got {type(costs).__name__}")
+    from torch.nn.parallel import DistributedDataParallel
+
+    for st in stages:
+        if isinstance(st.submod, DistributedDataParallel):
+            raise ValueError(
+                f"{name}: stage {st.stage_index} is wrapped in DistributedDataParallel, whose gradient all-reduce "
+                "hooks do not fire for a split backward's weight pass (gradients would stay unsynchronized); "
+                "shard the stage with FSDP2 (fully_shard) or replicate() instead"
+            )
     first = stages[0]
     num_ranks, rank, num_stages = first.group_size, first.group_rank, first.num_stages
     for st in stages[1:]:
@@ -128,8 +137,12 @@ def check_peers_agree(cls: type, group: Any, rank: int, fingerprint: str, summar
         )
 
 
-def check_step_args(sched: Any, args: tuple, target: Any) -> None:
-    """``step()``'s inputs go to the rank holding stage 0, the target to the rank holding the last stage."""
+def check_step_args(sched: Any, args: tuple, kwargs: dict, target: Any) -> None:
+    """``step()``'s inputs go to the rank holding stage 0, the target to the rank holding the last stage.
+
+    Stage 0 may get its batch positionally or by keyword (``step(batch=td)``); a target is needed on
+    the last stage only when the step runs a backward (not under torch's ``eval()``).
+    """
     stages = sched._stages
     name = type(sched).__name__
     has_first = any(st.is_first for st in stages)
@@ -139,9 +152,9 @@ def check_step_args(sched: Any, args: tuple, target: Any) -> None:
             f"{name}.step(): rank {sched.rank} does not hold stage 0 but was given {len(args)} positional input(s); "
             "pass inputs only on the rank holding stage 0 (call step(target=..., losses=...) or step() elsewhere)"
         )
-    if has_first and not args:
+    if has_first and not args and not kwargs:
         raise ValueError(f"{name}.step(): rank {sched.rank} holds stage 0 and needs the batch: call step(x, ...)")
-    if has_last and sched._loss_fn is not None and target is None:
+    if has_last and sched._loss_fn is not None and sched._has_backward and target is None:
         raise ValueError(
             f"{name}.step(): rank {sched.rank} holds the last stage and the schedule has a loss_fn, "
             "but no target was given: call step(..., target=y)"
