@@ -120,3 +120,66 @@ def test_v_half_min_faster_than_1f1b_with_equal_costs(p, mode) -> None:
         r = simulate(plan_zbv(p, m, costs, memory=mode), costs)
         ref = simulate(plan_1f1b(p, m, model_costs(costs)), model_costs(costs))
         assert r.makespan < ref.makespan
+
+
+@pytest.mark.parametrize("p", [4, 8, 16])
+@pytest.mark.parametrize("mode,units", [("half", lambda p: (p + 2) / 2), ("min", lambda p: (p + 4) / 3)])
+def test_v_half_min_paper_table_at_equal_costs(p, mode, units) -> None:
+    # The controllable-memory paper's table (F = B = W, m >= 2p): V-Half's bubble about p / (2m),
+    # V-Min's about 2p / (3m), within its memory budget, and both faster than 1F1B on the same model.
+    # Before the building-block candidates V-Min missed it from p = 16 on (0.287 at p=16, m=48).
+    bubble = {"half": lambda m: p / (2 * m), "min": lambda m: 2 * p / (3 * m)}[mode]
+    unit = 2 * UNIT.stage(0).mem_f
+    for m in (2 * p, 3 * p):
+        pl = plan_zbv(p, m, UNIT, memory=mode)
+        r = simulate(pl, UNIT, memory_limit=units(p) * unit)
+        assert r.bubble_rate <= bubble(m) + 1e-9
+        ref = simulate(plan_1f1b(p, m, model_costs(UNIT)), model_costs(UNIT))
+        assert r.makespan < ref.makespan
+
+
+@settings(max_examples=15, deadline=None)
+@given(p=st.integers(1, 12), costs=costs_st, w_last=st.booleans())
+def test_building_block_is_a_valid_periodic_block(p, costs, w_last) -> None:
+    # The block of one microbatch, repeated every period, must respect every dependency (with comm
+    # across ranks) and never overlap itself on a rank modulo the period (checked on the timeline).
+    from zbpipe.plan.vblocks import block_offsets
+
+    sc = costs.per_stage(2 * p)
+    work = max(sum(sc[s].f + sc[s].b + sc[s].w for s in (r, 2 * p - 1 - r)) for r in range(p))
+    # unequal passes can leave gaps too small at a tight period; at 6x a rank's work some gap
+    # between its (at most five) placed passes is as long as any pass, so the block must fit
+    for period in (work * k for k in (1, 1.25, 1.5, 2, 3, 6)):
+        off = block_offsets(p, sc, period, w_last)
+        if off is not None:
+            break
+    assert off is not None
+    rank = lambda s: min(s, 2 * p - 1 - s)  # noqa: E731
+    end = {k: t + sc[k[1]].time(k[0]) for k, t in off.items()}
+    comm = lambda src, dst: 0.0 if rank(src) == rank(dst) else sc[src].comm  # noqa: E731
+    for s in range(2 * p):
+        if s > 0:
+            assert off[("F", s)] >= end[("F", s - 1)] + comm(s - 1, s) - 1e-9
+        assert off[("B", s)] >= end[("F", s)] - 1e-9
+        if s < 2 * p - 1:
+            assert off[("B", s)] >= end[("B", s + 1)] + comm(s + 1, s) - 1e-9
+        assert off[("W", s)] >= end[("B", s)] - 1e-9
+    for r in range(p):
+        # three copies of the block, one period apart: no two passes of rank r overlap in time
+        ivs = sorted((t + j * period, end[k] + j * period) for k, t in off.items() if rank(k[1]) == r
+                     for j in range(3))
+        assert all(a[1] <= b[0] + 1e-9 for a, b in zip(ivs, ivs[1:]))
+
+
+def test_v_min_block_unit_costs_hand_worked_p2() -> None:
+    # p = 2, F = B = W = 1, period 6: stages 0..3 on ranks 0, 1, 1, 0. Chain: F0 at 0, F1 at 1,
+    # F2 at 2, F3 at 3; B3 at 4, B2 at 5, B1 at 6, B0 at 7: residues mod 6 on rank 0 are F0 0, F3 3,
+    # B3 4, B0 1 (distinct), on rank 1 F1 1, F2 2, B2 5, B1 0 (distinct). Then each W (w_last) at
+    # the first free residue after its B: rank 0 W3 at 5, W0 at 8 (residue 2); rank 1 W2 at 6 is
+    # residue 0 (B1's), 7 and 8 are F1's and F2's, so 9 (3); W1 at 7 is taken, so 10 (4).
+    from zbpipe.plan.vblocks import block_offsets
+
+    off = block_offsets(2, UNIT.per_stage(4), 6.0, w_last=True)
+    want = {("F", 0): 0, ("F", 1): 1, ("F", 2): 2, ("F", 3): 3, ("B", 3): 4, ("W", 3): 5, ("B", 2): 5,
+            ("W", 2): 9, ("B", 1): 6, ("W", 1): 10, ("B", 0): 7, ("W", 0): 8}
+    assert off == pytest.approx(want)
