@@ -111,7 +111,9 @@ class ScheduleContinuous(C.PipelineScheduleMulti):
         args_chunk_spec: Any = None,
         kwargs_chunk_spec: Any = None,
         output_merge_spec: Any = None,
+        use_full_backward: bool | None = None,
         scale_grads: bool = True,
+        backward_requires_autograd: bool = True,
         *,
         optimizer: OptimizerArg,
         mode: Literal["sync", "2bw", "stash"] = "sync",
@@ -129,7 +131,8 @@ class ScheduleContinuous(C.PipelineScheduleMulti):
             raise ValueError("ScheduleContinuous: post_validate is supported in mode='sync' only; drop it or use sync")
         super().__init__(stages=stages, n_microbatches=n_microbatches, loss_fn=loss_fn,
                          args_chunk_spec=args_chunk_spec, kwargs_chunk_spec=kwargs_chunk_spec,
-                         output_merge_spec=output_merge_spec, scale_grads=scale_grads)
+                         output_merge_spec=output_merge_spec, use_full_backward=use_full_backward,
+                         scale_grads=scale_grads, backward_requires_autograd=backward_requires_autograd)
         self.mode = mode
         self.costs = costs if costs is not None else Costs()
         self.stage = stages[0]

@@ -70,6 +70,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         args_chunk_spec: Any = None,
         kwargs_chunk_spec: Any = None,
         output_merge_spec: Any = None,
+        use_full_backward: bool | None = None,
         scale_grads: bool = True,
         backward_requires_autograd: bool = True,
         *,
@@ -93,6 +94,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
             kwargs_chunk_spec=kwargs_chunk_spec,
             output_merge_spec=output_merge_spec,
             scale_grads=scale_grads,
+            use_full_backward=use_full_backward,  # torch's deprecated flag: it warns and ignores it
             backward_requires_autograd=backward_requires_autograd,
         )
         self.costs = costs if costs is not None else Costs()
