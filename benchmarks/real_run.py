@@ -150,14 +150,19 @@ def main() -> None:
     res = run_ranks(_rank_main, 2, cfg, timeout=3600)[0]
     print(f"2 ranks, m={cfg.microbatches}, microbatch {cfg.microbatch_size}x{cfg.seq} tokens, hidden {cfg.hidden}, "
           f"{cfg.blocks} blocks, {cfg.reps} interleaved reps ({time.perf_counter() - t0:.0f} s)")
-    print(f"{'schedule':<24}{'median step':>12}{'vs ' + cfg.schedules[0]:>28}{'bubble':>9}{'peak saved MiB/rank':>22}")
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="real runs, 2 gloo ranks")
+    for col in ("schedule", "median step", f"vs {cfg.schedules[0]} (min-max)", "bubble", "peak saved MiB/rank"):
+        table.add_column(col, justify="left" if col == "schedule" else "right")
     for name in cfg.schedules:
         r = res[name]
         q = r["ratio_to_first"]
-        peaks = "/".join(f"{b / 2**20:.1f}" for b in r["peak_saved_bytes_per_rank"])
-        print(f"{name:<24}{statistics.median(r['step_time_s']) * 1e3:>9.1f} ms"
-              f"{q['median']:>10.3f} ({q['min']:.3f}-{q['max']:.3f})"
-              f"{statistics.median(r['bubble_rate']):>9.1%}{peaks:>22}")
+        table.add_row(name, f"{statistics.median(r['step_time_s']) * 1e3:.1f} ms",
+                      f"{q['median']:.3f} ({q['min']:.3f}-{q['max']:.3f})", f"{statistics.median(r['bubble_rate']):.1%}",
+                      "/".join(f"{b / 2**20:.1f}" for b in r["peak_saved_bytes_per_rank"]))
+    Console().print(table)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"config": asdict(cfg), "results": res}, f, indent=1)

@@ -74,6 +74,7 @@ def _rank_main(rank: int, world: int, cfg: DemoConfig) -> list[dict[str, Any]] |
         runs[name] = (sched, tracer, opt)
 
     rows: list[dict[str, Any]] = []
+    progress = _progress(cfg.steps * len(SCHEDULES)) if rank == 0 else None
     for step in range(cfg.steps):
         ids, tgt = synthetic_batch(mcfg, cfg.microbatches * cfg.microbatch_size, step)
         for name in SCHEDULES:
@@ -98,9 +99,24 @@ def _rank_main(rank: int, world: int, cfg: DemoConfig) -> list[dict[str, Any]] |
                     "bubble_rate": trace.bubble_rate,
                 })
                 r = rows[-1]
-                print(f"step {step:2d}  {name:<12}  loss {r['loss']:.4f}  step {r['step_time_s'] * 1e3:7.1f} ms  "
-                      f"bubble {r['bubble_rate']:6.1%}", flush=True)
+                progress.console.print(
+                    f"step {step:2d}  {name:<12}  loss {r['loss']:.4f}  step {r['step_time_s'] * 1e3:7.1f} ms  "
+                    f"bubble {r['bubble_rate']:6.1%}")
+                progress.advance(progress.task_ids[0])
+    if progress is not None:
+        progress.stop()
     return rows if rank == 0 else None
+
+
+def _progress(total: int) -> Any:
+    """A live progress bar (rich) above the per-step lines; plain lines when not on a terminal."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    progress = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        transient=True)
+    progress.add_task("steps", total=total)
+    progress.start()
+    return progress
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -140,13 +156,20 @@ def main(argv: list[str] | None = None) -> int:
           f"{cfg.blocks_per_stage} blocks per stage", flush=True)
     rows = run_ranks(_rank_main, cfg.ranks, cfg, timeout=max(300.0, 60.0 * cfg.steps))[0]
     summary = summarize(rows)
-    print()
-    print(f"{'schedule':<14}{'median step':>14}{'median bubble':>16}{'final loss':>12}")
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="zbpipe demo (warm-up step excluded)")
+    for col in ("schedule", "median step", "median bubble", "final loss"):
+        table.add_column(col, justify="left" if col == "schedule" else "right")
     for name in SCHEDULES:
         s = summary[name]
-        print(f"{name:<14}{s['median_step_time_s'] * 1e3:>11.1f} ms{s['median_bubble_rate']:>16.1%}{s['final_loss']:>12.4f}")
+        table.add_row(name, f"{s['median_step_time_s'] * 1e3:.1f} ms", f"{s['median_bubble_rate']:.1%}",
+                      f"{s['final_loss']:.4f}")
+    console = Console()
+    console.print(table)
     r = summary["zbh1_over_1f1b_step_time"]
-    print(f"\nZBH1 / 1F1B step time: median {r['median']:.3f} (min {r['min']:.3f}, max {r['max']:.3f})")
+    console.print(f"ZBH1 / 1F1B step time: median {r['median']:.3f} (min {r['min']:.3f}, max {r['max']:.3f})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": asdict(cfg), "rows": rows, "summary": summary}, f, indent=2)
