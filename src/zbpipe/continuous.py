@@ -61,6 +61,7 @@ from .continuous_versions import WeightVersions
 from .optim import PostValidatedStep, StepReport
 from .plan import Costs
 from .plan.continuous import MODES, continuous_parts, plan_continuous, version_bound
+from .saved import SavedTensors, param_storages
 from .validation import check_not_compiled, check_peers_agree, check_schedule_args, check_step_args, config_fingerprint
 
 log = logging.getLogger(__name__)
@@ -286,6 +287,8 @@ class ScheduleContinuous(C.PipelineScheduleMulti):
         self._w_done: dict[int, int] = {}
         self._grad_acc: dict[int, dict[str, torch.Tensor]] = {}
         self._pending_w: dict[int, WeightGrad] = {}
+        # what each microbatch's forward saved (zbpipe.saved): released after B (activation-only) and W
+        self._saved: dict[int, SavedTensors] = {}
         self._leaves: dict[int, dict[str, torch.Tensor]] = {}
         self._sends: list[dist.Work] = []
 
@@ -336,6 +339,19 @@ class ScheduleContinuous(C.PipelineScheduleMulti):
             args = st._retrieve_recv_activations(g)
             del st.args_recv_info[g]
         kwargs = self._kwargs.pop(g) or {}
+        saved = self._saved[g] = SavedTensors(skip=param_storages(st.submod.parameters()))
+        with saved.hooks():
+            out = self._forward_compute(g, args, kwargs)
+        out_tuple = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        inputs = [*args, *kwargs.values()]
+        st.fwd_cache[g] = (out_tuple, inputs)
+        self._f_count += 1
+        if not st.is_last:
+            self._sends += [_post(op) for op in st.get_fwd_send_ops(g)]
+
+    def _forward_compute(self, g: int, args: Any, kwargs: dict) -> Any:
+        """The stage's forward (with the weight version microbatch ``g`` must use), and its loss."""
+        st = self.stage
         if self._versions is not None:
             k = self._base + self._minibatch(g)
             leaves = self._versions.acquire(g, self._versions.version_for(k))
@@ -343,16 +359,11 @@ class ScheduleContinuous(C.PipelineScheduleMulti):
             out = torch.func.functional_call(st.submod, leaves, tuple(args), kwargs)
         else:
             out = st.submod(*args, **kwargs)
-        out_tuple = tuple(out) if isinstance(out, (tuple, list)) else (out,)
-        inputs = [*args, *kwargs.values()]
-        st.fwd_cache[g] = (out_tuple, inputs)
-        self._f_count += 1
         if st.is_last:
             loss = self._loss_fn(out, self._targets.pop(g))
             self._losses[g] = loss  # the graph, until B
             self._loss_values[g] = loss.detach()  # what the user gets
-        else:
-            self._sends += [_post(op) for op in st.get_fwd_send_ops(g)]
+        return out
 
     def _backward_input(self, g: int) -> None:
         st = self.stage
@@ -369,13 +380,15 @@ class ScheduleContinuous(C.PipelineScheduleMulti):
             params = list(self._leaves[g].values())
         else:
             params = [q for q in st.submod.parameters() if q.requires_grad]
-        grads, self._pending_w[g] = backward_input(outputs, output_grads, input_values, params)
+        grads, self._pending_w[g] = backward_input(outputs, output_grads, input_values, params,
+                                                   saved=self._saved.get(g))
         if not st.is_first:
             st.bwd_cache[g] = tuple(grads[: len(st._stage_meta.inputs)])
             self._sends += [_post(op) for op in st.get_bwd_send_ops(g)]
 
     def _backward_weight(self, g: int) -> None:
         self._pending_w.pop(g).run()
+        self._saved.pop(g).release_all()
         k = self._minibatch(g)
         if self._versions is not None:
             acc = self._grad_acc.setdefault(k, {})
