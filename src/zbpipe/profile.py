@@ -222,18 +222,14 @@ def agree_on_plan(sched: Any, plan_or_error: Plan | str, group: Any) -> None:
     ``plan_or_error`` is a rank's new plan, or the message of the error it hit while planning
     (so a rank that failed does not leave the others waiting).
     """
-    import torch.distributed as dist
-
-    from .validation import config_fingerprint
+    from .validation import config_fingerprint, disagreement
 
     if isinstance(plan_or_error, Plan):
         mine = config_fingerprint(type(sched), sched._n_microbatches, sched._num_stages, plan_or_error)
     else:
         mine = f"error: {plan_or_error}"
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (sched.rank, mine), group=group)
-    if len({fp for _, fp in gathered}) > 1:
-        lines = "\n".join(f"  rank {r}: {fp}" for r, fp in sorted(gathered))
+    lines = disagreement(group, sched.rank, mine, mine)
+    if lines:
         raise RuntimeError(
             f"{type(sched).__name__}: pipeline ranks re-planned differently from the profiled costs:\n{lines}\n"
             "the plan generator must be deterministic; keeping the previous plan is not safe, so the run stops"

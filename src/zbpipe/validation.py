@@ -125,16 +125,23 @@ def check_peers_agree(cls: type, group: Any, rank: int, fingerprint: str, summar
     (different n_microbatches, schedule or plan) would block forever at their first mismatched
     send. A peer that never constructs its schedule ends this call at the process group's timeout.
     """
-    import torch.distributed as dist
-
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (rank, fingerprint, summary), group=group)
-    if len({fp for _, fp, _ in gathered}) > 1:
-        lines = "\n".join(f"  rank {r}: {s}" for r, _, s in sorted(gathered))
+    lines = disagreement(group, rank, fingerprint, summary)
+    if lines:
         raise ValueError(
             f"{cls.__name__}: pipeline ranks disagree on the schedule configuration:\n{lines}\n"
             "construct the same schedule with the same n_microbatches, options and costs on every rank"
         )
+
+
+def disagreement(group: Any, rank: int, value: str, shown: str) -> str | None:
+    """All-gather ``value`` over ``group``; if the ranks disagree, one line per rank showing ``shown``."""
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (rank, value, shown), group=group)
+    if len({v for _, v, _ in gathered}) == 1:
+        return None
+    return "\n".join(f"  rank {r}: {s}" for r, _, s in sorted(gathered))
 
 
 def check_step_args(sched: Any, args: tuple, kwargs: dict, target: Any) -> None:
