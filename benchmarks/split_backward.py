@@ -10,6 +10,11 @@ requires grad) and stage 0 (it does not), one repetition times, on fresh forward
 The three are interleaved within each repetition; medians (and min/max) over repetitions.
 
     PYTHONPATH=src python benchmarks/split_backward.py [--reps 15] [--clock cpu|wall] [--out PATH]
+
+``--overhead`` instead measures W's engine overhead where matmuls are tiny (what dominates on a
+GPU): W and B against the fused backward, and the ``autograd.grad`` calls W makes, on residual
+stacks of 16-wide layers (a chain: x + gelu(lin(x)); and gated: x + down(silu(gate(x)) * up(x)),
+whose gate/up projections W batches into one call) and on a TinyGPT transformer-block stage.
 """
 
 from __future__ import annotations
@@ -151,6 +156,76 @@ def _print(rows: list[dict]) -> None:
     print("times: median ms; ratio = (B+W)/B_full median [min,max]; share = B/(B+W)")
 
 
+class _Residual(nn.Module):
+    def __init__(self, hidden: int, layers: int, gated: bool) -> None:
+        super().__init__()
+        n = 3 if gated else 1
+        self.lins = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(n * layers))
+        self.gated = gated
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = nn.functional
+        if not self.gated:
+            for lin in self.lins:
+                x = x + f.gelu(lin(x))
+            return x
+        for i in range(0, len(self.lins), 3):
+            gate, up, down = self.lins[i : i + 3]
+            x = x + down(f.silu(gate(x)) * up(x))
+        return x
+
+
+def _overhead_cases():
+    from zbpipe.testing.models import TinyGPTConfig, build_stages
+
+    for layers in (8, 32, 64):
+        yield f"chain L={layers}", _Residual(16, layers, False), (8, 16)
+    for layers in (8, 32):
+        yield f"gated L={layers}", _Residual(16, layers, True), (8, 16)
+    cfg = TinyGPTConfig(hidden=256, seq=64, heads=4, blocks_per_stage=4)
+    yield "gpt h256 4 blocks", build_stages(cfg, 2)[1], (4, 64, 256)
+
+
+def run_overhead(reps: int, warmup: int, clock) -> list[dict]:
+    """Median B, W and fused times (ms) and W's autograd.grad calls, per case."""
+    _time = _timer(clock)
+    real_grad = torch.autograd.grad
+    rows = []
+    for name, m, shape in _overhead_cases():
+        params = list(m.parameters())
+        samples, calls = [], 0
+        for rep in range(warmup + reps):
+            x = torch.randn(shape, requires_grad=True)
+            out = m(x)
+            g = torch.randn_like(out)
+            r = {"fused": _time(lambda: torch.autograd.backward([out], [g]))}
+            m.zero_grad(set_to_none=True)
+            out = m(x)
+            holder = {}
+            r["B"] = _time(lambda: holder.setdefault("w", backward_input([out], [g], [x], params)[1]))
+            counted = [0]
+
+            def counting(*a, **k):
+                counted[0] += 1
+                return real_grad(*a, **k)
+
+            torch.autograd.grad = counting
+            try:
+                r["W"] = _time(holder["w"].run)
+            finally:
+                torch.autograd.grad = real_grad
+            calls = counted[0]
+            m.zero_grad(set_to_none=True)
+            del out, holder
+            if rep >= warmup:
+                samples.append(r)
+        med = {k: statistics.median(s[k] for s in samples) * 1e3 for k in samples[0]}
+        rows.append({"case": name, "median_ms": med, "w_calls": calls, "reps": reps})
+        print(f"{name:>18} | fused {med['fused']:7.2f} | B {med['B']:7.2f} | W {med['W']:7.2f} | "
+              f"W/fused {med['W'] / med['fused']:5.2f} | W calls {calls}")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--reps", type=int, default=15)
@@ -158,14 +233,20 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
-    ap.add_argument("--out", default="benchmarks/results/split_backward.json")
+    ap.add_argument("--out", default=None,
+                    help="default: benchmarks/results/split_backward[_overhead].json")
+    ap.add_argument("--overhead", action="store_true", help="measure W's engine overhead (above)")
     args = ap.parse_args()
     if args.threads != 1 and args.clock == "cpu":
         raise ValueError("--clock cpu measures one thread: use --threads 1 or --clock wall")
     torch.set_num_threads(args.threads)
-    rows = run(args.reps, args.layers, args.warmup, CLOCKS[args.clock])
-    _print(rows)
-    out = Path(args.out)
+    if args.overhead:
+        rows = run_overhead(args.reps, args.warmup, CLOCKS[args.clock])
+    else:
+        rows = run(args.reps, args.layers, args.warmup, CLOCKS[args.clock])
+        _print(rows)
+    suffix = "_overhead" if args.overhead else ""
+    out = Path(args.out or f"benchmarks/results/split_backward{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"torch": torch.__version__, "threads": args.threads,
                                "clock": args.clock, "rows": rows},

@@ -418,3 +418,192 @@ def test_two_parameters_fed_by_one_weight_node_accumulate_separately():
     assert mod.w1.grad.untyped_storage().data_ptr() != mod.w2.grad.untyped_storage().data_ptr()
     torch.testing.assert_close(mod.w1.grad, ref.w1.grad, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(mod.w2.grad, ref.w2.grad, rtol=1e-6, atol=1e-7)
+
+
+# --- W batches boundaries that cannot reach each other's weight edges into one engine call -----
+
+
+class _Siblings(nn.Module):
+    """Two Linears reading one activation (like q/k/v or gate/up projections), summed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+        self.c = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.a(x))
+        return self.b(h) + torch.tanh(self.c(h))
+
+
+def _count_w_calls(monkeypatch, w: WeightGrad) -> int:
+    calls = []
+    real = torch.autograd.grad
+    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: calls.append(1) or real(*a, **k))
+    w.run()
+    monkeypatch.undo()
+    return len(calls)
+
+
+@pytest.mark.parametrize("input_grad", [True, False])
+def test_sibling_boundaries_share_one_w_call_and_stay_bitwise(monkeypatch, input_grad):
+    # Hand count: b's and c's AddmmBackward read the same GELU output, neither reaches the
+    # other's weights: one call for both; a's AddmmBackward lies below them: a second call. Their
+    # weight regions (TBackward -> weight) are private, so no separate weight-region call.
+    # On stage 0, a's AddmmBackward is a target (the lowest activation node): same two calls.
+    _seed(19)
+    m = _Siblings()
+    x = torch.randn(8, 16, requires_grad=input_grad)
+    g = torch.randn(8, 16)
+    ref = copy.deepcopy(m)
+    ref_dins = _fused(ref, [x], [g])
+    ins = [x.detach().clone().requires_grad_(input_grad)]
+    dins, w = backward_input([m(*ins)], [g], ins, list(m.parameters()))
+    assert w.num_calls == 2
+    assert _count_w_calls(monkeypatch, w) == 2
+    _assert_same(ref, m, ref_dins, list(dins), exact=True)
+
+
+def test_sibling_boundaries_run_each_weight_matmul_once():
+    _seed(20)
+    m = _Siblings()
+    x = torch.randn(8, 16, requires_grad=True)
+    out = m(x)
+    _, w = backward_input([out], [torch.randn(8, 16)], [x], list(m.parameters()))
+    with torch.profiler.profile() as prof_w:
+        w.run()
+    mm = ("aten::mm", "aten::addmm")
+    assert sum(e.name in mm for e in prof_w.events()) == 3  # x.T @ grad of a, b and c, once each
+
+
+class _NestedWeightEdges(nn.Module):
+    """addcmul(x, w, exp(w)): one boundary with a weight edge (exp) leading to another (w)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(16))
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.lin(torch.addcmul(x, self.w, self.w.exp()))
+
+
+@pytest.mark.parametrize("input_grad", [True, False])
+def test_weight_edge_below_another_weight_edge_of_the_same_node(input_grad):
+    _seed(21)
+    _compare(_NestedWeightEdges(), [torch.randn(8, 16, requires_grad=input_grad)], [torch.randn(8, 16)])
+
+
+class _RandomDag(nn.Module):
+    """A random graph of Linears (some reused), GELU/tanh, residual adds, products and branches.
+
+    Node i reads one or two earlier nodes; a weight-only node (w1 + w2, exp(w)) feeds some
+    matmuls, so weight-region nodes are shared between boundaries too.
+    """
+
+    def __init__(self, seed: int, nodes: int = 8) -> None:
+        super().__init__()
+        rng = torch.Generator().manual_seed(seed)
+        pick = lambda n: int(torch.randint(0, n, (1,), generator=rng))  # noqa: E731
+        self.lins = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.v = nn.Parameter(torch.randn(8, 8) * 0.3)
+        self.s = nn.Parameter(torch.randn(8) * 0.3)
+        self.ops: list[tuple[str, int, int, int]] = []
+        for i in range(1, nodes + 1):
+            self.ops.append((["lin", "lin", "act", "add", "mul", "shared", "scale"][pick(7)],
+                             pick(i), pick(i), pick(4)))
+        self.outs = sorted({nodes, pick(nodes) + 1})
+
+    def forward(self, x):
+        vals = [x]
+        vw = self.v + self.lins[0].weight  # a weight-only node used by every "shared" op
+        for op, a, b, k in self.ops:
+            xa, xb = vals[a], vals[b]
+            if op == "lin":
+                y = self.lins[k](xa)
+            elif op == "act":
+                y = torch.nn.functional.gelu(xa) if k % 2 else torch.tanh(xa)
+            elif op == "add":
+                y = xa + xb
+            elif op == "mul":
+                y = xa * torch.tanh(xb)
+            elif op == "shared":
+                y = xa @ vw
+            else:
+                y = xa * self.s.exp()
+            vals.append(y)
+        return tuple(vals[i] for i in self.outs)
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_random_dags_match_fused_backward(seed):
+    _seed(100 + seed)
+    m = _RandomDag(seed)
+    x = torch.randn(4, 8, requires_grad=seed % 3 != 0)  # every third: a first stage
+    grads = [torch.randn(4, 8) for _ in m.outs]
+    ref = copy.deepcopy(m)
+    ref_dins = _fused(ref, [x], grads)
+    dins = _split(m, [x], grads)
+    for (name, rp), p in zip(ref.named_parameters(), m.parameters(), strict=True):
+        if rp.grad is None:
+            assert p.grad is None, name
+        else:
+            torch.testing.assert_close(p.grad, rp.grad, rtol=1e-6, atol=1e-6, msg=name)
+    for a, b in zip(ref_dins, dins, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+
+
+class _SharedWeightNodeAcrossGroups(nn.Module):
+    """vw = tanh(v) (a weight-only node with a saved tensor) read by three matmuls.
+
+    a1 = gelu(x) @ vw and a2 = tanh(x) @ vw are siblings: one W call, both feeding the edge
+    into vw (captured once, holding their sum). lin2(tanh(sin(x) @ vw)) is a parallel branch on
+    the same level as a1/a2 whose activation path reaches vw: it must not share their call. The
+    matmul below lin2 feeds vw from another call, so vw runs in the final weight-region call.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.v = nn.Parameter(torch.randn(8, 8) * 0.5)
+        self.lin2 = nn.Linear(8, 8)
+
+    def forward(self, x):
+        vw = torch.tanh(self.v)
+        a = torch.nn.functional.gelu(x) @ vw + torch.tanh(x) @ vw
+        return a + self.lin2(torch.tanh(torch.sin(x) @ vw))
+
+
+def test_weight_node_shared_between_groups_runs_once(monkeypatch):
+    # Hand count: {a1, a2}, {lin2}, {sin(x) @ vw}, then the weight-region call for vw: 4 calls
+    # for 4 boundaries (one per boundary plus the weight-region call would be 5).
+    _seed(22)
+    m = _SharedWeightNodeAcrossGroups()
+    x = torch.randn(4, 8, requires_grad=True)
+    g = torch.randn(4, 8)
+    ref = copy.deepcopy(m)
+    ref_dins = _fused(ref, [x], [g])
+    ins = [x.detach().clone().requires_grad_()]
+    dins, w = backward_input([m(*ins)], [g], ins, list(m.parameters()))
+    assert w.num_calls == 4
+    assert _count_w_calls(monkeypatch, w) == 4
+    _assert_same(ref, m, ref_dins, list(dins))
+
+
+class _WeightNodeAlsoAnOutput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.v = nn.Parameter(torch.randn(8, 8) * 0.5)
+
+    def forward(self, x):
+        vw = torch.tanh(self.v)
+        return torch.nn.functional.gelu(x @ vw), vw  # vw's node also receives an output gradient
+
+
+@pytest.mark.parametrize("input_grad", [True, False])
+def test_weight_node_that_is_also_an_output(input_grad):
+    _seed(23)
+    _compare(_WeightNodeAlsoAnOutput(), [torch.randn(4, 8, requires_grad=input_grad)],
+             [torch.randn(4, 8), torch.randn(8, 8)])

@@ -15,11 +15,15 @@ Vocabulary used in the comments below (all about the autograd graph of one stage
 * **boundary**: a node of A with an edge into the weight region, or a stage-0 target. B records
   the gradient that arrives at it (a prehook); W re-enters the graph there.
 
-W makes one ``autograd.grad`` call per boundary (seeded with the recorded gradient, asking only for
-its weight-region edges, so the engine runs that one node and computes only its weight outputs),
-then one call over the whole weight region from those edges to the parameters. One call seeded at
-every boundary would instead recompute the activation chain between boundaries (boundary k's
-activation edge leads to boundary k-1's parameters): twice the activation work.
+W makes one ``autograd.grad`` call per *group* of boundaries (seeded with the recorded gradients,
+asking only for the group's weight-region edges, so the engine runs just those nodes and computes
+only their weight outputs), then one call over the weight region from those edges to the
+parameters. A group holds boundaries none of whose activation paths lead to another member's
+weight edges (siblings such as q/k/v projections; ``_group_boundaries``); a group whose weight
+region is private asks for its parameters directly and runs that region itself (``_foldable``).
+One call seeded at every boundary would instead recompute the activation chain between
+boundaries (boundary k's activation edge leads to boundary k-1's parameters): twice the
+activation work. So a chain of layers still costs one call per boundary.
 """
 
 from __future__ import annotations
@@ -49,6 +53,16 @@ class _Boundary:
     weight_edges: list[tuple[Node, int]]  # (child, input_nr) edges into the weight region
     act_children: list[Node]  # children B already handled (in A, or targets)
     conflict: bool  # a weight edge's child is also reachable through an activation child
+    level: int = 0  # the most boundaries on a path from the outputs down to it (for grouping)
+
+
+@dataclass
+class _Group:
+    """Boundaries W re-enters in one ``autograd.grad`` call (see ``_group_boundaries``)."""
+
+    members: list[_Boundary]
+    edges: list[tuple[Node, int]]  # their weight edges, each once (a shared child is captured once)
+    params: list[Node] | None = None  # folded: ask for these parameters directly (``_foldable``)
 
 
 class WeightGrad:
@@ -56,13 +70,15 @@ class WeightGrad:
 
     def __init__(
         self,
-        boundaries: list[_Boundary],
+        groups: list[_Group],
+        conflicts: list[_Boundary],
         root_seeds: list[tuple[Node, int, Tensor]],
         params: list[torch.nn.Parameter],
         param_nodes: list[Node],
         known_storages: set[int],
     ) -> None:
-        self._boundaries: list[_Boundary] | None = boundaries
+        self._groups: list[_Group] | None = groups
+        self._conflicts = conflicts
         self._root_seeds = root_seeds
         self._params = params
         self._param_nodes = param_nodes
@@ -70,18 +86,27 @@ class WeightGrad:
 
     @property
     def done(self) -> bool:
-        return self._boundaries is None
+        return self._groups is None
+
+    @property
+    def num_calls(self) -> int:
+        """``autograd.grad`` calls ``run()`` will make (before it runs; for tests and logs)."""
+        if self._groups is None:
+            return 0
+        unfolded = any(gr.params is None for gr in self._groups)
+        final = bool(self._root_seeds or self._conflicts or unfolded)
+        return len(self._groups) + len(self._conflicts) + final
 
     def run(self) -> None:
         """Compute the parameter gradients and accumulate them into ``p.grad`` like autograd."""
-        if self._boundaries is None:
+        if self._groups is None:
             raise RuntimeError(
                 "WeightGrad.run() was called twice: the weight pass of a microbatch runs once and "
                 "frees its graph; run backward_input again on a new forward to get a new WeightGrad"
             )
-        boundaries, root_seeds = self._boundaries, self._root_seeds
+        groups, conflicts, root_seeds = self._groups, self._conflicts, self._root_seeds
         # Drop our references first, so that an exception midway still leaves no graph alive.
-        self._boundaries, self._root_seeds = None, []
+        self._groups, self._conflicts, self._root_seeds = None, [], []
         param_index = {n: i for i, n in enumerate(self._param_nodes)}
         contributions: list[list[Tensor]] = [[] for _ in self._params]
         # Seeds of the weight-region call, keyed by edge. A dict keeps insertion order, so the
@@ -100,14 +125,26 @@ class WeightGrad:
             collect(child, nr, g)
         # Conflict calls run the activation children again (with undefined gradients), so nothing
         # may be freed until they are done: they go first, all with retain_graph=True.
-        any_conflict = any(b.conflict for b in boundaries)
-        ordered = sorted(boundaries, key=lambda b: not b.conflict)
-        for b in ordered:
-            grads = self._boundary_pass(b, retain=any_conflict)
+        any_conflict = bool(conflicts)
+        for b in conflicts:
+            grads = self._boundary_pass(b, retain=True)
             for (child, nr), g in zip(b.weight_edges, grads, strict=True):
                 collect(child, nr, g)
             b.grads = None
-        del boundaries, ordered
+        del conflicts
+        for gr in groups:
+            if gr.params is not None:
+                res = _group_pass(gr.members, [GradientEdge(n, 0) for n in gr.params], any_conflict)
+                for n, g in zip(gr.params, res, strict=True):
+                    if g is not None:
+                        contributions[param_index[n]].append(g)
+            else:
+                res = _group_pass(gr.members, [GradientEdge(c, nr) for c, nr in gr.edges], any_conflict)
+                for (child, nr), g in zip(gr.edges, res, strict=True):
+                    collect(child, nr, g)
+            for b in gr.members:
+                b.grads = None
+        del groups
 
         if seeds:
             self._weight_region_pass(seeds, contributions, retain=any_conflict)
@@ -121,7 +158,7 @@ class WeightGrad:
 
     @staticmethod
     def _boundary_pass(b: _Boundary, retain: bool) -> tuple[Tensor | None, ...]:
-        """Re-run one boundary node, asking only for its weight-region edges."""
+        """Re-run one conflict boundary node, asking only for its weight-region edges."""
         assert b.grads is not None
         outs = [GradientEdge(b.node, i) for i, g in enumerate(b.grads) if g is not None]
         seeds = [g for g in b.grads if g is not None]
@@ -129,15 +166,14 @@ class WeightGrad:
             return tuple(None for _ in b.weight_edges)
         handles = []
         try:
-            if b.conflict:
-                # A weight-region node below this boundary is also reachable through one of its
-                # activation children (e.g. a bias AccumulateGrad shared by two uses of one
-                # Linear). The engine will then compute the activation edge too; clamping every
-                # activation child's incoming gradient to "undefined" makes that path contribute
-                # nothing (built-in formulas skip undefined gradients), so each contribution is
-                # counted once: its own boundary's call delivers it.
-                for child in b.act_children:
-                    handles.append(child.register_prehook(lambda go: tuple(None for _ in go)))
+            # A weight-region node below this boundary is also reachable through one of its
+            # activation children (e.g. a bias AccumulateGrad shared by two uses of one
+            # Linear). The engine will then compute the activation edge too; clamping every
+            # activation child's incoming gradient to "undefined" makes that path contribute
+            # nothing (built-in formulas skip undefined gradients), so each contribution is
+            # counted once: its own boundary's call delivers it.
+            for child in b.act_children:
+                handles.append(child.register_prehook(lambda go: tuple(None for _ in go)))
             return torch.autograd.grad(
                 outs,
                 [GradientEdge(c, nr) for c, nr in b.weight_edges],
@@ -155,7 +191,7 @@ class WeightGrad:
         contributions: list[list[Tensor]],
         retain: bool,
     ) -> None:
-        """One call from every weight-region entry edge to the parameters.
+        """One call from every weight-region entry edge not handled by a folded group.
 
         The weight region has no path back into A (a node with one would be in A), so this call
         runs only weight-only work (a TBackward, a weight-norm, an EmbeddingBackward, ...). A node
@@ -174,6 +210,25 @@ class WeightGrad:
         for i, g in enumerate(res):
             if g is not None:
                 contributions[i].append(g)
+
+
+def _group_pass(members: list[_Boundary], wanted: list[GradientEdge], retain: bool) -> tuple:
+    """One call seeded at every member's recorded gradient, capturing ``wanted``.
+
+    ``_group_boundaries`` guarantees that nothing below a member's activation children leads to
+    a captured node, so the engine runs exactly the members (and, folded, their private weight
+    region): each gets only its own seed, as in a call of its own.
+    """
+    outs, seeds = [], []
+    for b in members:
+        assert b.grads is not None
+        for i, g in enumerate(b.grads):
+            if g is not None:
+                outs.append(GradientEdge(b.node, i))
+                seeds.append(g)
+    if not outs:
+        return tuple(None for _ in wanted)
+    return torch.autograd.grad(outs, wanted, grad_outputs=seeds, retain_graph=retain, allow_unused=True)
 
 
 def backward_input(
@@ -201,7 +256,7 @@ def backward_input(
     input_edges = [get_gradient_edge(inputs[i]) for i in input_pos]
     result: list[Tensor | None] = [None] * len(inputs)
     if not outs:
-        return tuple(result), WeightGrad([], [], grad_params, param_nodes, set())
+        return tuple(result), WeightGrad([], [], [], grad_params, param_nodes, set())
 
     g = _Graph.build(outs, {e.node for e in input_edges}, set(param_nodes))
     reached_inputs = [e for e in input_edges if e.node in g.children]
@@ -212,6 +267,7 @@ def backward_input(
     in_a = g.reaching(targets)  # the activation region: exactly the nodes B's call will run
 
     boundaries: list[_Boundary] = []
+    level: dict[Node, int] = {}  # boundaries strictly above a node of A (see _group_boundaries)
     for node in g.order:
         if node not in in_a and node not in targets:
             continue
@@ -223,11 +279,16 @@ def backward_input(
                 act_children.append(child)
             elif g.reaches_param(child):
                 weight_edges.append((child, nr))
+        lvl = level.get(node, 0)
         if node in targets and node not in g.input_nodes:
             # A stage-0 target: B records what arrives at it; W runs all of it.
-            boundaries.append(_Boundary(node, None, weight_edges, [], False))
+            boundaries.append(_Boundary(node, None, weight_edges, [], False, lvl))
         elif node in in_a and weight_edges:
-            boundaries.append(_Boundary(node, None, weight_edges, act_children, False))
+            boundaries.append(_Boundary(node, None, weight_edges, act_children, False, lvl))
+            lvl += 1
+        for child in act_children:  # parents come first in g.order: lvl is final here
+            if level.get(child, 0) < lvl:
+                level[child] = lvl
     for b in boundaries:
         b.conflict = g.conflict(b)
 
@@ -287,11 +348,19 @@ def backward_input(
     known = {_storage(t) for t in grads} | {_storage(t) for t in res if t is not None}
     for b in boundaries:
         known |= {_storage(t) for t in b.grads if t is not None}
+    conflicts = [b for b in boundaries if b.conflict]
+    groups = _group_boundaries(g, [b for b in boundaries if not b.conflict])
+    root_nodes = {n for n, _, _ in root_seeds}
+    for gr in groups:
+        gr.params = _foldable(g, gr, root_nodes)
+    wg = WeightGrad(groups, conflicts, root_seeds, grad_params, param_nodes, known)
     logger.debug(
-        "B: %d nodes in A, %d targets, %d boundaries (%d with conflict), %d root seeds",
-        len(in_a), len(targets), len(boundaries), sum(b.conflict for b in boundaries), len(root_seeds),
+        "B: %d nodes in A, %d targets, %d boundaries (%d with conflict) in %d groups (%d folded), "
+        "%d root seeds: W makes %d calls",
+        len(in_a), len(targets), len(boundaries), len(conflicts), len(groups),
+        sum(gr.params is not None for gr in groups), len(root_seeds), wg.num_calls,
     )
-    return tuple(result), WeightGrad(boundaries, root_seeds, grad_params, param_nodes, known)
+    return tuple(result), wg
 
 
 def backward_full(
@@ -406,6 +475,117 @@ class _Graph:
             seen.add(n)
             stack.extend(self.children.get(n, ()))
         return False
+
+
+def _group_boundaries(g: _Graph, boundaries: list[_Boundary]) -> list[_Group]:
+    """Split the (non-conflict) boundaries into groups W can run in one call each.
+
+    One call seeded at the members of a group and asking for their weight edges runs exactly the
+    members (and computes exactly what one call per member would) when, for all members b and m:
+    (1) nothing reachable from b's activation children is m or one of m's weight-edge children
+    (else the engine would run that activation path: recomputation and double counting), and
+    (2) nothing strictly below b's weight-edge children is one of m's weight-edge children (else
+    that weight node would run here and again in the weight-region pass). A member's activation
+    children are then never run (they lead to no requested edge), and a weight-edge child shared
+    by several members is captured once, holding the sum of their contributions.
+
+    Candidates: boundaries at the same ``level`` (the most boundaries on a path through A from the
+    outputs down to it), e.g. q/k/v or gate/up projections reading one activation. A boundary is
+    never on a level with one it reaches, so (1) can only fail through a weight-region node shared
+    with a lower boundary, and (2) through a weight node shared below; both need a weight-edge
+    child with two parents, and are then checked exactly with reachability bit masks. A chain
+    (one boundary per level) gains nothing: W still makes one call per boundary there.
+    """
+    buckets: dict[int, list[_Boundary]] = {}
+    for b in boundaries:
+        buckets.setdefault(b.level, []).append(b)
+    # Within a level, a violation needs a weight-edge child X of m that is also reached from
+    # another node (in b's activation path, or below b's weight edges) than m: X has two parents.
+    multi = [bk for bk in buckets.values() if len(bk) > 1]
+    shared = {c for bk in multi for b in bk for c, _ in b.weight_edges if g.parents.get(c, 0) > 1}
+    if not shared:  # a chain, or siblings with their own weights (q/k/v, gate/up): no check
+        return [_Group(bk, _unique(e for b in bk for e in b.weight_edges)) for bk in buckets.values()]
+
+    # Bit i marks candidate i's shared weight-edge children; reach[n] = the marks below n.
+    bit: dict[int, int] = {}
+    marks: dict[Node, int] = {}
+    for bk in multi:
+        for b in bk:
+            bit[id(b)] = mask = 1 << len(bit)
+            for c, _ in b.weight_edges:
+                if c in shared:
+                    marks[c] = marks.get(c, 0) | mask
+    reach: dict[Node, int] = {}
+    for node in reversed(g.order):  # children first
+        m = marks.get(node, 0)
+        for ch in g.children[node]:
+            m |= reach[ch]
+        reach[node] = m
+
+    groups: list[_Group] = []
+    for bk in buckets.values():
+        subs: list[tuple[list[_Boundary], int, int]] = []  # members, their bits, what they reach
+        for b in bk:
+            mine = bit.get(id(b), 0)
+            below = 0  # (1) and (2) for b: what its activation children and weight edges reach
+            for ch in b.act_children:
+                below |= reach.get(ch, 0)
+            for c, _ in b.weight_edges:
+                for cc in g.children.get(c, ()):
+                    below |= reach.get(cc, 0)
+            for i, (members, bits, reached) in enumerate(subs):
+                if not below & (bits | mine) and not reached & mine:
+                    subs[i] = (members + [b], bits | mine, reached | below)
+                    break
+            else:
+                subs.append(([b], mine, below))
+        for members, _, _ in subs:
+            groups.append(_Group(members, _unique(e for b in members for e in b.weight_edges)))
+    return groups
+
+
+def _foldable(g: _Graph, gr: _Group, root_nodes: set[Node]) -> list[Node] | None:
+    """The parameters a group's call can ask for directly, or None (it asks for its edges).
+
+    Folding runs the group's weight region R (the non-parameter nodes below its weight edges) in
+    the group's own call instead of the final weight-region call. That is the same computation
+    if (a) every parent of a node of R is a member or in R (no other call feeds R, so each node of
+    R runs once with its whole incoming gradient, and no other call reaches R), (b) no output
+    starts in R (a root seed), and (c) no member's activation children lead to a parameter the
+    call asks for (else the engine would run the activation path to it). A parameter below
+    several groups (a tied weight) is fine: each call captures only what arrives in that call.
+    """
+    members = {b.node for b in gr.members}
+    region: set[Node] = set()
+    found: dict[Node, None] = {}  # the parameters below, in a deterministic order
+    stack = []
+    for c, _ in gr.edges:
+        (found.setdefault(c) if c in g.param_nodes else stack.append(c))
+    while stack:
+        n = stack.pop()
+        if n in region:
+            continue
+        region.add(n)
+        for ch in g.children[n]:
+            (found.setdefault(ch) if ch in g.param_nodes else stack.append(ch))
+    if region & root_nodes:
+        return None
+    fed: dict[Node, int] = {}
+    for p in (*members, *region):
+        for ch in g.children[p]:
+            if ch in region:
+                fed[ch] = fed.get(ch, 0) + 1
+    if any(fed.get(n, 0) != g.parents.get(n, 0) for n in region):
+        return None
+    params = set(found)  # a set: isdisjoint then walks the smaller side
+    for b in gr.members:
+        if any(not params.isdisjoint(g.params_below[ch]) for ch in b.act_children):
+            return None
+    return list(found)
+
+
+def _unique(edges) -> list[tuple[Node, int]]:
+    return list(dict.fromkeys(edges))
 
 
 def _kids(node: Node, input_nodes: set[Node]) -> list[Node]:
