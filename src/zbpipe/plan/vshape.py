@@ -244,14 +244,7 @@ def greedy_v(
         elif wake_at > time[r]:
             time[r] = wake_at
 
-    ends = time
-    starts = [fs or 0.0 for fs in first_start]
-    return GreedyResult(
-        order={r: tuple(order[r]) for r in range(p)},
-        makespan=max(ends) - min(starts),
-        longest_span=max(e - s for s, e in zip(starts, ends)),
-        peak_memory={r: peak[r] for r in range(p)},
-    )
+    return _greedy_result(order, first_start, time, peak)
 
 
 def zbv_fb_order(num_ranks: int, n_microbatches: int, with_w: bool = False) -> dict[int, list[Action]]:
@@ -328,7 +321,7 @@ def execute_fb_order(
     would overflow ``budget``, or right after its B if ``eager_w``. Returns None if the
     order cannot be completed within ``budget`` (an F blocked by memory with no W to run).
     """
-    p, m = num_ranks, n_microbatches
+    p = num_ranks
     n_stages = 2 * p
     rank_of = [s if s < p else n_stages - 1 - s for s in range(n_stages)]
     done: dict[tuple[str, int, int], float] = {}
@@ -416,8 +409,13 @@ def execute_fb_order(
     for r in range(p):
         while pending_w[r]:
             pop_w(r)
-    ends = time
-    starts = [fs or 0.0 for fs in first]
+    return _greedy_result(order, first, time, peak)
+
+
+def _greedy_result(order: dict, first_start: list, ends: list, peak: list) -> GreedyResult:
+    """Package a timed per-rank order (start of each rank's first action, end of its last)."""
+    p = len(ends)
+    starts = [fs or 0.0 for fs in first_start]
     return GreedyResult(
         order={r: tuple(order[r]) for r in range(p)},
         makespan=max(ends) - min(starts),
