@@ -85,13 +85,16 @@ def construction_errors(rank, world):
 
     Returns {case: message} so the test can check each message names the fix.
     """
-    from zbpipe import ScheduleZBH1
+    from zbpipe import Costs, ScheduleZBH1, ScheduleZBV
 
     cfg = TinyGPTConfig()
     mods = build_stages(cfg, 2 * world, seed=0)
     cpu = torch.device("cpu")
     good = PipelineStage(build_stages(cfg, world)[rank], rank, world, cpu)
     cases = {
+        "V schedule given one stage": lambda: ScheduleZBV([good], 4, loss_fn=lm_loss),
+        "costs of the wrong length": lambda: ScheduleZBH1([good], 4, loss_fn=lm_loss, costs=Costs(f=[1.0] * (world + 1))),
+        "negative costs": lambda: ScheduleZBH1([good], 4, loss_fn=lm_loss, costs=Costs(f=-1.0)),
         "n_microbatches=0": lambda: ScheduleZBH1([good], 0, loss_fn=lm_loss),
         "n_microbatches=2.0": lambda: ScheduleZBH1([good], 2.0, loss_fn=lm_loss),
         "not a stage": lambda: ScheduleZBH1([mods[rank]], 4, loss_fn=lm_loss),

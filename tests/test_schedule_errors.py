@@ -11,6 +11,9 @@ import _dist_cases as cases
 pytestmark = pytest.mark.dist
 
 EXPECTED_PHRASES = {
+    "V schedule given one stage": "expects exactly 2 stage(s) per rank, got 1",
+    "costs of the wrong length": "per-stage lists of length 3 but the plan has 2 stages",
+    "negative costs": "Costs.f must be >= 0",
     "n_microbatches=0": "n_microbatches must be >= 1",
     "n_microbatches=2.0": "n_microbatches must be an int",
     "not a stage": "not a torch.distributed.pipelining.PipelineStage",
