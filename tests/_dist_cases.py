@@ -274,3 +274,22 @@ def several_outputs(rank, world, m):
     for (name, p), (_, q) in zip(mods[rank].named_parameters(), ref[rank].named_parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda e: f"{name}: {e}")
     return rank
+
+
+def nonfinite_loss_reported(rank, world):
+    """A NaN loss in microbatch 2 is reported by index on the last stage's rank (no losses= needed)."""
+    from zbpipe import ScheduleZBH1
+
+    cfg = TinyGPTConfig()
+    calls = {"n": 0}
+
+    def loss_fn(out, tgt):
+        loss = lm_loss(out, tgt)
+        calls["n"] += 1
+        return loss * float("nan") if calls["n"] == 3 else loss  # the 3rd forward: microbatch 2
+
+    stage = PipelineStage(build_stages(cfg, world)[rank], rank, world, torch.device("cpu"))
+    sched = ScheduleZBH1([stage], 4, loss_fn=loss_fn)
+    ids, tgt = synthetic_batch(cfg, 8, 0)
+    sched.step(*((ids,) if rank == 0 else ()), target=tgt if rank == world - 1 else None)
+    return sched.nonfinite_microbatches

@@ -62,3 +62,8 @@ def test_eval_and_a_schedule_without_loss_fn_run_forward_only():
 def test_ddp_wrapped_stage_is_refused():
     for msg in run_ranks(cases.ddp_stage_refused, 2, timeout=90):
         assert "DistributedDataParallel" in msg and "fully_shard" in msg
+
+
+def test_nan_loss_is_reported_per_microbatch_on_the_last_stage():
+    first, last = run_ranks(cases.nonfinite_loss_reported, 2, timeout=90)
+    assert first == [] and last == [2]
