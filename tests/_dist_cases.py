@@ -169,16 +169,16 @@ def raise_in_forward_of_microbatch_3(rank, world):
 
     cfg = TinyGPTConfig()
     mod = build_stages(cfg, world)[rank]
-    if rank == 1:
-        calls = {"n": 0}
-
-        def bomb(module, inputs):
-            calls["n"] += 1
-            if calls["n"] == 4:  # microbatch 3 (0-based), forwards run in microbatch order
-                raise _Boom("injected failure in microbatch 3's forward")
-
-        mod.register_forward_pre_hook(bomb)
     stage = PipelineStage(mod, rank, world, torch.device("cpu"))
+    if rank == 1:
+        forward = stage.forward_one_chunk
+
+        def bomb(mb, *args, **kwargs):  # by microbatch index (torch also runs one shape-inference forward)
+            if mb == 3:
+                raise _Boom("injected failure in microbatch 3's forward")
+            return forward(mb, *args, **kwargs)
+
+        stage.forward_one_chunk = bomb
     sched = ScheduleZBH1([stage], 6, loss_fn=lm_loss)
     ids, tgt = synthetic_batch(cfg, 12, 0)
     sched.step(*((ids,) if rank == 0 else ()), target=tgt if rank == world - 1 else None)
