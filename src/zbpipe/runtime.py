@@ -110,7 +110,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
             summary = f"{type(self).__name__}(n_microbatches={n_microbatches}, stages={self._num_stages}, plan {fingerprint})"
             check_peers_agree(type(self), stages[0].group, self.rank, fingerprint, summary)
         self._lower(self.plan)
-        self.tracer = Tracer(rank=self.rank, enabled=trace or profiling)
+        self.tracer = Tracer(rank=self.rank, enabled=trace or profiling, device=stages[0].device)
         self._profiler = CostProfiler(profile or ProfileConfig(), keep_tracing=trace) if profiling else None
         self._stage_by_index = {s.stage_index: s for s in stages}
         # dict/TensorDict batches reach stage 0 by keyword (torch stages take only tensors positionally)

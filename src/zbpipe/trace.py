@@ -14,36 +14,75 @@ from __future__ import annotations
 import json
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator
 
+import torch
 import torch.distributed as dist
 
 from .plan.metrics import bubble_rate as _bubble_rate
 from .timeline import Event, to_chrome
 
 
-@dataclass
 class Tracer:
-    """Collects :class:`Event` s of one rank. Cheap: two clock reads and one append per action."""
+    """Collects :class:`Event` s of one rank. Cheap: two clock reads and one append per action.
 
-    rank: int = 0
-    enabled: bool = True
-    events: list[Event] = field(default_factory=list)
+    On a CUDA device the host clock would time kernel *launches*, not the work, so there the
+    tracer records a pair of CUDA events per action instead and converts them to seconds when
+    ``events`` is read (one synchronisation then, none during the step). The timeline is
+    anchored at the host time of the rank's first recorded action: the bubble rate only uses
+    per-rank spans, so it is exact; cross-rank alignment in a Chrome trace is approximate.
+    (Written for GPUs; this project's CI machines have none, so that path has not been run.)
+    """
+
+    def __init__(self, rank: int = 0, enabled: bool = True, device: Any = None) -> None:
+        self.rank = rank
+        self.enabled = enabled
+        self._cuda = device is not None and torch.device(device).type == "cuda"
+        self._events: list[Event] = []
+        self._pending: list[tuple[str, int, int, Any, Any]] = []
+        self._anchor: tuple[Any, float] | None = None  # (first CUDA start event, host time then)
+
+    @property
+    def events(self) -> list[Event]:
+        if self._pending:
+            self._resolve_cuda()
+        return self._events
 
     @contextmanager
     def span(self, kind: str, stage: int, microbatch: int) -> Iterator[None]:
         if not self.enabled:
             yield
             return
+        if self._cuda:
+            start_evt, end_evt = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start_evt.record()
+            if self._anchor is None:
+                self._anchor = (start_evt, time.perf_counter())
+            try:
+                yield
+            finally:
+                end_evt.record()
+                self._pending.append((kind, stage, microbatch, start_evt, end_evt))
+            return
         start = time.perf_counter()
         try:
             yield
         finally:
-            self.events.append(Event(self.rank, kind, stage, microbatch, start, time.perf_counter()))
+            self._events.append(Event(self.rank, kind, stage, microbatch, start, time.perf_counter()))
+
+    def _resolve_cuda(self) -> None:
+        torch.cuda.synchronize()
+        ref, host = self._anchor
+        for kind, stage, mb, s, e in self._pending:
+            t0 = host + ref.elapsed_time(s) / 1e3
+            self._events.append(Event(self.rank, kind, stage, mb, t0, t0 + s.elapsed_time(e) / 1e3))
+        self._pending.clear()
 
     def clear(self) -> None:
-        self.events.clear()
+        self._events.clear()
+        self._pending.clear()
+        self._anchor = None
 
     def gather(self, group: dist.ProcessGroup | None = None) -> "Trace":
         """Collect every rank's events (a collective: call it on all ranks of ``group``)."""
