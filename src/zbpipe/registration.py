@@ -50,12 +50,9 @@ def original_get_schedule_class() -> Callable[[str], type]:
 
 def lookup_zbpipe(name: str) -> type | None:
     """zbpipe's class for ``name`` (a ``SCHEDULES`` key or class name, any case), else ``None``."""
-    # Only the torch-shaped schedule classes: ScheduleContinuous needs optimizer= and has its own
-    # step/flush contract, so torch's or torchtitan's schedule builders could not drive it.
-    from .schedules import SCHEDULES
+    from .schedules import find_schedule
 
-    wanted = name.lower()
-    return next((c for k, c in SCHEDULES.items() if wanted in (k.lower(), c.__name__.lower())), None)
+    return find_schedule(name, torch_shaped_only=True)
 
 
 def _make_wrapper(original: Callable[[str], type]) -> Callable[[str], type]:

@@ -120,10 +120,15 @@ def _all_schedules() -> dict[str, type]:
     return {**SCHEDULES, "Continuous": ScheduleContinuous}
 
 
-def find_schedule(name: str) -> type | None:
-    """zbpipe's class for ``name`` (a short name like ``"ZBV"`` or a class name, any case), else None."""
+def find_schedule(name: str, torch_shaped_only: bool = False) -> type | None:
+    """zbpipe's class for ``name`` (a short name like ``"ZBV"`` or a class name, any case), else None.
+
+    ``torch_shaped_only``: only classes torch's and torchtitan's builders can drive (not
+    ``ScheduleContinuous``, which needs ``optimizer=`` and has its own step/flush contract).
+    """
     wanted = name.lower()
-    for key, cls in _all_schedules().items():
+    table = SCHEDULES if torch_shaped_only else _all_schedules()
+    for key, cls in table.items():
         if wanted in (key.lower(), cls.__name__.lower()):
             return cls
     return None
