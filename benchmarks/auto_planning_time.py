@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from paper_table5 import profiled_costs  # noqa: E402
-from zbpipe.plan.auto import plan_zb1p, plan_zb2p  # noqa: E402
+from zbpipe.planning.auto import plan_zb1p, plan_zb2p  # noqa: E402
 
 costs = profiled_costs("28.3B", (10.402, 10.248, 7.698, 0.460))
 out = {}
@@ -21,6 +21,8 @@ for gen in (plan_zb2p, plan_zb1p):
         gen(32, 256, costs)
         times.append(time.perf_counter() - t0)
     out[gen.__name__] = {"min": min(times), "median": statistics.median(times), "max": max(times)}
-    print(f"{gen.__name__} p=32 m=256: min {min(times):.2f}s median {statistics.median(times):.2f}s max {max(times):.2f}s")
+    print(
+        f"{gen.__name__} p=32 m=256: min {min(times):.2f}s median {statistics.median(times):.2f}s max {max(times):.2f}s"
+    )
 Path("out").mkdir(exist_ok=True)
 Path("out/auto_planning_time.json").write_text(json.dumps(out, indent=1))

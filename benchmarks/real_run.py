@@ -22,8 +22,13 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 SCHEDULES = (
-    "torch:1F1B", "torch:Interleaved1F1B", "torch:ZBVZeroBubble",
-    "ZBH1", "ZBV", "ZBVHalf", "ZBVMin",
+    "torch:1F1B",
+    "torch:Interleaved1F1B",
+    "torch:ZBVZeroBubble",
+    "ZBH1",
+    "ZBV",
+    "ZBVHalf",
+    "ZBVMin",
 )
 
 
@@ -41,22 +46,29 @@ class Config:
 def _build(name: str, rank: int, world: int, cfg: Config) -> tuple[Any, list, Any, Any]:
     import torch
     from torch.distributed.pipelining import (
-        PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble,
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleInterleaved1F1B,
+        ScheduleZBVZeroBubble,
     )
 
     from zbpipe.memory import SavedActivationMeter
-    from zbpipe.plan import loop_placement, v_placement
+    from zbpipe.planning import loop_placement, v_placement
     from zbpipe.schedules import ScheduleZBH1, ScheduleZBV
     from zbpipe.testing.models import TinyGPTConfig, build_stages, lm_loss
     from zbpipe.trace import Tracer, attach_stage_tracer
 
     two_chunks = name not in ("torch:1F1B", "ZBH1")
     n_stages = 2 * world if two_chunks else world
-    mcfg = TinyGPTConfig(vocab=256, hidden=cfg.hidden, seq=cfg.seq, heads=4,
-                         blocks_per_stage=cfg.blocks // n_stages)
+    mcfg = TinyGPTConfig(
+        vocab=256, hidden=cfg.hidden, seq=cfg.seq, heads=4, blocks_per_stage=cfg.blocks // n_stages
+    )
     modules = build_stages(mcfg, n_stages, seed=0)
-    placement = v_placement(world) if name in ("torch:ZBVZeroBubble", "ZBV", "ZBVHalf", "ZBVMin") \
+    placement = (
+        v_placement(world)
+        if name in ("torch:ZBVZeroBubble", "ZBV", "ZBVHalf", "ZBVMin")
         else loop_placement(world, n_stages)
+    )
     mine = sorted(s for s, r in placement.items() if r == rank)
     stages = [PipelineStage(modules[s], s, n_stages, torch.device("cpu")) for s in mine]
     meter = SavedActivationMeter()
@@ -66,8 +78,11 @@ def _build(name: str, rank: int, world: int, cfg: Config) -> tuple[Any, list, An
         for st in stages:
             attach_stage_tracer(st, tracer)
             meter.attach(st)
-        cls = {"torch:1F1B": Schedule1F1B, "torch:Interleaved1F1B": ScheduleInterleaved1F1B,
-               "torch:ZBVZeroBubble": ScheduleZBVZeroBubble}[name]
+        cls = {
+            "torch:1F1B": Schedule1F1B,
+            "torch:Interleaved1F1B": ScheduleInterleaved1F1B,
+            "torch:ZBVZeroBubble": ScheduleZBVZeroBubble,
+        }[name]
         sched = cls(stages[0] if cls is Schedule1F1B else stages, m, loss_fn=lm_loss)
     elif name == "ZBH1":
         sched = ScheduleZBH1(stages, m, loss_fn=lm_loss)
@@ -126,11 +141,19 @@ def _rank_main(rank: int, world: int, cfg: Config) -> dict | None:
             times.append(max(r[2] for r in per_rank))
             bubbles.append(Trace({i: r[3] for i, r in enumerate(per_rank)}).bubble_rate)
         peaks = [max(r[4] for r in recs if r[1] == name) for recs in gathered]
-        out[name] = {"step_time_s": times, "bubble_rate": bubbles, "peak_saved_bytes_per_rank": peaks}
+        out[name] = {
+            "step_time_s": times,
+            "bubble_rate": bubbles,
+            "peak_saved_bytes_per_rank": peaks,
+        }
     base = out[cfg.schedules[0]]["step_time_s"]
     for name in cfg.schedules:
         ratios = [t / b for t, b in zip(out[name]["step_time_s"], base)]
-        out[name]["ratio_to_first"] = {"min": min(ratios), "median": statistics.median(ratios), "max": max(ratios)}
+        out[name]["ratio_to_first"] = {
+            "min": min(ratios),
+            "median": statistics.median(ratios),
+            "max": max(ratios),
+        }
     return out
 
 
@@ -144,24 +167,41 @@ def main() -> None:
     ap.add_argument("--schedules", default=",".join(SCHEDULES))
     ap.add_argument("--out", default="benchmarks/results/real_run.json")
     args = ap.parse_args()
-    cfg = Config(**{f: getattr(args, f) for f in ("reps", "microbatches", "microbatch_size", "hidden", "seq", "blocks")},
-                 schedules=tuple(args.schedules.split(",")))
+    cfg = Config(
+        **{
+            f: getattr(args, f)
+            for f in ("reps", "microbatches", "microbatch_size", "hidden", "seq", "blocks")
+        },
+        schedules=tuple(args.schedules.split(",")),
+    )
     t0 = time.perf_counter()
     res = run_ranks(_rank_main, 2, cfg, timeout=3600)[0]
-    print(f"2 ranks, m={cfg.microbatches}, microbatch {cfg.microbatch_size}x{cfg.seq} tokens, hidden {cfg.hidden}, "
-          f"{cfg.blocks} blocks, {cfg.reps} interleaved reps ({time.perf_counter() - t0:.0f} s)")
+    print(
+        f"2 ranks, m={cfg.microbatches}, microbatch {cfg.microbatch_size}x{cfg.seq} tokens, hidden {cfg.hidden}, "
+        f"{cfg.blocks} blocks, {cfg.reps} interleaved reps ({time.perf_counter() - t0:.0f} s)"
+    )
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title="real runs, 2 gloo ranks")
-    for col in ("schedule", "median step", f"vs {cfg.schedules[0]} (min-max)", "bubble", "peak saved MiB/rank"):
+    for col in (
+        "schedule",
+        "median step",
+        f"vs {cfg.schedules[0]} (min-max)",
+        "bubble",
+        "peak saved MiB/rank",
+    ):
         table.add_column(col, justify="left" if col == "schedule" else "right")
     for name in cfg.schedules:
         r = res[name]
         q = r["ratio_to_first"]
-        table.add_row(name, f"{statistics.median(r['step_time_s']) * 1e3:.1f} ms",
-                      f"{q['median']:.3f} ({q['min']:.3f}-{q['max']:.3f})", f"{statistics.median(r['bubble_rate']):.1%}",
-                      "/".join(f"{b / 2**20:.1f}" for b in r["peak_saved_bytes_per_rank"]))
+        table.add_row(
+            name,
+            f"{statistics.median(r['step_time_s']) * 1e3:.1f} ms",
+            f"{q['median']:.3f} ({q['min']:.3f}-{q['max']:.3f})",
+            f"{statistics.median(r['bubble_rate']):.1%}",
+            "/".join(f"{b / 2**20:.1f}" for b in r["peak_saved_bytes_per_rank"]),
+        )
     Console().print(table)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

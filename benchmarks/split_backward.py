@@ -83,7 +83,9 @@ def _one_rep(m, x0, g, first, clock) -> dict[str, float]:
     m.zero_grad(set_to_none=True)
     out, x = _forward(m, x0, first)
     holder = {}
-    if first:  # torch/distributed/pipelining/stage.py: backward_one_chunk / backward_weight_one_chunk
+    if (
+        first
+    ):  # torch/distributed/pipelining/stage.py: backward_one_chunk / backward_weight_one_chunk
         r["torch_I"] = _time(lambda: None)
         r["torch_W"] = _time(lambda: stage_backward([out], [g], [x]))
     else:
@@ -125,14 +127,20 @@ def run(reps: int, layers: int, warmup: int, clock) -> list[dict]:
             ratio_zb = [(s["zb_B"] + s["zb_W"]) / s["fused"] for s in samples]
             ratio_t = [(s["torch_I"] + s["torch_W"]) / s["fused"] for s in samples]
             med = {k: statistics.median(s[k] for s in samples) * 1e3 for k in samples[0]}
-            rows.append({
-                "hidden": hidden, "rows": rows_n, "layers": layers,
-                "stage": "stage0" if first else "middle", "reps": reps,
-                "median_ms": med,
-                "zbpipe_ratio": _stats(ratio_zb), "torch_ratio": _stats(ratio_t),
-                "zbpipe_B_share": med["zb_B"] / (med["zb_B"] + med["zb_W"]),
-                "torch_I_share": med["torch_I"] / (med["torch_I"] + med["torch_W"]),
-            })
+            rows.append(
+                {
+                    "hidden": hidden,
+                    "rows": rows_n,
+                    "layers": layers,
+                    "stage": "stage0" if first else "middle",
+                    "reps": reps,
+                    "median_ms": med,
+                    "zbpipe_ratio": _stats(ratio_zb),
+                    "torch_ratio": _stats(ratio_t),
+                    "zbpipe_B_share": med["zb_B"] / (med["zb_B"] + med["zb_W"]),
+                    "torch_I_share": med["torch_I"] / (med["torch_I"] + med["torch_W"]),
+                }
+            )
     return rows
 
 
@@ -141,18 +149,22 @@ def _stats(xs: list[float]) -> dict[str, float]:
 
 
 def _print(rows: list[dict]) -> None:
-    head = (f"{'hidden':>6} {'rows':>5} {'stage':>6} | {'fused':>7} {'zb B':>7} {'zb W':>7} "
-            f"{'zb ratio':>18} {'B share':>7} | {'torch I':>7} {'torch W':>7} {'torch ratio':>18} "
-            f"{'I share':>7}")
+    head = (
+        f"{'hidden':>6} {'rows':>5} {'stage':>6} | {'fused':>7} {'zb B':>7} {'zb W':>7} "
+        f"{'zb ratio':>18} {'B share':>7} | {'torch I':>7} {'torch W':>7} {'torch ratio':>18} "
+        f"{'I share':>7}"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
         t = r["median_ms"]
         zr, tr = r["zbpipe_ratio"], r["torch_ratio"]
-        print(f"{r['hidden']:>6} {r['rows']:>5} {r['stage']:>6} | {t['fused']:7.2f} {t['zb_B']:7.2f} "
-              f"{t['zb_W']:7.2f} {zr['median']:6.3f} [{zr['min']:.2f},{zr['max']:.2f}] "
-              f"{r['zbpipe_B_share']:7.2f} | {t['torch_I']:7.2f} {t['torch_W']:7.2f} "
-              f"{tr['median']:6.3f} [{tr['min']:.2f},{tr['max']:.2f}] {r['torch_I_share']:7.2f}")
+        print(
+            f"{r['hidden']:>6} {r['rows']:>5} {r['stage']:>6} | {t['fused']:7.2f} {t['zb_B']:7.2f} "
+            f"{t['zb_W']:7.2f} {zr['median']:6.3f} [{zr['min']:.2f},{zr['max']:.2f}] "
+            f"{r['zbpipe_B_share']:7.2f} | {t['torch_I']:7.2f} {t['torch_W']:7.2f} "
+            f"{tr['median']:6.3f} [{tr['min']:.2f},{tr['max']:.2f}] {r['torch_I_share']:7.2f}"
+        )
     print("times: median ms; ratio = (B+W)/B_full median [min,max]; share = B/(B+W)")
 
 
@@ -202,7 +214,9 @@ def run_overhead(reps: int, warmup: int, clock) -> list[dict]:
             m.zero_grad(set_to_none=True)
             out = m(x)
             holder = {}
-            r["B"] = _time(lambda: holder.setdefault("w", backward_input([out], [g], [x], params)[1]))
+            r["B"] = _time(
+                lambda: holder.setdefault("w", backward_input([out], [g], [x], params)[1])
+            )
             counted = [0]
 
             def counting(*a, **k):
@@ -221,8 +235,10 @@ def run_overhead(reps: int, warmup: int, clock) -> list[dict]:
                 samples.append(r)
         med = {k: statistics.median(s[k] for s in samples) * 1e3 for k in samples[0]}
         rows.append({"case": name, "median_ms": med, "w_calls": calls, "reps": reps})
-        print(f"{name:>18} | fused {med['fused']:7.2f} | B {med['B']:7.2f} | W {med['W']:7.2f} | "
-              f"W/fused {med['W'] / med['fused']:5.2f} | W calls {calls}")
+        print(
+            f"{name:>18} | fused {med['fused']:7.2f} | B {med['B']:7.2f} | W {med['W']:7.2f} | "
+            f"W/fused {med['W'] / med['fused']:5.2f} | W calls {calls}"
+        )
     return rows
 
 
@@ -233,8 +249,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
-    ap.add_argument("--out", default=None,
-                    help="default: benchmarks/results/split_backward[_overhead].json")
+    ap.add_argument(
+        "--out", default=None, help="default: benchmarks/results/split_backward[_overhead].json"
+    )
     ap.add_argument("--overhead", action="store_true", help="measure W's engine overhead (above)")
     args = ap.parse_args()
     if args.threads != 1 and args.clock == "cpu":
@@ -248,9 +265,17 @@ def main() -> None:
     suffix = "_overhead" if args.overhead else ""
     out = Path(args.out or f"benchmarks/results/split_backward{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"torch": torch.__version__, "threads": args.threads,
-                               "clock": args.clock, "rows": rows},
-                              indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "torch": torch.__version__,
+                "threads": args.threads,
+                "clock": args.clock,
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {out}")
 
 

@@ -23,8 +23,15 @@ SCHEDULES = ("ZBH1", "ZBV")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--schedule", choices=SCHEDULES, default="ZBV", help="zbpipe schedule class (ScheduleZBH1/ScheduleZBV)")
-    p.add_argument("--ranks", type=int, default=2, help="ranks to spawn when not started by torchrun")
+    p.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        default="ZBV",
+        help="zbpipe schedule class (ScheduleZBH1/ScheduleZBV)",
+    )
+    p.add_argument(
+        "--ranks", type=int, default=2, help="ranks to spawn when not started by torchrun"
+    )
     p.add_argument("--steps", type=int, default=20, help="optimizer steps")
     p.add_argument("--microbatches", type=int, default=8, help="microbatches per step")
     p.add_argument("--microbatch-size", type=int, default=4, help="sequences per microbatch")
@@ -64,8 +71,10 @@ def train(rank: int, world: int, args: argparse.Namespace) -> list[float]:
         if has_last:
             loss = torch.stack(losses).mean().item()
             seen.append(loss)
-            print(f"[{args.schedule}] step {step:3d}  loss {loss:.4f}  {(time.perf_counter() - t0) * 1e3:6.1f} ms",
-                  flush=True)
+            print(
+                f"[{args.schedule}] step {step:3d}  loss {loss:.4f}  {(time.perf_counter() - t0) * 1e3:6.1f} ms",
+                flush=True,
+            )
     return seen
 
 

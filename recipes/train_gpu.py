@@ -24,24 +24,46 @@ SCHEDULES = ("ZBV", "ZBH1", "ZBAuto")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--schedule", choices=SCHEDULES, default="ZBV",
-                   help="ZBV: 2 chunks per rank, near-zero bubble at 1F1B memory; ZBH1: 1 stage per rank, "
-                        "1F1B memory; ZBAuto: 1 stage per rank, twice 1F1B memory, near-zero bubble")
+    p.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        default="ZBV",
+        help="ZBV: 2 chunks per rank, near-zero bubble at 1F1B memory; ZBH1: 1 stage per rank, "
+        "1F1B memory; ZBAuto: 1 stage per rank, twice 1F1B memory, near-zero bubble",
+    )
     p.add_argument("--steps", type=int, default=100, help="optimizer steps")
-    p.add_argument("--microbatches", type=int, default=32, help="microbatches per step (>= 2 x ranks keeps ZB bubbles small)")
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        default=32,
+        help="microbatches per step (>= 2 x ranks keeps ZB bubbles small)",
+    )
     p.add_argument("--microbatch-size", type=int, default=8, help="sequences per microbatch")
     p.add_argument("--hidden", type=int, default=1024, help="model width")
     p.add_argument("--heads", type=int, default=16, help="attention heads")
     p.add_argument("--seq", type=int, default=1024, help="sequence length")
     p.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
-    p.add_argument("--blocks-per-stage", type=int, default=2, help="transformer blocks per pipeline stage")
+    p.add_argument(
+        "--blocks-per-stage", type=int, default=2, help="transformer blocks per pipeline stage"
+    )
     p.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate")
-    p.add_argument("--profile-costs", action="store_true",
-                   help="costs='profile': measure per-stage F/B/W times on the first steps and re-plan")
-    p.add_argument("--timeout-s", type=float, default=600.0,
-                   help="NCCL process-group timeout (a hung peer fails the job after this long)")
-    p.add_argument("--trace", metavar="FILE", help="write the last step's Chrome trace here (rank 0); draw it "
-                                                   "with: zbpipe draw --trace FILE --png out.png")
+    p.add_argument(
+        "--profile-costs",
+        action="store_true",
+        help="costs='profile': measure per-stage F/B/W times on the first steps and re-plan",
+    )
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=600.0,
+        help="NCCL process-group timeout (a hung peer fails the job after this long)",
+    )
+    p.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="write the last step's Chrome trace here (rank 0); draw it "
+        "with: zbpipe draw --trace FILE --png out.png",
+    )
     return p.parse_args(argv)
 
 
@@ -56,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     from zbpipe.testing.models import TinyGPTConfig, build_stages, lm_loss, synthetic_batch
 
     if "LOCAL_RANK" not in os.environ:
-        raise SystemExit("train_gpu.py is launched by torchrun (see recipes/torchrun_gpu.sh), one process per GPU")
+        raise SystemExit(
+            "train_gpu.py is launched by torchrun (see recipes/torchrun_gpu.sh), one process per GPU"
+        )
     local_rank = int(os.environ["LOCAL_RANK"])
     device = torch.device(f"cuda:{local_rank}")
     torch.cuda.set_device(device)
@@ -66,8 +90,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cls = zbpipe.get_schedule_class(args.schedule)
         num_stages = world * cls.stages_per_rank
-        cfg = TinyGPTConfig(vocab=args.vocab, hidden=args.hidden, seq=args.seq, heads=args.heads,
-                            blocks_per_stage=args.blocks_per_stage)
+        cfg = TinyGPTConfig(
+            vocab=args.vocab,
+            hidden=args.hidden,
+            seq=args.seq,
+            heads=args.heads,
+            blocks_per_stage=args.blocks_per_stage,
+        )
         mine = sorted(s for s, r in cls.stage_index_to_rank(world).items() if r == rank)
         # Same seed everywhere: identical initial weights. A real model would build only its own
         # stages (e.g. on the meta device, then materialise) instead of all of them on CPU.
@@ -79,8 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         opt = torch.optim.AdamW(params, lr=args.lr, fused=True)
         has_first, has_last = 0 in mine, num_stages - 1 in mine
         if rank == 0:
-            print(f"{cls.__name__}: {world} ranks, {num_stages} stages, {args.microbatches} microbatches; "
-                  f"rank 0 holds stages {mine}", flush=True)
+            print(
+                f"{cls.__name__}: {world} ranks, {num_stages} stages, {args.microbatches} microbatches; "
+                f"rank 0 holds stages {mine}",
+                flush=True,
+            )
 
         for step in range(args.steps):
             # Every rank draws the same synthetic batch; only the first/last stage ranks use it.
@@ -90,18 +122,24 @@ def main(argv: list[str] | None = None) -> int:
             losses: list = []
             torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            sched.step(*((ids,) if has_first else ()), target=tgt if has_last else None, losses=losses)
+            sched.step(
+                *((ids,) if has_first else ()), target=tgt if has_last else None, losses=losses
+            )
             opt.step()
             torch.cuda.synchronize(device)
             if has_last:
                 loss = torch.stack(losses).mean().item()
-                print(f"[rank {rank}] step {step:4d}  loss {loss:.4f}  {(time.perf_counter() - t0) * 1e3:8.1f} ms",
-                      flush=True)
+                print(
+                    f"[rank {rank}] step {step:4d}  loss {loss:.4f}  {(time.perf_counter() - t0) * 1e3:8.1f} ms",
+                    flush=True,
+                )
         if args.trace:
             trace = sched.tracer.gather()  # collective: every rank takes part
             if rank == 0:
                 trace.write_chrome(args.trace)
-                print(f"measured bubble rate of the last step: {trace.bubble_rate:.1%}; trace in {args.trace}")
+                print(
+                    f"measured bubble rate of the last step: {trace.bubble_rate:.1%}; trace in {args.trace}"
+                )
     finally:
         dist.destroy_process_group()
     return 0

@@ -38,7 +38,9 @@ def _my_stages(cls: type, pp_size: int, pp_rank: int) -> list[int]:
     return sorted(s for s, r in cls.stage_index_to_rank(pp_size).items() if r == pp_rank)
 
 
-def _reference(mods: list[nn.Module], ids: torch.Tensor, tgt: torch.Tensor, n_chunks: int) -> nn.Module:
+def _reference(
+    mods: list[nn.Module], ids: torch.Tensor, tgt: torch.Tensor, n_chunks: int
+) -> nn.Module:
     """The unpipelined, unsharded model; loss = mean over ``n_chunks`` equal microbatches' mean losses.
 
     With equal microbatches this is the mean over the global batch, which is what
@@ -117,8 +119,12 @@ def _param_groups(root: nn.Module) -> int:
     for mod in root.modules():
         if not isinstance(mod, FSDPModule):
             continue
-        nested = {id(p) for sub in mod.modules() if sub is not mod and isinstance(sub, FSDPModule)
-                  for p in sub.parameters()}
+        nested = {
+            id(p)
+            for sub in mod.modules()
+            if sub is not mod and isinstance(sub, FSDPModule)
+            for p in sub.parameters()
+        }
         n += any(id(p) not in nested for p in mod.parameters())
     return n
 
@@ -133,8 +139,15 @@ def _shard_stage(mod: nn.Sequential, dp_mesh: Any, reshard_after_forward: bool) 
     return mod
 
 
-def pp_fsdp_case(rank: int, world: int, schedule: str, m: int, options: dict, reshard_after_forward: bool,
-                 seed: int = 11) -> dict[str, Any]:
+def pp_fsdp_case(
+    rank: int,
+    world: int,
+    schedule: str,
+    m: int,
+    options: dict,
+    reshard_after_forward: bool,
+    seed: int = 11,
+) -> dict[str, Any]:
     """One step of ``schedule`` on pp=2 x dp=2 with FSDP2; compare full grads with the reference.
 
     Returns what the test checks: gradient mismatches (empty when all match), the worst
@@ -156,15 +169,22 @@ def pp_fsdp_case(rank: int, world: int, schedule: str, m: int, options: dict, re
     mine = _my_stages(cls, pp_size, pp_rank)
     pp_group = mesh["pp"].get_group()
     stages = [
-        PipelineStage(_shard_stage(mods[s], mesh["dp"], reshard_after_forward), s, num_stages, CPU,
-                      group=pp_group)
+        PipelineStage(
+            _shard_stage(mods[s], mesh["dp"], reshard_after_forward),
+            s,
+            num_stages,
+            CPU,
+            group=pp_group,
+        )
         for s in mine
     ]
     sched = cls(stages, m, loss_fn=lm_loss, **options)
     ev = _Events()
     _instrument(sched, stages, ev)
     with _CountCollectives(ev) as counts:
-        sched.step(*((my_ids,) if 0 in mine else ()), target=my_tgt if num_stages - 1 in mine else None)
+        sched.step(
+            *((my_ids,) if 0 in mine else ()), target=my_tgt if num_stages - 1 in mine else None
+        )
 
     worst, mismatches = 0.0, []
     for s in mine:
@@ -182,11 +202,20 @@ def pp_fsdp_case(rank: int, world: int, schedule: str, m: int, options: dict, re
             except AssertionError as e:
                 mismatches.append(f"stage {s} {name}: {str(e).splitlines()[2:4]}")
             worst = max(worst, (g - q.grad).abs().max().item())
-    return {"mismatches": mismatches, "worst": worst, "log": ev.log, "mine": mine, "m": m,
-            "groups": {s: _param_groups(mods[s]) for s in mine}, "all_gathers": counts.all_gathers}
+    return {
+        "mismatches": mismatches,
+        "worst": worst,
+        "log": ev.log,
+        "mine": mine,
+        "m": m,
+        "groups": {s: _param_groups(mods[s]) for s in mine},
+        "all_gathers": counts.all_gathers,
+    }
 
 
-def fsdp_cases(rank: int, world: int, cases: list[tuple[str, int, dict, bool]]) -> list[dict[str, Any]]:
+def fsdp_cases(
+    rank: int, world: int, cases: list[tuple[str, int, dict, bool]]
+) -> list[dict[str, Any]]:
     """Several ``(schedule, m, options, reshard_after_forward)`` cases in one process group."""
     return [pp_fsdp_case(rank, world, s, m, o, r) for s, m, o, r in cases]
 
@@ -195,8 +224,9 @@ def fsdp_cases(rank: int, world: int, cases: list[tuple[str, int, dict, bool]]) 
 # PP x TP
 
 
-def _tensor_parallel_stage(mod: nn.Sequential, tp_mesh: Any, dtensor_boundary: bool, first: bool,
-                           last: bool) -> nn.Module:
+def _tensor_parallel_stage(
+    mod: nn.Sequential, tp_mesh: Any, dtensor_boundary: bool, first: bool, last: bool
+) -> nn.Module:
     """Megatron MLP in every block: ``fc`` column-parallel, ``out`` row-parallel over ``tp_mesh``.
 
     ``dtensor_boundary``: the stage's output leaves as a Replicate DTensor and the next stage's
@@ -218,16 +248,27 @@ def _tensor_parallel_stage(mod: nn.Sequential, tp_mesh: Any, dtensor_boundary: b
         plan = {}
         if not last:
             plan[str(len(mod) - 1)] = PrepareModuleOutput(
-                output_layouts=Replicate(), desired_output_layouts=Replicate(), use_local_output=False)
+                output_layouts=Replicate(),
+                desired_output_layouts=Replicate(),
+                use_local_output=False,
+            )
         if not first:
             plan["0"] = PrepareModuleInput(
-                input_layouts=Replicate(), desired_input_layouts=Replicate(), use_local_output=True)
+                input_layouts=Replicate(), desired_input_layouts=Replicate(), use_local_output=True
+            )
         parallelize_module(mod, tp_mesh, plan)
     return mod
 
 
-def pp_tp_case(rank: int, world: int, schedule: str, m: int, options: dict, dtensor_boundary: bool,
-               seed: int = 13) -> dict[str, Any]:
+def pp_tp_case(
+    rank: int,
+    world: int,
+    schedule: str,
+    m: int,
+    options: dict,
+    dtensor_boundary: bool,
+    seed: int = 13,
+) -> dict[str, Any]:
     """One step of ``schedule`` on pp=2 x tp=2; compare full grads with the reference."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     pp_rank, pp_size = mesh["pp"].get_local_rank(), mesh["pp"].size()
@@ -241,19 +282,31 @@ def pp_tp_case(rank: int, world: int, schedule: str, m: int, options: dict, dten
     mine = _my_stages(cls, pp_size, pp_rank)
     stages = [
         PipelineStage(
-            _tensor_parallel_stage(mods[s], mesh["tp"], dtensor_boundary, s == 0, s == num_stages - 1),
-            s, num_stages, CPU, group=mesh["pp"].get_group(),
+            _tensor_parallel_stage(
+                mods[s], mesh["tp"], dtensor_boundary, s == 0, s == num_stages - 1
+            ),
+            s,
+            num_stages,
+            CPU,
+            group=mesh["pp"].get_group(),
             # A stage receiving a DTensor rebuilds it on the mesh named in the shipped metadata.
-            get_mesh=lambda names, layout: mesh[names])
+            get_mesh=lambda names, layout: mesh[names],
+        )
         for s in mine
     ]
     received: list[bool] = []  # per forward of a non-first stage: did a DTensor arrive?
     for st in stages:
         if not st.is_first:
-            st.submod.register_forward_pre_hook(lambda _, args: received.append(isinstance(args[0], DTensor)))
+            st.submod.register_forward_pre_hook(
+                lambda _, args: received.append(isinstance(args[0], DTensor))
+            )
     sched = cls(stages, m, loss_fn=lm_loss, **options)
     losses: list = []
-    sched.step(*((ids,) if 0 in mine else ()), target=tgt if num_stages - 1 in mine else None, losses=losses)
+    sched.step(
+        *((ids,) if 0 in mine else ()),
+        target=tgt if num_stages - 1 in mine else None,
+        losses=losses,
+    )
     worst, n_dtensor = 0.0, 0
     for s in mine:
         for (name, p), (_, q) in zip(mods[s].named_parameters(), ref[s].named_parameters()):
@@ -261,16 +314,30 @@ def pp_tp_case(rank: int, world: int, schedule: str, m: int, options: dict, dten
             if isinstance(p, DTensor):
                 n_dtensor += 1
                 # Sharded like its parameter (an optimizer steps shard by shard), not Partial.
-                assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements, \
+                assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements, (
                     f"{schedule} stage {s} {name}: grad placements {getattr(p.grad, 'placements', None)}"
+                )
             g = _full(p.grad)
             # fp32; a row-parallel layer sums two partial products (all-reduce) where the reference
             # does one matmul, and microbatches are summed in plan order: a few ulps.
-            torch.testing.assert_close(g, q.grad, rtol=1e-5, atol=1e-6,
-                                       msg=lambda e: f"{schedule} rank {rank} stage {s} {name}: {e}")
+            torch.testing.assert_close(
+                g,
+                q.grad,
+                rtol=1e-5,
+                atol=1e-6,
+                msg=lambda e: f"{schedule} rank {rank} stage {s} {name}: {e}",
+            )
             worst = max(worst, (g - q.grad).abs().max().item())
-    return {"worst": worst, "dtensor_params": n_dtensor, "dtensor_inputs": received, "mine": mine, "losses": [l.item() for l in losses]}
+    return {
+        "worst": worst,
+        "dtensor_params": n_dtensor,
+        "dtensor_inputs": received,
+        "mine": mine,
+        "losses": [l.item() for l in losses],
+    }
 
 
-def tp_cases(rank: int, world: int, cases: list[tuple[str, int, dict, bool]]) -> list[dict[str, Any]]:
+def tp_cases(
+    rank: int, world: int, cases: list[tuple[str, int, dict, bool]]
+) -> list[dict[str, Any]]:
     return [pp_tp_case(rank, world, s, m, o, d) for s, m, o, d in cases]

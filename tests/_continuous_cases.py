@@ -36,11 +36,14 @@ def batch(k: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
 # rank side
 
 
-def _schedule(rank: int, world: int, m: int, mode: str, opt: str, seed: int = SEED) -> ScheduleContinuous:
+def _schedule(
+    rank: int, world: int, m: int, mode: str, opt: str, seed: int = SEED
+) -> ScheduleContinuous:
     mod = build_stages(CFG, world, seed=seed)[rank]
     stage = PipelineStage(mod, rank, world, torch.device("cpu"))
-    return ScheduleContinuous([stage], m, loss_fn=lm_loss, mode=mode,
-                              optimizer=lambda ps: make_optimizer(opt, ps))
+    return ScheduleContinuous(
+        [stage], m, loss_fn=lm_loss, mode=mode, optimizer=lambda ps: make_optimizer(opt, ps)
+    )
 
 
 def _feed(sched: ScheduleContinuous, rank: int, world: int, m: int, ks: range) -> list:
@@ -63,8 +66,14 @@ def train(rank: int, world: int, m: int, n: int, mode: str, opt: str) -> dict:
     sched = _schedule(rank, world, m, mode, opt)
     records = _feed(sched, rank, world, m, range(n))
     flushed = [(kk, [float(x) for x in ls]) for kk, ls in sched.flush()]
-    return dict(params=_params(sched), records=records, flushed=flushed, steps=sched.minibatches_done,
-                max_live=sched.max_live_versions, bound=sched.version_bound)
+    return dict(
+        params=_params(sched),
+        records=records,
+        flushed=flushed,
+        steps=sched.minibatches_done,
+        max_live=sched.max_live_versions,
+        bound=sched.version_bound,
+    )
 
 
 def train_cases(rank: int, world: int, cases: list[tuple]) -> list[dict]:
@@ -92,18 +101,27 @@ def checkpoint_resume(rank: int, world: int, m: int, mode: str, opt: str) -> dic
     buf.seek(0)
     state = torch.load(buf, weights_only=True)
 
-    resumed = _schedule(rank, world, m, mode, opt, seed=SEED + 100)  # different init: all must come from the file
+    resumed = _schedule(
+        rank, world, m, mode, opt, seed=SEED + 100
+    )  # different init: all must come from the file
     resumed.load_state_dict(state)
     _feed(resumed, rank, world, m, range(3, 5))
     resumed.flush()
-    return dict(whole=_params(whole), resumed=_params(resumed), refused=refused, done=resumed.minibatches_done)
+    return dict(
+        whole=_params(whole),
+        resumed=_params(resumed),
+        refused=refused,
+        done=resumed.minibatches_done,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # references (test process)
 
 
-def reference(world: int, m: int, n: int, opt: str, version_of: Callable[[int, int], int]) -> tuple[list, list]:
+def reference(
+    world: int, m: int, n: int, opt: str, version_of: Callable[[int, int], int]
+) -> tuple[list, list]:
     """Replay a weight-version rule on the unpipelined model, one stage's module at a time.
 
     ``version_of(stage, g)`` is the number of optimizer steps of ``stage`` whose result the
@@ -123,8 +141,10 @@ def reference(world: int, m: int, n: int, opt: str, version_of: Callable[[int, i
         mb_losses = []
         for j, (x, y) in enumerate(zip(ids.tensor_split(m), tgt.tensor_split(m))):
             g = k * m + j
-            leaves = [{name: t.clone().requires_grad_() for name, t in snaps[s][version_of(s, g)].items()}
-                      for s in range(world)]
+            leaves = [
+                {name: t.clone().requires_grad_() for name, t in snaps[s][version_of(s, g)].items()}
+                for s in range(world)
+            ]
             h = x
             for s, mod in enumerate(mods):
                 h = torch.func.functional_call(mod, leaves[s], (h,))
@@ -151,7 +171,9 @@ def plain_loop(world: int, m: int, n: int, opt: str) -> list[dict[str, torch.Ten
     o = make_optimizer(opt, list(model.parameters()))
     for k in range(n):
         ids, tgt = batch(k, m)
-        loss = torch.stack([lm_loss(model(x), y) for x, y in zip(ids.tensor_split(m), tgt.tensor_split(m))]).mean()
+        loss = torch.stack(
+            [lm_loss(model(x), y) for x, y in zip(ids.tensor_split(m), tgt.tensor_split(m))]
+        ).mean()
         loss.backward()
         o.step()
         o.zero_grad(set_to_none=True)
@@ -164,7 +186,7 @@ def stash_versions(world: int, m: int, n: int) -> Callable[[int, int], int]:
     The version of microbatch g on stage s is the number of optimizer steps stage s has taken
     before F(s, g) in its order; a step follows the m-th W of a mini-batch.
     """
-    from zbpipe.plan.continuous import plan_continuous
+    from zbpipe.planning.continuous import plan_continuous
 
     plan = plan_continuous(world, m, n_minibatches=n, mode="stash")
     table: dict[tuple[int, int], int] = {}
@@ -191,21 +213,30 @@ def train_clipped(rank: int, world: int, m: int, n: int, max_norm: float) -> dic
     """sync with post-validated global-norm clipping (SGD with momentum)."""
     mod = build_stages(CFG, world, seed=SEED)[rank]
     stage = PipelineStage(mod, rank, world, torch.device("cpu"))
-    sched = ScheduleContinuous([stage], m, loss_fn=lm_loss, optimizer=lambda ps: make_optimizer("sgd", ps),
-                               post_validate={"max_norm": max_norm})
+    sched = ScheduleContinuous(
+        [stage],
+        m,
+        loss_fn=lm_loss,
+        optimizer=lambda ps: make_optimizer("sgd", ps),
+        post_validate={"max_norm": max_norm},
+    )
     _feed(sched, rank, world, m, range(n))
     sched.flush()
     return dict(params=_params(sched), statuses=[r.status for r in sched.step_reports])
 
 
-def plain_loop_clipped(world: int, m: int, n: int, max_norm: float) -> list[dict[str, torch.Tensor]]:
+def plain_loop_clipped(
+    world: int, m: int, n: int, max_norm: float
+) -> list[dict[str, torch.Tensor]]:
     """The ordinary loop with torch.nn.utils.clip_grad_norm_ over the whole model before each step."""
     mods = build_stages(CFG, world, seed=SEED)
     model = nn.Sequential(*mods)
     o = make_optimizer("sgd", list(model.parameters()))
     for k in range(n):
         ids, tgt = batch(k, m)
-        torch.stack([lm_loss(model(x), y) for x, y in zip(ids.tensor_split(m), tgt.tensor_split(m))]).mean().backward()
+        torch.stack(
+            [lm_loss(model(x), y) for x, y in zip(ids.tensor_split(m), tgt.tensor_split(m))]
+        ).mean().backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         o.step()
         o.zero_grad(set_to_none=True)

@@ -53,11 +53,18 @@ def grads_match_reference(rank, world, schedule, m, options=None, seed=1):
         for (name, p), (_, q) in zip(mods[s].named_parameters(), ref[s].named_parameters()):
             assert p.grad is not None, f"{schedule} m={m}: stage {s} {name} has no grad"
             # fp32, same ops, only the summation order across microbatches can differ.
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6,
-                                       msg=lambda e: f"{schedule} m={m} stage {s} {name}: {e}")
+            torch.testing.assert_close(
+                p.grad,
+                q.grad,
+                rtol=1e-5,
+                atol=1e-6,
+                msg=lambda e: f"{schedule} m={m} stage {s} {name}: {e}",
+            )
             worst = max(worst, (p.grad - q.grad).abs().max().item())
     if num_stages - 1 in mine:
-        torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(
+            torch.stack(losses), torch.stack(ref_losses), rtol=1e-6, atol=1e-6
+        )
     return worst
 
 
@@ -73,7 +80,9 @@ def bitwise_equal_to_1f1b(rank, world, m):
     for name, opts in (("Schedule1F1BMulti", {}), ("ScheduleZBH1", {"exact": True})):
         mods = build_stages(TinyGPTConfig(tricky=False), num_stages, seed=3)
         ids, tgt = synthetic_batch(TinyGPTConfig(tricky=False), batch=2 * m, step=3)
-        mine, _, _ = run_pipeline_step(rank, world, getattr(zbpipe, name), m, mods, ids, tgt, **opts)
+        mine, _, _ = run_pipeline_step(
+            rank, world, getattr(zbpipe, name), m, mods, ids, tgt, **opts
+        )
         out[name] = [p.grad.clone() for s in mine for p in mods[s].parameters()]
     diffs = [torch.equal(a, b) for a, b in zip(out["Schedule1F1BMulti"], out["ScheduleZBH1"])]
     assert all(diffs), f"rank {rank}: {diffs.count(False)} of {len(diffs)} grads differ from 1F1B"
@@ -93,17 +102,24 @@ def construction_errors(rank, world):
     good = PipelineStage(build_stages(cfg, world)[rank], rank, world, cpu)
     cases = {
         "V schedule given one stage": lambda: ScheduleZBV([good], 4, loss_fn=lm_loss),
-        "costs of the wrong length": lambda: ScheduleZBH1([good], 4, loss_fn=lm_loss, costs=Costs(f=[1.0] * (world + 1))),
+        "costs of the wrong length": lambda: ScheduleZBH1(
+            [good], 4, loss_fn=lm_loss, costs=Costs(f=[1.0] * (world + 1))
+        ),
         "negative costs": lambda: ScheduleZBH1([good], 4, loss_fn=lm_loss, costs=Costs(f=-1.0)),
         "n_microbatches=0": lambda: ScheduleZBH1([good], 0, loss_fn=lm_loss),
         "n_microbatches=2.0": lambda: ScheduleZBH1([good], 2.0, loss_fn=lm_loss),
         "not a stage": lambda: ScheduleZBH1([mods[rank]], 4, loss_fn=lm_loss),
         "two stages per rank": lambda: ScheduleZBH1(
-            [PipelineStage(mods[s], s, 2 * world, cpu) for s in (rank, rank + world)], 4, loss_fn=lm_loss),
+            [PipelineStage(mods[s], s, 2 * world, cpu) for s in (rank, rank + world)],
+            4,
+            loss_fn=lm_loss,
+        ),
         "num_stages != ranks": lambda: ScheduleZBH1(
-            [PipelineStage(mods[rank], rank, 2 * world, cpu)], 4, loss_fn=lm_loss),
+            [PipelineStage(mods[rank], rank, 2 * world, cpu)], 4, loss_fn=lm_loss
+        ),
         "wrong stage index": lambda: ScheduleZBH1(
-            [PipelineStage(mods[0], (rank + 1) % world, world, cpu)], 4, loss_fn=lm_loss),
+            [PipelineStage(mods[0], (rank + 1) % world, world, cpu)], 4, loss_fn=lm_loss
+        ),
     }
     out = {}
     for name, make in cases.items():
@@ -120,7 +136,9 @@ def peers_disagree(rank, world):
     """Rank 0 asks for 4 microbatches, the others for 6: every rank gets the same ValueError."""
     from zbpipe import ScheduleZBH1
 
-    stage = PipelineStage(build_stages(TinyGPTConfig(), world)[rank], rank, world, torch.device("cpu"))
+    stage = PipelineStage(
+        build_stages(TinyGPTConfig(), world)[rank], rank, world, torch.device("cpu")
+    )
     try:
         ScheduleZBH1([stage], 4 if rank == 0 else 6, loss_fn=lm_loss)
     except ValueError as e:
@@ -173,7 +191,9 @@ def raise_in_forward_of_microbatch_3(rank, world):
     if rank == 1:
         forward = stage.forward_one_chunk
 
-        def bomb(mb, *args, **kwargs):  # by microbatch index (torch also runs one shape-inference forward)
+        def bomb(
+            mb, *args, **kwargs
+        ):  # by microbatch index (torch also runs one shape-inference forward)
             if mb == 3:
                 raise _Boom("injected failure in microbatch 3's forward")
             return forward(mb, *args, **kwargs)
@@ -198,7 +218,9 @@ def determinism(rank, world, schedule, options, m):
         runs.append(([l.clone() for l in losses], [p.detach().clone() for p in params]))
     (l1, p1), (l2, p2) = runs
     assert all(torch.equal(a, b) for a, b in zip(l1, l2)), "losses differ between identical runs"
-    assert all(torch.equal(a, b) for a, b in zip(p1, p2)), "parameters differ between identical runs"
+    assert all(torch.equal(a, b) for a, b in zip(p1, p2)), (
+        "parameters differ between identical runs"
+    )
     return len(p1)
 
 
@@ -221,9 +243,13 @@ def eval_runs_no_backward(rank, world):
     with torch.no_grad():
         sched.eval(*((ids,) if rank == 0 else ()), target=tgt if rank == world - 1 else None)
     assert all(p.grad is None for p in mod.parameters()), "eval() computed gradients"
-    forward_only = ScheduleZBH1([PipelineStage(mod, rank, world, torch.device("cpu"))], 2, check_peers=False)
+    forward_only = ScheduleZBH1(
+        [PipelineStage(mod, rank, world, torch.device("cpu"))], 2, check_peers=False
+    )
     out = forward_only.step(*((ids,) if rank == 0 else ()))
-    assert all(p.grad is None for p in mod.parameters()), "a schedule without loss_fn computed gradients"
+    assert all(p.grad is None for p in mod.parameters()), (
+        "a schedule without loss_fn computed gradients"
+    )
     return None if out is None else tuple(out.shape)
 
 
@@ -234,7 +260,9 @@ def ddp_stage_refused(rank, world):
 
     # A data-parallel group of one per pipeline rank (every rank must create every group).
     groups = [dist.new_group([r]) for r in range(world)]
-    mod = DistributedDataParallel(build_stages(TinyGPTConfig(), world)[rank], process_group=groups[rank])
+    mod = DistributedDataParallel(
+        build_stages(TinyGPTConfig(), world)[rank], process_group=groups[rank]
+    )
     try:
         ScheduleZBH1([PipelineStage(mod, rank, world, torch.device("cpu"))], 2, loss_fn=lm_loss)
     except ValueError as e:
@@ -272,7 +300,9 @@ def several_outputs(rank, world, m):
     sched = ScheduleZBH1([stage], m, loss_fn=lm_loss)
     sched.step(*((ids,) if rank == 0 else ()), target=tgt if rank == 1 else None)
     for (name, p), (_, q) in zip(mods[rank].named_parameters(), ref[rank].named_parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda e: f"{name}: {e}")
+        torch.testing.assert_close(
+            p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda e: f"{name}: {e}"
+        )
     return rank
 
 

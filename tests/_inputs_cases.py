@@ -67,7 +67,11 @@ def one_case(rank: int, world: int, schedule: str, kind: str, m: int, seed: int)
     rows = torch.arange(2 * m).chunk(m)
     losses = []
     for idx in rows:
-        mb = {"ids": batch["ids"][idx], "scale": batch["scale"][idx], "extra": {"bias": batch["extra"]["bias"][idx]}}
+        mb = {
+            "ids": batch["ids"][idx],
+            "scale": batch["scale"][idx],
+            "extra": {"bias": batch["extra"]["bias"][idx]},
+        }
         x = mb
         for mod in ref:
             x = mod(x)
@@ -78,14 +82,23 @@ def one_case(rank: int, world: int, schedule: str, kind: str, m: int, seed: int)
     stages = [PipelineStage(mods[s], s, num_stages, torch.device("cpu")) for s in mine]
     sched = cls(stages, m, loss_fn=F.mse_loss)
     got: list = []
-    sched.step(*((batch,) if 0 in mine else ()), target=target if num_stages - 1 in mine else None, losses=got)
+    sched.step(
+        *((batch,) if 0 in mine else ()),
+        target=target if num_stages - 1 in mine else None,
+        losses=got,
+    )
     worst = 0.0
     for s in mine:
         for (name, p), q in zip(mods[s].named_parameters(), ref[s].parameters()):
             assert p.grad is not None, f"{schedule}/{kind}: stage {s} {name} has no grad"
             # fp32, same ops: only the order of summing microbatches differs.
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6,
-                                       msg=lambda e: f"{schedule}/{kind} stage {s} {name}: {e}")
+            torch.testing.assert_close(
+                p.grad,
+                q.grad,
+                rtol=1e-5,
+                atol=1e-6,
+                msg=lambda e: f"{schedule}/{kind} stage {s} {name}: {e}",
+            )
             worst = max(worst, (p.grad - q.grad).abs().max().item())
     if num_stages - 1 in mine:
         torch.testing.assert_close(torch.stack(got), torch.stack([l.detach() for l in losses]))
@@ -94,4 +107,6 @@ def one_case(rank: int, world: int, schedule: str, kind: str, m: int, seed: int)
 
 def cases(rank: int, world: int, todo: list[tuple[str, str, int]]) -> list[float]:
     """Several cases in one process group (spawning is the slow part)."""
-    return [one_case(rank, world, sched, kind, m, seed=i) for i, (sched, kind, m) in enumerate(todo)]
+    return [
+        one_case(rank, world, sched, kind, m, seed=i) for i, (sched, kind, m) in enumerate(todo)
+    ]

@@ -58,10 +58,17 @@ def run_steps(rank: int, world: int, opt_name: str, max_norm, scales, inject_inf
             p0.grad[0, 0] = float("inf")
         pvs.step()
         report = pvs.validate()
-        state = {k: [_np(v) for v in st.values() if torch.is_tensor(v)] for k, st in
-                 enumerate(opt.state_dict()["state"].values())}
-        out.append(((report.status, report.global_norm, report.clip_coef, report.optimistic_coef),
-                    [_np(p) for p in stage.parameters()], state))
+        state = {
+            k: [_np(v) for v in st.values() if torch.is_tensor(v)]
+            for k, st in enumerate(opt.state_dict()["state"].values())
+        }
+        out.append(
+            (
+                (report.status, report.global_norm, report.clip_coef, report.optimistic_coef),
+                [_np(p) for p in stage.parameters()],
+                state,
+            )
+        )
     return out
 
 

@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 
 import zbpipe
-from zbpipe.plan import Costs, plan
+from zbpipe.planning import Costs, plan
 from zbpipe.profile import ProfileConfig, agree_on_plan
 from zbpipe.testing.models import Block, TinyGPTConfig, build_stages, lm_loss, synthetic_batch
 from zbpipe.validation import config_fingerprint
@@ -72,12 +72,21 @@ def profiled_training(rank, world, schedule, m, steps, extra_last_blocks=0, opti
         ids, tgt = synthetic_batch(CFG, batch=2 * m, step=step)
         ref, ref_losses = reference_grads(mods, ids, tgt, m)
         losses: list = []
-        sched.step(*((ids,) if 0 in mine else ()), target=tgt if num_stages - 1 in mine else None, losses=losses)
+        sched.step(
+            *((ids,) if 0 in mine else ()),
+            target=tgt if num_stages - 1 in mine else None,
+            losses=losses,
+        )
         for s in mine:
             for (name, p), (_, q) in zip(mods[s].named_parameters(), ref[s].named_parameters()):
                 # fp32, same ops; only the order of summation over microbatches differs.
-                torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6,
-                                           msg=lambda e: f"{schedule} step {step} stage {s} {name}: {e}")
+                torch.testing.assert_close(
+                    p.grad,
+                    q.grad,
+                    rtol=1e-5,
+                    atol=1e-6,
+                    msg=lambda e: f"{schedule} step {step} stage {s} {name}: {e}",
+                )
                 worst = max(worst, (p.grad - q.grad).abs().max().item())
         if num_stages - 1 in mine:
             torch.testing.assert_close(torch.stack(losses), ref_losses, rtol=1e-6, atol=1e-6)
@@ -97,7 +106,9 @@ def profiled_training(rank, world, schedule, m, steps, extra_last_blocks=0, opti
 
 def disagreeing_plans(rank, world):
     """Rank 0 holds a different plan than the others: agree_on_plan raises on every rank."""
-    stage = PipelineStage(build_stages(TinyGPTConfig(), world)[rank], rank, world, torch.device("cpu"))
+    stage = PipelineStage(
+        build_stages(TinyGPTConfig(), world)[rank], rank, world, torch.device("cpu")
+    )
     sched = zbpipe.ScheduleZBH1([stage], 4, loss_fn=lm_loss)
     other = plan("ZB2P", world, 4, costs=Costs(f=[1.0] * (world - 1) + [3.0]))
     try:

@@ -21,18 +21,33 @@ def tiny_llama3_config():
     is torchtitan's.
     """
     from torchtitan.models import llama3 as L
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
+    from torchtitan.models.common import (
+        ComplexRoPE,
+        Embedding,
+        Linear,
+        RMSNorm,
+        compute_ffn_hidden_dim,
+    )
     from torchtitan.models.common.attention import ScaledDotProductAttention
 
     cfg = L.Llama3Model.Config(
         dim=DIM,
         vocab_size=VOCAB,
-        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=L._EMBEDDING_INIT),
+        tok_embeddings=Embedding.Config(
+            num_embeddings=VOCAB, embedding_dim=DIM, param_init=L._EMBEDDING_INIT
+        ),
         norm=RMSNorm.Config(normalized_shape=DIM, param_init=L._NORM_INIT),
-        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=L._output_linear_init(DIM)),
+        lm_head=Linear.Config(
+            in_features=DIM, out_features=VOCAB, param_init=L._output_linear_init(DIM)
+        ),
         layers=L._build_llama3_layers(
-            n_layers=N_LAYERS, dim=DIM, n_heads=HEADS, hidden_dim=compute_ffn_hidden_dim(DIM, multiple_of=32),
-            rope=ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=2 * SEQ, theta=10000, scaling="none"),
+            n_layers=N_LAYERS,
+            dim=DIM,
+            n_heads=HEADS,
+            hidden_dim=compute_ffn_hidden_dim(DIM, multiple_of=32),
+            rope=ComplexRoPE.Config(
+                dim=DIM // HEADS, max_seq_len=2 * SEQ, theta=10000, scaling="none"
+            ),
             attn_backend="flex",
         ),
     )
@@ -69,8 +84,10 @@ def _parallel_dims(world: int, schedule: str):
     # torchtitan falls back to "cuda" when no accelerator is found; this machine has none.
     pd.device_type = "cpu"
     parallelism = ParallelismConfig(
-        pipeline_parallel_degree=world, pipeline_parallel_schedule=schedule,
-        pipeline_parallel_microbatch_size=1, data_parallel_shard_degree=1,
+        pipeline_parallel_degree=world,
+        pipeline_parallel_schedule=schedule,
+        pipeline_parallel_microbatch_size=1,
+        data_parallel_shard_degree=1,
     )
     dims = ParallelDims.from_config(parallelism, world)
     dims.build_mesh()
@@ -106,7 +123,9 @@ def pipeline_step(rank: int, world: int, schedule: str, local_batch: int, seed: 
     # torch 2.13's step(); torchtitan 0.3.0's Trainer calls step(arg_mbs=...), a newer torch API.
     sched.step(*((x,) if has_first else ()), target=y if has_last else None, losses=losses)
     # numpy, not tensors: torch pickles tensors through shared memory that dies with the process.
-    grads = {n: p.grad.detach().numpy().copy() for part in parts for n, p in part.named_parameters()}
+    grads = {
+        n: p.grad.detach().numpy().copy() for part in parts for n, p in part.named_parameters()
+    }
     loss = torch.stack(losses).sum().item() if has_last else None
     stages = [s.stage_index for s in getattr(sched, "_stages", None) or [sched._stage]]
     return type(sched).__name__, stages, grads, loss

@@ -20,5 +20,5 @@ def test_constructor_starts_with_torchs_parameters_in_order(cls):
 
 @pytest.mark.parametrize("cls", [PlannedSchedule, ScheduleContinuous])
 def test_zbpipe_options_are_keyword_only(cls):
-    params = list(inspect.signature(cls.__init__).parameters.values())[len(TORCH) + 1:]
+    params = list(inspect.signature(cls.__init__).parameters.values())[len(TORCH) + 1 :]
     assert all(p.kind in (p.KEYWORD_ONLY, p.VAR_KEYWORD) for p in params)

@@ -39,7 +39,10 @@ def _stack(hidden: int = 16, layers: int = 3) -> nn.Module:
 
 def _fused(module: nn.Module, inputs: list, out_grads: list | None, call=None):
     """Reference: plain torch.autograd.backward; returns input grads (read from .grad)."""
-    ins = [x.detach().clone().requires_grad_(x.requires_grad) if torch.is_tensor(x) else x for x in inputs]
+    ins = [
+        x.detach().clone().requires_grad_(x.requires_grad) if torch.is_tensor(x) else x
+        for x in inputs
+    ]
     outs = call(module, *ins) if call else module(*ins)
     outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
     pairs = [(o, g) for o, g in zip(outs, out_grads or [None] * len(outs)) if o.requires_grad]
@@ -52,7 +55,10 @@ def _fused(module: nn.Module, inputs: list, out_grads: list | None, call=None):
 
 
 def _split(module: nn.Module, inputs: list, out_grads: list | None, call=None):
-    ins = [x.detach().clone().requires_grad_(x.requires_grad) if torch.is_tensor(x) else x for x in inputs]
+    ins = [
+        x.detach().clone().requires_grad_(x.requires_grad) if torch.is_tensor(x) else x
+        for x in inputs
+    ]
     outs = call(module, *ins) if call else module(*ins)
     outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
     params = list(module.parameters())
@@ -67,8 +73,11 @@ def _split(module: nn.Module, inputs: list, out_grads: list | None, call=None):
 
 
 def _assert_same(ref_mod, mod, ref_dins, dins, exact: bool = False) -> None:
-    check = (lambda a, b: torch.testing.assert_close(a, b, rtol=0, atol=0)) if exact else (
-        lambda a, b: torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL))
+    check = (
+        (lambda a, b: torch.testing.assert_close(a, b, rtol=0, atol=0))
+        if exact
+        else (lambda a, b: torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL))
+    )
     for (name, rp), p in zip(ref_mod.named_parameters(), mod.parameters(), strict=True):
         if rp.grad is None:
             assert p.grad is None, f"{name}: autograd leaves grad None, split set it"
@@ -492,7 +501,9 @@ class _NestedWeightEdges(nn.Module):
 @pytest.mark.parametrize("input_grad", [True, False])
 def test_weight_edge_below_another_weight_edge_of_the_same_node(input_grad):
     _seed(21)
-    _compare(_NestedWeightEdges(), [torch.randn(8, 16, requires_grad=input_grad)], [torch.randn(8, 16)])
+    _compare(
+        _NestedWeightEdges(), [torch.randn(8, 16, requires_grad=input_grad)], [torch.randn(8, 16)]
+    )
 
 
 class _RandomDag(nn.Module):
@@ -511,8 +522,14 @@ class _RandomDag(nn.Module):
         self.s = nn.Parameter(torch.randn(8) * 0.3)
         self.ops: list[tuple[str, int, int, int]] = []
         for i in range(1, nodes + 1):
-            self.ops.append((["lin", "lin", "act", "add", "mul", "shared", "scale"][pick(7)],
-                             pick(i), pick(i), pick(4)))
+            self.ops.append(
+                (
+                    ["lin", "lin", "act", "add", "mul", "shared", "scale"][pick(7)],
+                    pick(i),
+                    pick(i),
+                    pick(4),
+                )
+            )
         self.outs = sorted({nodes, pick(nodes) + 1})
 
     def forward(self, x):
@@ -605,5 +622,8 @@ class _WeightNodeAlsoAnOutput(nn.Module):
 @pytest.mark.parametrize("input_grad", [True, False])
 def test_weight_node_that_is_also_an_output(input_grad):
     _seed(23)
-    _compare(_WeightNodeAlsoAnOutput(), [torch.randn(4, 8, requires_grad=input_grad)],
-             [torch.randn(4, 8), torch.randn(8, 8)])
+    _compare(
+        _WeightNodeAlsoAnOutput(),
+        [torch.randn(4, 8, requires_grad=input_grad)],
+        [torch.randn(4, 8), torch.randn(8, 8)],
+    )

@@ -6,28 +6,55 @@ import re
 import pytest
 
 from zbpipe.cli import build_parser, main
-from zbpipe.plan import Costs, plan, plan_from_csv, simulate
+from zbpipe.planning import Costs, plan, plan_from_csv, simulate
 
 
 def test_simulate_prints_bubble_rate(capsys, tmp_path):
     out_json, out_csv = tmp_path / "r.json", tmp_path / "p.csv"
-    rc = main(["simulate", "--schedule", "ZBH1", "-p", "4", "-m", "8", "--costs", "f=1,b=1.5,w=0.5,comm=0.1",
-               "--grid", "--json", str(out_json), "--csv", str(out_csv)])
+    rc = main(
+        [
+            "simulate",
+            "--schedule",
+            "ZBH1",
+            "-p",
+            "4",
+            "-m",
+            "8",
+            "--costs",
+            "f=1,b=1.5,w=0.5,comm=0.1",
+            "--grid",
+            "--json",
+            str(out_json),
+            "--csv",
+            str(out_csv),
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
     costs = Costs(f=1, b=1.5, w=0.5, comm=0.1)
     ref = simulate(plan("ZBH1", 4, 8, costs), costs)
-    assert float(re.search(r"bubble rate: ([0-9.]+)", text).group(1)) == pytest.approx(ref.bubble_rate, abs=1e-4)
-    assert float(re.search(r"makespan: ([0-9.]+)", text).group(1)) == pytest.approx(ref.makespan, abs=1e-4)
+    assert float(re.search(r"bubble rate: ([0-9.]+)", text).group(1)) == pytest.approx(
+        ref.bubble_rate, abs=1e-4
+    )
+    assert float(re.search(r"makespan: ([0-9.]+)", text).group(1)) == pytest.approx(
+        ref.makespan, abs=1e-4
+    )
     assert "rank  3 |" in text  # the grid
     assert json.loads(out_json.read_text())["bubble_rate"] == pytest.approx(ref.bubble_rate)
-    assert plan_from_csv(out_csv.read_text(), n_microbatches=8).order == plan("ZBH1", 4, 8, costs).order
+    assert (
+        plan_from_csv(out_csv.read_text(), n_microbatches=8).order
+        == plan("ZBH1", 4, 8, costs).order
+    )
 
 
 def test_compare_lists_every_schedule(capsys):
     assert main(["compare", "-p", "4", "-m", "6"]) == 0
     text = capsys.readouterr().out
-    rows = {line.split()[0]: line.split()[1:] for line in text.splitlines()[1:] if not line.endswith(")")}
+    rows = {
+        line.split()[0]: line.split()[1:]
+        for line in text.splitlines()[1:]
+        if not line.endswith(")")
+    }
     assert float(rows["1F1B"][0]) == pytest.approx(3 / 9, abs=1e-4)  # (p-1)/(m+p-1)
     assert "torch:ZBVZeroBubble" in rows
     assert "torch:DualPipeV: skipped" in text  # torch needs m >= 2p = 8

@@ -38,9 +38,13 @@ def reduce_violations(log: list[tuple], groups: dict[int, int], m: int) -> list[
         if len(reduce_at) != 1:
             bad.append(f"stage {s}: {len(reduce_at)} REDUCE_GRAD actions, expected 1")
         elif w_at and reduce_at[0] < w_at[-1]:
-            bad.append(f"stage {s}: REDUCE_GRAD at event {reduce_at[0]} before its last W at {w_at[-1]}")
+            bad.append(
+                f"stage {s}: REDUCE_GRAD at event {reduce_at[0]} before its last W at {w_at[-1]}"
+            )
         if len(rs) != n_groups:
-            bad.append(f"stage {s}: {len(rs)} reduce-scatters in REDUCE_GRAD, expected {n_groups} (one per group)")
+            bad.append(
+                f"stage {s}: {len(rs)} reduce-scatters in REDUCE_GRAD, expected {n_groups} (one per group)"
+            )
     early = [i for i, e in enumerate(log) if e[0] == "RS" and e[1] is None]
     if early:
         bad.append(f"reduce-scatter outside REDUCE_GRAD (FSDP reduced early) at events {early}")
@@ -51,7 +55,14 @@ def test_reduce_violations_detects_early_and_double_reduction():
     """The timing check above can fail: hand-made logs of the two bugs it is meant to catch."""
     good = [("W", 0, 0), ("W", 0, 1), ("REDUCE_GRAD", 0), ("RS", 0, 8), ("RS", 0, 8)]
     assert reduce_violations(good, {0: 2}, m=2) == []
-    early = [("W", 0, 0), ("RS", None, 8), ("W", 0, 1), ("REDUCE_GRAD", 0), ("RS", 0, 8), ("RS", 0, 8)]
+    early = [
+        ("W", 0, 0),
+        ("RS", None, 8),
+        ("W", 0, 1),
+        ("REDUCE_GRAD", 0),
+        ("RS", 0, 8),
+        ("RS", 0, 8),
+    ]
     assert any("outside REDUCE_GRAD" in v for v in reduce_violations(early, {0: 2}, m=2))
     twice = good + [("RS", 0, 8)]
     assert any("3 reduce-scatters" in v for v in reduce_violations(twice, {0: 2}, m=2))
@@ -71,7 +82,9 @@ def test_pp_x_fsdp2_grads_and_reduce_scatter_after_last_w():
     for rank, per_case in enumerate(results):
         for (schedule, m, options, raf), r in zip(case_list, per_case):
             where = f"rank {rank} {schedule}{options} m={m} reshard_after_forward={raf}"
-            assert r["mismatches"] == [], f"{where}: gradients differ from the reference: {r['mismatches']}"
+            assert r["mismatches"] == [], (
+                f"{where}: gradients differ from the reference: {r['mismatches']}"
+            )
             assert reduce_violations(r["log"], r["groups"], m) == [], f"{where}: {r['log']}"
 
 
@@ -91,4 +104,6 @@ def test_pp_x_tp_grads_equal_reference():
             assert r["dtensor_params"] == 4 * 2 * len(r["mine"]), where
             received = r["dtensor_inputs"]
             if any(s != 0 for s in r["mine"]):
-                assert received and all(x == dtensor_boundary for x in received), f"{where}: {received}"
+                assert received and all(x == dtensor_boundary for x in received), (
+                    f"{where}: {received}"
+                )

@@ -22,7 +22,14 @@ pytestmark = pytest.mark.dist
 
 N = 5
 MB = {2: 3, 4: 4}  # microbatches per mini-batch for each world size
-CASES = [("sync", "sgd"), ("sync", "adamw"), ("sync", "sgd"), ("2bw", "sgd"), ("stash", "adamw"), ("2bw", "adamw")]
+CASES = [
+    ("sync", "sgd"),
+    ("sync", "adamw"),
+    ("sync", "sgd"),
+    ("2bw", "sgd"),
+    ("stash", "adamw"),
+    ("2bw", "adamw"),
+]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
@@ -42,7 +49,7 @@ def _skip(name: str, opt: str) -> torch.Tensor | None:
         return None
     h = cc.CFG.hidden
     mask = torch.ones(3 * h, dtype=torch.bool)
-    mask[h: 2 * h] = False
+    mask[h : 2 * h] = False
     return mask
 
 
@@ -65,7 +72,9 @@ def _assert_params(world, per_rank, ref, opt, tol, what):
             if mask is not None:
                 a, b = a[mask], b[mask]
             err = cc.rel_err(a, b)
-            assert err <= tol, f"{what}: rank {r} {name} off by {err:.2e} relative (tolerance {tol:g})"
+            assert err <= tol, (
+                f"{what}: rank {r} {name} off by {err:.2e} relative (tolerance {tol:g})"
+            )
             worst = max(worst, err)
     return worst
 
@@ -83,7 +92,9 @@ def test_sync_same_seed_runs_are_bitwise_identical(runs):
     world, _, res = runs
     for r in range(world):
         a, b = res[0][r]["params"], res[2][r]["params"]
-        assert all(np.array_equal(a[n], b[n]) for n in a), f"rank {r}: two identical sync runs differ"
+        assert all(np.array_equal(a[n], b[n]) for n in a), (
+            f"rank {r}: two identical sync runs differ"
+        )
 
 
 def test_losses_tagged_with_their_minibatch(runs):
@@ -100,7 +111,9 @@ def test_losses_tagged_with_their_minibatch(runs):
         got[kk] = ls
     assert sorted(got) == list(range(N))
     for k in range(N):
-        np.testing.assert_allclose(got[k], ref_losses[k], rtol=1e-5, err_msg=f"losses of mini-batch {k}")
+        np.testing.assert_allclose(
+            got[k], ref_losses[k], rtol=1e-5, err_msg=f"losses of mini-batch {k}"
+        )
     # The generated plans compute all of mini-batch k's losses during step(k).
     assert [[kk for kk, _ in recs] for _, recs in last["records"]] == [[k] for k in range(N)]
     assert all(r["records"] == [(k, []) for k in range(N)] for r in res[0][: world - 1])
@@ -145,7 +158,9 @@ def test_checkpoint_resume_equals_uninterrupted_run(mode):
         assert "call flush() first" in o["refused"]
         assert o["done"] == N
         for name in o["whole"]:
-            assert np.array_equal(o["whole"][name], o["resumed"][name]), f"{mode} rank {r} {name} differs after resume"
+            assert np.array_equal(o["whole"][name], o["resumed"][name]), (
+                f"{mode} rank {r} {name} differs after resume"
+            )
 
 
 def test_sync_post_validated_clipping_equals_clip_grad_norm():
@@ -156,4 +171,6 @@ def test_sync_post_validated_clipping_equals_clip_grad_norm():
     ref = cc.plain_loop_clipped(2, 2, N, max_norm)
     _assert_params(2, out, ref, "sgd", TOL["sgd"], "sync + post-validated clipping")
     assert len(out[0]["statuses"]) == N and len(out[1]["statuses"]) == N
-    assert "redone" in out[1]["statuses"], "the last stage's partial norm is not global: its steps are redone"
+    assert "redone" in out[1]["statuses"], (
+        "the last stage's partial norm is not global: its steps are redone"
+    )

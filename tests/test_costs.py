@@ -4,17 +4,20 @@ import math
 
 import pytest
 
-from zbpipe.plan import Costs, plan, simulate
+from zbpipe.planning import Costs, plan, simulate
 
 
-@pytest.mark.parametrize("field,value,phrase", [
-    ("f", -1.0, "Costs.f must be >= 0"),
-    ("w", math.nan, "Costs.w must be finite numbers"),
-    ("comm", math.inf, "Costs.comm must be finite numbers"),
-    ("b", [1.0, -0.5], "Costs.b must be >= 0"),
-    ("f", [], "Costs.f is an empty list"),
-    ("f", True, "Costs.f must be finite numbers"),
-])
+@pytest.mark.parametrize(
+    "field,value,phrase",
+    [
+        ("f", -1.0, "Costs.f must be >= 0"),
+        ("w", math.nan, "Costs.w must be finite numbers"),
+        ("comm", math.inf, "Costs.comm must be finite numbers"),
+        ("b", [1.0, -0.5], "Costs.b must be >= 0"),
+        ("f", [], "Costs.f is an empty list"),
+        ("f", True, "Costs.f must be finite numbers"),
+    ],
+)
 def test_bad_cost_values_raise(field, value, phrase):
     with pytest.raises(ValueError, match=phrase.replace(".", r"\.")):
         Costs(**{field: value})
@@ -42,7 +45,9 @@ def test_split_keeps_the_model_fixed():
     assert sum(c.f) == 6.0
 
 
-@pytest.mark.parametrize("text,phrase", [("f=1,x=2", "key=value with key in"), ("f=abc", "f must be a number")])
+@pytest.mark.parametrize(
+    "text,phrase", [("f=1,x=2", "key=value with key in"), ("f=abc", "f must be a number")]
+)
 def test_cli_cost_strings_are_checked(text, phrase):
     with pytest.raises(ValueError, match=phrase):
         Costs.parse(text)

@@ -2,7 +2,15 @@
 
 import pytest
 
-from zbpipe.plan import Action, PlanError, plan, plan_1f1b, plan_from_csv, plan_to_csv, plan_zbh1
+from zbpipe.planning import (
+    Action,
+    PlanError,
+    plan,
+    plan_1f1b,
+    plan_from_csv,
+    plan_to_csv,
+    plan_zbh1,
+)
 
 
 def test_write_uses_torch_letters():
@@ -21,7 +29,18 @@ def test_read_torch_padding_and_comms():
     pl = plan_from_csv(text, name="hand")
     assert pl.placement == {0: 0, 1: 0}
     assert pl.n_microbatches == 2
-    assert [str(a) for a in pl.order[0]] == ["0F0", "1F0", "1BW0", "0F1", "1F1", "1BW1", "0B0", "0W0", "0B1", "0W1"]
+    assert [str(a) for a in pl.order[0]] == [
+        "0F0",
+        "1F0",
+        "1BW0",
+        "0F1",
+        "1F1",
+        "1BW1",
+        "0B0",
+        "0W0",
+        "0B1",
+        "0W1",
+    ]
 
 
 def test_read_overlap_pairs():

@@ -11,7 +11,23 @@ pytestmark = pytest.mark.dist
 
 def test_demo_trains_both_schedules_with_identical_losses(tmp_path, capsys):
     out = tmp_path / "demo.json"
-    assert main(["--steps", "3", "--hidden", "64", "--seq", "16", "--microbatches", "4", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--steps",
+                "3",
+                "--hidden",
+                "64",
+                "--seq",
+                "16",
+                "--microbatches",
+                "4",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     data = json.loads(out.read_text())
     by_step = {}
     for row in data["rows"]:

@@ -68,7 +68,11 @@ def doc_phrases(doc_text: str) -> list[str]:
     phrases = []
     in_table = False
     for line in doc_text.splitlines():
-        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]] if line.startswith("|") else None
+        cells = (
+            [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+            if line.startswith("|")
+            else None
+        )
         if cells is None:
             in_table = False
             continue
@@ -101,13 +105,15 @@ def test_the_doc_lists_many_phrases_and_no_duplicates():
 def test_every_listed_phrase_occurs_in_the_source():
     missing = missing_phrases(PHRASES, SRC)
     assert not missing, (
-        "docs/errors.md lists messages no longer in src/zbpipe (update the rows): " + "; ".join(missing)
+        "docs/errors.md lists messages no longer in src/zbpipe (update the rows): "
+        + "; ".join(missing)
     )
 
 
 def test_every_raised_message_is_listed():
     undocumented = [
-        f"{where}: {text[:90]!r}" for where, text in raised_messages(SRC)
+        f"{where}: {text[:90]!r}"
+        for where, text in raised_messages(SRC)
         if not any(p in text for p in PHRASES)
     ]
     assert not undocumented, "add these messages to docs/errors.md:\n" + "\n".join(undocumented)
@@ -126,10 +132,13 @@ def test_removing_a_phrase_from_the_code_is_detected(tmp_path):
     assert set(missing_phrases(PHRASES, copy)) - set(missing_phrases(PHRASES, SRC)) == {phrase}
 
 
-@pytest.mark.parametrize("cell, expected", [
-    ("| `a {} b` | ValueError | c | d |", ["a {} b"]),
-    ("| `x \\| y` | PlanError | c | d |", ["x | y"]),
-])
+@pytest.mark.parametrize(
+    "cell, expected",
+    [
+        ("| `a {} b` | ValueError | c | d |", ["a {} b"]),
+        ("| `x \\| y` | PlanError | c | d |", ["x | y"]),
+    ],
+)
 def test_the_row_format(cell, expected):
     doc = "| message | type | cause | fix |\n|---|---|---|---|\n" + cell + "\n"
     assert doc_phrases(doc) == expected

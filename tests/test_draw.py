@@ -11,13 +11,13 @@ from matplotlib.image import imread  # noqa: E402
 
 from zbpipe import draw  # noqa: E402
 from zbpipe.cli import main  # noqa: E402
-from zbpipe.plan import Costs, plan, simulate  # noqa: E402
+from zbpipe.planning import Costs, plan, simulate  # noqa: E402
 
 DPI = 120
 
 
 def _rgb(hex_color: str) -> np.ndarray:
-    return np.array([int(hex_color[i:i + 2], 16) / 255 for i in (1, 3, 5)])
+    return np.array([int(hex_color[i : i + 2], 16) / 255 for i in (1, 3, 5)])
 
 
 def _pixels_of(img: np.ndarray, hex_color: str) -> int:
@@ -68,12 +68,30 @@ def test_bubbles_stay_blank(tmp_path):
 def test_plan_json_has_one_event_per_action_with_cost_durations(tmp_path):
     costs = Costs(f=1.0, b=2.0, w=0.5, comm=0.25)
     out = tmp_path / "zbv.json"
-    assert main(["draw", "--schedule", "ZBV", "-p", "2", "-m", "4", "--costs", "f=2,b=4,w=1,comm=0.25",
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "draw",
+                "--schedule",
+                "ZBV",
+                "-p",
+                "2",
+                "-m",
+                "4",
+                "--costs",
+                "f=2,b=4,w=1,comm=0.25",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     data = json.loads(out.read_text())
     spans = [e for e in data["traceEvents"] if e["ph"] == "X"]
     pl = plan("ZBV", 2, 4, costs)  # the CLI halves per-rank costs for 2 chunks per rank
-    expected = sorted((r, f"{a.kind}{a.microbatch}", a.stage) for r, acts in pl.order.items() for a in acts)
+    expected = sorted(
+        (r, f"{a.kind}{a.microbatch}", a.stage) for r, acts in pl.order.items() for a in acts
+    )
     assert sorted((e["tid"], e["name"], e["args"]["stage"]) for e in spans) == expected
     unit_us = {"F": 1000.0, "B": 2000.0, "W": 500.0}
     for e in spans:
@@ -86,10 +104,18 @@ def test_measured_trace_round_trip(tmp_path):
 
     # Hand-made measured events (seconds): rank 1 starts later and idles 2 ms between F1 and B0.
     ev = {
-        0: [Event(0, "F", 0, 0, 10.000, 10.002), Event(0, "F", 0, 1, 10.002, 10.004),
-            Event(0, "B", 0, 0, 10.010, 10.013), Event(0, "W", 0, 0, 10.013, 10.014)],
-        1: [Event(1, "F", 1, 0, 10.003, 10.005), Event(1, "F", 1, 1, 10.005, 10.007),
-            Event(1, "B", 1, 0, 10.009, 10.012), Event(1, "W", 1, 0, 10.012, 10.016)],
+        0: [
+            Event(0, "F", 0, 0, 10.000, 10.002),
+            Event(0, "F", 0, 1, 10.002, 10.004),
+            Event(0, "B", 0, 0, 10.010, 10.013),
+            Event(0, "W", 0, 0, 10.013, 10.014),
+        ],
+        1: [
+            Event(1, "F", 1, 0, 10.003, 10.005),
+            Event(1, "F", 1, 1, 10.005, 10.007),
+            Event(1, "B", 1, 0, 10.009, 10.012),
+            Event(1, "W", 1, 0, 10.012, 10.016),
+        ],
     }
     trace = Trace(ev)
     src, png, back = tmp_path / "trace.json", tmp_path / "trace.png", tmp_path / "back.json"

@@ -54,7 +54,10 @@ def test_dict_batch_is_bound_by_parameter_name():
 
 def test_rank_without_stage_0_binds_nothing():
     batch = {"x": torch.ones(4, 2)}
-    assert FirstStageKeywords([_Stage(_TakesBatch(), is_first=False)]).bind((batch,), {}, 2) == ((batch,), {})
+    assert FirstStageKeywords([_Stage(_TakesBatch(), is_first=False)]).bind((batch,), {}, 2) == (
+        (batch,),
+        {},
+    )
 
 
 def test_positional_only_forward_is_a_clear_error():
@@ -67,11 +70,14 @@ def test_name_given_twice_is_a_clear_error():
         FirstStageKeywords([_Stage(_TakesBatch())]).bind(({"x": torch.ones(4)},), {"batch": 1}, 2)
 
 
-@pytest.mark.parametrize("batch, fix", [
-    ({"x": torch.ones(4, 2), "y": torch.ones(3)}, "disagree"),
-    ({"x": torch.ones(1, 2)}, "n_microbatches=2"),
-    ({"x": torch.ones(4), "t": torch.tensor(0.5)}, "0-dim"),
-])
+@pytest.mark.parametrize(
+    "batch, fix",
+    [
+        ({"x": torch.ones(4, 2), "y": torch.ones(3)}, "disagree"),
+        ({"x": torch.ones(1, 2)}, "n_microbatches=2"),
+        ({"x": torch.ones(4), "t": torch.tensor(0.5)}, "0-dim"),
+    ],
+)
 def test_unsplittable_batches_are_clear_errors(batch, fix):
     with pytest.raises(ValueError, match=fix):
         check_batch(batch, 2)
@@ -83,7 +89,9 @@ def test_torch_splits_a_tensordict_into_tensordicts():
     from tensordict import TensorDict
     from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 
-    td = TensorDict({"a": torch.arange(6.0), "n": {"b": torch.arange(12.0).view(6, 2)}}, batch_size=[6])
+    td = TensorDict(
+        {"a": torch.arange(6.0), "n": {"b": torch.arange(12.0).view(6, 2)}}, batch_size=[6]
+    )
     assert is_structured_batch(td)
     _, chunks = split_args_kwargs_into_chunks((), {"batch": td}, 3)
     assert [type(c["batch"]) for c in chunks] == [TensorDict] * 3

@@ -2,7 +2,7 @@
 
 import pytest
 
-from zbpipe.plan import Action, Costs, plan_1f1b, simulate
+from zbpipe.planning import Action, Costs, plan_1f1b, simulate
 
 GRID = [(p, m) for p in (1, 2, 3, 4, 5, 8) for m in (p, p + 1, 2 * p, 3 * p + 1)]
 
@@ -30,8 +30,26 @@ def test_peak_memory_is_microbatches_in_flight(p, m):
 def test_rank_order_hand_written():
     pl = plan_1f1b(3, 4)
     F, BW = (lambda m, s: Action(s, "F", m)), (lambda m, s: Action(s, "BW", m))
-    assert pl.order[0] == (F(0, 0), F(1, 0), F(2, 0), BW(0, 0), F(3, 0), BW(1, 0), BW(2, 0), BW(3, 0))
-    assert pl.order[2] == (F(0, 2), BW(0, 2), F(1, 2), BW(1, 2), F(2, 2), BW(2, 2), F(3, 2), BW(3, 2))
+    assert pl.order[0] == (
+        F(0, 0),
+        F(1, 0),
+        F(2, 0),
+        BW(0, 0),
+        F(3, 0),
+        BW(1, 0),
+        BW(2, 0),
+        BW(3, 0),
+    )
+    assert pl.order[2] == (
+        F(0, 2),
+        BW(0, 2),
+        F(1, 2),
+        BW(1, 2),
+        F(2, 2),
+        BW(2, 2),
+        F(3, 2),
+        BW(3, 2),
+    )
 
 
 @pytest.mark.parametrize("p,m", [(4, 1), (4, 3), (8, 2)])

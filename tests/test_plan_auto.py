@@ -6,12 +6,12 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from zbpipe.plan.auto import onef1b_peak, plan_zb1p, plan_zb2p
-from zbpipe.plan.costs import Costs
-from zbpipe.plan.onef1b import plan_1f1b
-from zbpipe.plan.simulate import simulate
-from zbpipe.plan.zbh1 import plan_zbh1
-from zbpipe.plan.zbh2 import plan_zbh2
+from zbpipe.planning.auto import onef1b_peak, plan_zb1p, plan_zb2p
+from zbpipe.planning.costs import Costs
+from zbpipe.planning.onef1b import plan_1f1b
+from zbpipe.planning.simulate import simulate
+from zbpipe.planning.zbh1 import plan_zbh1
+from zbpipe.planning.zbh2 import plan_zbh2
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import paper_table5 as t5  # noqa: E402
@@ -37,8 +37,15 @@ def test_table5_bubble_rates(model, m, paper, prof):
     p = t5.MODELS[model][5]
     costs = t5.profiled_costs(model, prof)
     pap = dict(zip(t5.PAPER_COLS, paper))
-    for name, gen in (("1F1B", plan_1f1b), ("ZB-H1", plan_zbh1), ("ZB-H2", plan_zbh2), ("ZB-1p", plan_zb1p)):
-        assert simulate(gen(p, m, costs), costs).bubble_rate == pytest.approx(pap[name], abs=6e-5), name
+    for name, gen in (
+        ("1F1B", plan_1f1b),
+        ("ZB-H1", plan_zbh1),
+        ("ZB-H2", plan_zbh2),
+        ("ZB-1p", plan_zb1p),
+    ):
+        assert simulate(gen(p, m, costs), costs).bubble_rate == pytest.approx(
+            pap[name], abs=6e-5
+        ), name
     zb2p = plan_zb2p(p, m, costs)
     r = simulate(zb2p, costs, zb2p.meta["memory_limit"])  # raises if the limit is broken
     assert zb2p.meta["memory_limit"] == pytest.approx(2 * p)  # 2 p M_B
@@ -48,9 +55,14 @@ def test_table5_bubble_rates(model, m, paper, prof):
 
 
 @pytest.mark.parametrize("p,m", [(p, m) for p in (2, 3, 4, 6, 8) for m in (1, 2, 5, 8, 13, 24)])
-@pytest.mark.parametrize("costs", [Costs(), Costs(f=1, b=1.6, w=0.4, comm=0.1), Costs(f=1, b=1, w=2.5, comm=0.3)])
+@pytest.mark.parametrize(
+    "costs", [Costs(), Costs(f=1, b=1.6, w=0.4, comm=0.1), Costs(f=1, b=1, w=2.5, comm=0.3)]
+)
 def test_zb1p_never_slower_than_zbh1(p, m, costs):
-    assert simulate(plan_zb1p(p, m, costs), costs).makespan <= simulate(plan_zbh1(p, m, costs), costs).makespan + 1e-9
+    assert (
+        simulate(plan_zb1p(p, m, costs), costs).makespan
+        <= simulate(plan_zbh1(p, m, costs), costs).makespan + 1e-9
+    )
 
 
 def test_memory_limit_too_small_names_the_minimum():
@@ -64,8 +76,14 @@ def test_deterministic():
 
 
 costs_st = st.builds(
-    lambda f, b, w, comm, keep: Costs(f=f, b=b, w=w, comm=comm, mem_f=1.0, mem_b=-keep, mem_w=keep - 1.0),
-    st.floats(0.2, 3), st.floats(0.2, 3), st.floats(0.1, 3), st.floats(0, 1), st.floats(0, 1),
+    lambda f, b, w, comm, keep: Costs(
+        f=f, b=b, w=w, comm=comm, mem_f=1.0, mem_b=-keep, mem_w=keep - 1.0
+    ),
+    st.floats(0.2, 3),
+    st.floats(0.2, 3),
+    st.floats(0.1, 3),
+    st.floats(0, 1),
+    st.floats(0, 1),
 )
 
 
@@ -76,5 +94,7 @@ def test_auto_plans_valid_within_limit_and_not_slower_than_1f1b(p, m, costs):
     assert onef1b_peak(p, m, costs) == pytest.approx(min(p, m))
     for gen in (plan_zb1p, plan_zb2p, plan_zbh2):
         plan = gen(p, m, costs)
-        r = simulate(plan, costs, plan.meta.get("memory_limit"))  # complete, deadlock-free, in limit
+        r = simulate(
+            plan, costs, plan.meta.get("memory_limit")
+        )  # complete, deadlock-free, in limit
         assert r.makespan <= base + 1e-9, plan.name

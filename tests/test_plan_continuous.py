@@ -3,15 +3,19 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from zbpipe.plan.continuous import (
-    MODES, check_continuous, continuous_parts, live_versions, plan_continuous,
+from zbpipe.planning.continuous import (
+    MODES,
+    check_continuous,
+    continuous_parts,
+    live_versions,
+    plan_continuous,
 )
-from zbpipe.plan.core import Action, PlanError, loop_placement, make_plan
-from zbpipe.plan.costs import Costs
-from zbpipe.plan.metrics import bubble_rate
-from zbpipe.plan.onef1b import plan_1f1b
-from zbpipe.plan.simulate import simulate
-from zbpipe.plan.zbh1 import plan_zbh1
+from zbpipe.planning.core import Action, PlanError, loop_placement, make_plan
+from zbpipe.planning.costs import Costs
+from zbpipe.planning.metrics import bubble_rate
+from zbpipe.planning.onef1b import plan_1f1b
+from zbpipe.planning.simulate import simulate
+from zbpipe.planning.zbh1 import plan_zbh1
 
 
 def idle(result):
@@ -20,7 +24,9 @@ def idle(result):
     The staggered start (rank r waits for its first activation) and the mirrored end are not
     counted, as in the paper's bubble rate; what is left is the bubble a boundary could add.
     """
-    return sum(ivs[-1].end - ivs[0].start - result.busy[r] for r, ivs in result.timeline.items() if ivs)
+    return sum(
+        ivs[-1].end - ivs[0].start - result.busy[r] for r, ivs in result.timeline.items() if ivs
+    )
 
 
 def sync_rule_holds(plan, m):
@@ -28,7 +34,9 @@ def sync_rule_holds(plan, m):
     for acts in plan.order.values():
         for k in range(plan.n_microbatches // m - 1):
             last_w = max(i for i, a in enumerate(acts) if a.kind == "W" and a.microbatch // m == k)
-            first_f = min(i for i, a in enumerate(acts) if a.kind == "F" and a.microbatch // m == k + 1)
+            first_f = min(
+                i for i, a in enumerate(acts) if a.kind == "F" and a.microbatch // m == k + 1
+            )
             if last_w > first_f:
                 return False
     return True
@@ -51,12 +59,16 @@ def test_sync_n20_bubble_rate_below_zbh1_step_by_step():
     # stages): mini-batch k runs ZB-H1's timeline shifted by k * makespan on every rank.
     one = simulate(plan_zbh1(p, m))
     flushed = {
-        r: [(iv.start + k * one.makespan, iv.end + k * one.makespan) for k in range(n) for iv in ivs]
+        r: [
+            (iv.start + k * one.makespan, iv.end + k * one.makespan) for k in range(n) for iv in ivs
+        ]
         for r, ivs in one.timeline.items()
     }
     step_by_step = bubble_rate(flushed)
     assert one.makespan == 3 * m + p - 1  # the paper's ZB-H1 makespan with unit costs
-    assert step_by_step == pytest.approx(1 - 3 * m * n / ((n - 1) * (3 * m + p - 1) + 3 * m + p - 1), abs=1e-12)
+    assert step_by_step == pytest.approx(
+        1 - 3 * m * n / ((n - 1) * (3 * m + p - 1) + 3 * m + p - 1), abs=1e-12
+    )
     assert cont.bubble_rate < step_by_step
     assert cont.makespan == 3 * m * n + p - 1 < n * one.makespan
 
@@ -65,8 +77,10 @@ def test_sync_beats_zbh1_concatenated_without_flush():
     # A stronger baseline: ZB-H1's per-rank orders joined under the sync rule (no barrier).
     p, m, n = 4, 8, 20
     segment = plan_zbh1(p, m, exact=True).order
-    orders = {r: [Action(a.stage, a.kind, a.microbatch + k * m) for k in range(n) for a in acts]
-              for r, acts in segment.items()}
+    orders = {
+        r: [Action(a.stage, a.kind, a.microbatch + k * m) for k in range(n) for a in acts]
+        for r, acts in segment.items()
+    }
     joined = simulate(make_plan("ZBH1xN", p, n * m, loop_placement(p, p), orders))
     assert simulate(plan_continuous(p, m, n_minibatches=n)).makespan < joined.makespan
 
@@ -81,14 +95,21 @@ def test_hand_worked_two_ranks_one_microbatch():
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("p,m,costs", [
-    (4, 8, Costs()), (3, 2, Costs(f=1, b=1.5, w=0.5, comm=0.2)), (5, 7, Costs(f=[1, 1.3, 1, 0.8, 1])),
-])
+@pytest.mark.parametrize(
+    "p,m,costs",
+    [
+        (4, 8, Costs()),
+        (3, 2, Costs(f=1, b=1.5, w=0.5, comm=0.2)),
+        (5, 7, Costs(f=[1, 1.3, 1, 0.8, 1])),
+    ],
+)
 def test_joining_k_periods_validates(mode, p, m, costs):
     parts = continuous_parts(p, m, costs, mode=mode)
     for k in range(1, 6):
         n = k + 1
-        pl = make_plan("joined", p, n * m, loop_placement(p, p), parts.join(n), minibatch_size=m, mode=mode)
+        pl = make_plan(
+            "joined", p, n * m, loop_placement(p, p), parts.join(n), minibatch_size=m, mode=mode
+        )
         simulate(pl, costs, parts.memory_limit)  # complete, deadlock-free, within memory
         check_continuous(pl)
         assert pl.order == plan_continuous(p, m, costs, n_minibatches=n, mode=mode).order
@@ -96,7 +117,10 @@ def test_joining_k_periods_validates(mode, p, m, costs):
 
 costs_st = st.builds(
     Costs,
-    f=st.floats(0.5, 2.0), b=st.floats(0.5, 2.0), w=st.floats(0.2, 2.0), comm=st.floats(0.0, 0.5),
+    f=st.floats(0.5, 2.0),
+    b=st.floats(0.5, 2.0),
+    w=st.floats(0.2, 2.0),
+    comm=st.floats(0.0, 0.5),
 )
 
 
@@ -114,7 +138,7 @@ def test_sync_property(p, m, n, costs):
         for k, i in enumerate(steps):
             acts = pl.order[rank]
             assert acts[i].kind == "W" and acts[i].microbatch // m == k
-            assert all(not (a.kind == "W" and a.microbatch // m == k) for a in acts[i + 1:])
+            assert all(not (a.kind == "W" and a.microbatch // m == k) for a in acts[i + 1 :])
 
 
 @settings(max_examples=25, deadline=None)
@@ -134,8 +158,14 @@ def test_2bw_and_stash_property(p, m, n, costs):
                 assert peak <= p - rank  # PipeDream: p - s in flight, hence at most p - s versions
             else:  # 2BW: F of mini-batch k + 2 only after the last W of k (its weights exist)
                 for k in range(n - 2):
-                    last_w = max(i for i, a in enumerate(acts) if a.kind == "W" and a.microbatch // m == k)
-                    first_f = min(i for i, a in enumerate(acts) if a.kind == "F" and a.microbatch // m == k + 2)
+                    last_w = max(
+                        i for i, a in enumerate(acts) if a.kind == "W" and a.microbatch // m == k
+                    )
+                    first_f = min(
+                        i
+                        for i, a in enumerate(acts)
+                        if a.kind == "F" and a.microbatch // m == k + 2
+                    )
                     assert last_w < first_f
         bound = {s: (2 if mode == "2bw" else p - s) for s in range(p)}
         assert all(v <= bound[s] for s, v in live_versions(pl).items())
@@ -148,12 +178,23 @@ def test_2bw_keeps_two_versions_and_stash_p_minus_s():
     # F1, and mini-batch 1 runs on version 0: 2 versions. Sync never needs more than 1.
     assert live_versions(plan_continuous(2, 1, n_minibatches=4, mode="stash")) == {0: 2, 1: 1}
     assert live_versions(plan_continuous(2, 1, n_minibatches=4, mode="2bw")) == {0: 2, 1: 2}
-    assert live_versions(plan_continuous(4, 4, n_minibatches=3, mode="sync")) == {0: 1, 1: 1, 2: 1, 3: 1}
+    assert live_versions(plan_continuous(4, 4, n_minibatches=3, mode="sync")) == {
+        0: 1,
+        1: 1,
+        2: 1,
+        3: 1,
+    }
 
 
 def test_check_continuous_rejects_f_before_previous_w():
-    acts = [Action(0, "F", 0), Action(0, "B", 0), Action(0, "F", 1), Action(0, "W", 0),
-            Action(0, "B", 1), Action(0, "W", 1)]
+    acts = [
+        Action(0, "F", 0),
+        Action(0, "B", 0),
+        Action(0, "F", 1),
+        Action(0, "W", 0),
+        Action(0, "B", 1),
+        Action(0, "W", 1),
+    ]
     pl = make_plan("bad", 1, 2, {0: 0}, {0: acts}, minibatch_size=1, mode="sync")
     with pytest.raises(PlanError, match="rank 0 step 2"):
         check_continuous(pl)
@@ -164,7 +205,8 @@ def test_check_continuous_rejects_f_before_previous_w():
 def test_check_continuous_rejects_a_third_2bw_version():
     # F of mini-batch 2 needs version 1, i.e. the update of mini-batch 0: here W0 comes later.
     acts = [Action(0, "F", 0), Action(0, "F", 1), Action(0, "F", 2)] + [
-        Action(0, k, i) for i in range(3) for k in ("B", "W")]
+        Action(0, k, i) for i in range(3) for k in ("B", "W")
+    ]
     pl = make_plan("bad", 1, 3, {0: 0}, {0: acts}, minibatch_size=1, mode="2bw")
     with pytest.raises(PlanError, match="version 1"):
         check_continuous(pl)
@@ -175,7 +217,9 @@ def test_lower_memory_limit_down_to_1f1b_peak():
     peak = max(simulate(plan_1f1b(p, m)).peak_memory.values())
     pl = plan_continuous(p, m, memory_limit=peak, n_minibatches=3)
     r = simulate(pl, memory_limit=peak)
-    assert r.makespan > simulate(plan_continuous(p, m, n_minibatches=3)).makespan  # bubbles come back
+    assert (
+        r.makespan > simulate(plan_continuous(p, m, n_minibatches=3)).makespan
+    )  # bubbles come back
     with pytest.raises(ValueError, match="below 1F1B's peak"):
         plan_continuous(p, m, memory_limit=peak - 1)
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from zbpipe.plan.core import Action, PlanError, loop_placement, make_plan
-from zbpipe.plan.costs import Costs
-from zbpipe.plan.improve import improve
-from zbpipe.plan.onef1b import plan_1f1b
-from zbpipe.plan.simulate import simulate
-from zbpipe.plan.zbh1 import plan_zbh1
-from zbpipe.plan.zbv import plan_zbv
+from zbpipe.planning.core import Action, PlanError, loop_placement, make_plan
+from zbpipe.planning.costs import Costs
+from zbpipe.planning.improve import improve
+from zbpipe.planning.onef1b import plan_1f1b
+from zbpipe.planning.simulate import simulate
+from zbpipe.planning.zbh1 import plan_zbh1
+from zbpipe.planning.zbv import plan_zbv
 
 
 def span(result) -> float:
@@ -74,13 +74,21 @@ def test_a_budget_is_required() -> None:
 
 costs_st = st.builds(
     lambda f, b, w, c: Costs(f=f, b=b, w=w, comm=c),
-    st.floats(0.2, 2), st.floats(0.2, 2), st.floats(0.1, 2), st.floats(0, 0.3),
+    st.floats(0.2, 2),
+    st.floats(0.2, 2),
+    st.floats(0.1, 2),
+    st.floats(0, 0.3),
 )
 
 
 @settings(max_examples=25, deadline=None)
-@given(p=st.integers(1, 5), m=st.integers(1, 12), costs=costs_st,
-       family=st.sampled_from(["1F1B", "ZBH1", "ZBV", "ZBVMin"]), limit_slack=st.sampled_from([None, 0.0, 1.0]))
+@given(
+    p=st.integers(1, 5),
+    m=st.integers(1, 12),
+    costs=costs_st,
+    family=st.sampled_from(["1F1B", "ZBH1", "ZBV", "ZBVMin"]),
+    limit_slack=st.sampled_from([None, 0.0, 1.0]),
+)
 def test_improve_never_worse_nor_invalid(p, m, costs, family, limit_slack) -> None:
     if family == "1F1B":
         pl = plan_1f1b(p, m, costs)
@@ -96,8 +104,12 @@ def test_improve_never_worse_nor_invalid(p, m, costs, family, limit_slack) -> No
     if limit is None:  # None keeps every rank at or below its own peak
         for r, peak in before.peak_memory.items():
             assert after.peak_memory[r] <= peak + 1e-9
-    assert (round(span(after), 6), round(after.makespan, 6)) <= (round(span(before), 6), round(before.makespan, 6))
+    assert (round(span(after), 6), round(after.makespan, 6)) <= (
+        round(span(before), 6),
+        round(before.makespan, 6),
+    )
     assert sorted(a for acts in out.order.values() for a in acts) == sorted(
-        a for acts in pl.order.values() for a in acts)
+        a for acts in pl.order.values() for a in acts
+    )
     for r in range(p):  # actions never change rank
         assert set(out.order[r]) == set(pl.order[r])

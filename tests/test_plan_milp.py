@@ -4,11 +4,11 @@ import itertools
 
 import pytest
 
-from zbpipe.plan.auto import plan_zb1p, plan_zb2p
-from zbpipe.plan.core import Action, PlanError, loop_placement, make_plan
-from zbpipe.plan.costs import Costs
-from zbpipe.plan.milp import refine
-from zbpipe.plan.simulate import simulate
+from zbpipe.planning.auto import plan_zb1p, plan_zb2p
+from zbpipe.planning.core import Action, PlanError, loop_placement, make_plan
+from zbpipe.planning.costs import Costs
+from zbpipe.planning.milp import refine
+from zbpipe.planning.simulate import simulate
 
 COSTS = [Costs(), Costs(f=1, b=1.5, w=0.7, comm=0.2), Costs(f=1, b=1, w=2, comm=0.5)]
 
@@ -23,8 +23,10 @@ def test_refine_proves_optimality(gen, p, m, costs):
     assert res.optimal and res.gap == pytest.approx(0.0, abs=1e-9)
     assert simulate(res.plan, costs, limit).makespan == pytest.approx(res.makespan, abs=1e-6)
     heur = simulate(plan, costs).makespan
-    print(f"{plan.name} p={p} m={m} {costs}: heuristic {heur:g} optimum {res.makespan:g} "
-          f"gap {(heur - res.makespan) / res.makespan:.2%}")
+    print(
+        f"{plan.name} p={p} m={m} {costs}: heuristic {heur:g} optimum {res.makespan:g} "
+        f"gap {(heur - res.makespan) / res.makespan:.2%}"
+    )
     assert heur >= res.makespan - 1e-9
 
 

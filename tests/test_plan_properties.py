@@ -5,7 +5,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zbpipe.plan import Costs, plan_1f1b, plan_zbh1, simulate
+from zbpipe.planning import Costs, plan_1f1b, plan_zbh1, simulate
 
 
 @st.composite
@@ -26,7 +26,12 @@ def assert_complete(pl, split: bool):
     # Each stage and microbatch: F, B, W once each (split) or F, BW once each (fused).
     counts = Counter((a.stage, a.kind, a.microbatch) for acts in pl.order.values() for a in acts)
     kinds = ("F", "B", "W") if split else ("F", "BW")
-    expected = {(s, k, mb): 1 for s in range(pl.num_stages) for k in kinds for mb in range(pl.n_microbatches)}
+    expected = {
+        (s, k, mb): 1
+        for s in range(pl.num_stages)
+        for k in kinds
+        for mb in range(pl.n_microbatches)
+    }
     assert counts == expected
 
 

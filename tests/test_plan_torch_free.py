@@ -10,9 +10,7 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 SCRIPT = """
 import sys
 sys.modules['torch'] = None  # any 'import torch' now raises ImportError
-# 'from zbpipe.plan import ...', not 'import zbpipe.plan as zp': zbpipe re-exports the
-# function plan(), which shadows the subpackage as an attribute of zbpipe.
-from zbpipe.plan import Costs, plan, plan_from_csv, plan_to_csv, simulate
+from zbpipe.planning import Costs, plan, plan_from_csv, plan_to_csv, simulate
 pl = plan("ZBH1", 4, 8)
 res = simulate(pl, Costs())
 text = plan_to_csv(pl)
@@ -30,6 +28,8 @@ print(res.makespan)
 
 def test_plan_layer_runs_without_torch():
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     assert float(out.stdout.strip()) == 3 * 8 + (4 - 1)  # the paper's ZB-H1 makespan, unit costs

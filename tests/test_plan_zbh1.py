@@ -2,7 +2,7 @@
 
 import pytest
 
-from zbpipe.plan import Costs, plan_1f1b, plan_zbh1, simulate
+from zbpipe.planning import Costs, plan_1f1b, plan_zbh1, simulate
 
 GRID = [(p, m) for p in (1, 2, 3, 4, 6, 8) for m in (p, p + 1, 2 * p, 3 * p + 2)]
 
@@ -14,16 +14,22 @@ def paper_makespan(p, m, f, b, w):
 @pytest.mark.parametrize("exact", [True, False])
 @pytest.mark.parametrize("p,m", GRID)
 def test_unit_cost_makespan_is_paper_formula(p, m, exact):
-    assert simulate(plan_zbh1(p, m, exact=exact)).makespan == pytest.approx(paper_makespan(p, m, 1, 1, 1))
+    assert simulate(plan_zbh1(p, m, exact=exact)).makespan == pytest.approx(
+        paper_makespan(p, m, 1, 1, 1)
+    )
 
 
 # The formula assumes the deferred W fits in the bubble it fills: T_W <= T_F and T_W <= T_B
 # (the paper's profiled models have T_W below both). Cases with T_W above both are excluded.
-@pytest.mark.parametrize("f,b,w", [(1, 1, 0.5), (1, 1.5, 1), (1, 2, 1), (2, 1, 1), (1, 1.2, 0.8), (1.5, 1, 1)])
+@pytest.mark.parametrize(
+    "f,b,w", [(1, 1, 0.5), (1, 1.5, 1), (1, 2, 1), (2, 1, 1), (1, 1.2, 0.8), (1.5, 1, 1)]
+)
 @pytest.mark.parametrize("p,m", [(3, 9), (4, 8), (6, 12)])
 def test_paper_formula_with_other_costs(p, m, f, b, w):
     c = Costs(f=f, b=b, w=w)
-    assert simulate(plan_zbh1(p, m, c, exact=True), c).makespan == pytest.approx(paper_makespan(p, m, f, b, w))
+    assert simulate(plan_zbh1(p, m, c, exact=True), c).makespan == pytest.approx(
+        paper_makespan(p, m, f, b, w)
+    )
 
 
 @pytest.mark.parametrize("exact", [True, False])

@@ -5,17 +5,24 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from zbpipe.plan.costs import Costs
-from zbpipe.plan.onef1b import plan_1f1b
-from zbpipe.plan.simulate import simulate
-from zbpipe.plan.zbv import plan_zbv
+from zbpipe.planning.costs import Costs
+from zbpipe.planning.onef1b import plan_1f1b
+from zbpipe.planning.simulate import simulate
+from zbpipe.planning.zbv import plan_zbv
 
 
 def model_costs(chunk: Costs) -> Costs:
     """The same model cut into p stages (two chunks each): double time and memory, same comm."""
     c = chunk.stage(0)
-    return Costs(f=2 * c.f, b=2 * c.b, w=2 * c.w, comm=c.comm, mem_f=2 * c.mem_f,
-                 mem_b=2 * c.mem_b, mem_w=2 * c.mem_w)
+    return Costs(
+        f=2 * c.f,
+        b=2 * c.b,
+        w=2 * c.w,
+        comm=c.comm,
+        mem_f=2 * c.mem_f,
+        mem_b=2 * c.mem_b,
+        mem_w=2 * c.mem_w,
+    )
 
 
 UNIT = Costs()
@@ -32,10 +39,13 @@ def test_zbv_unit_costs_zero_bubble_and_1f1b_memory(p: int, m: int) -> None:
 
 
 @pytest.mark.parametrize("p,m", CASES)
-@pytest.mark.parametrize("mode,units,bubble", [
-    ("half", lambda p: (p + 2) / 2, lambda p, m: p / (2 * m)),
-    ("min", lambda p: (p + 4) / 3, lambda p, m: 2 * p / (3 * m)),
-])
+@pytest.mark.parametrize(
+    "mode,units,bubble",
+    [
+        ("half", lambda p: (p + 2) / 2, lambda p, m: p / (2 * m)),
+        ("min", lambda p: (p + 4) / 3, lambda p, m: 2 * p / (3 * m)),
+    ],
+)
 def test_v_half_min_memory_and_bubble(p, m, mode, units, bubble) -> None:
     r = simulate(plan_zbv(p, m, UNIT, memory=mode), UNIT)
     unit = 2 * UNIT.stage(0).mem_f  # one microbatch of one stage of the p-stage model
@@ -53,7 +63,7 @@ def test_zbv_strictly_below_torch_zbv_at_unequal_costs(p, k) -> None:
     # The issue's grid: ZB-V must never be above torch's fixed ZBVZeroBubble order and should be
     # strictly below in most points. Measured (docs/zbv-tables.md): strictly below on all 12, so
     # every point asserts it. The reference is torch's own order, simulated on the same costs.
-    from zbpipe.plan.registry import plan
+    from zbpipe.planning.registry import plan
 
     costs = Costs(**HEADLINE)
     m = k * p
@@ -67,7 +77,7 @@ def test_zbv_strictly_below_torch_zbv_at_unequal_costs(p, k) -> None:
 @pytest.mark.parametrize("k", [2, 3, 4])
 @pytest.mark.parametrize("cost", [dict(f=1, b=1, w=0.5, comm=0.1), dict(f=1, b=1.5, w=1, comm=0.0)])
 def test_zbv_never_worse_than_torch_zbv(p, k, cost) -> None:
-    from zbpipe.plan.registry import plan
+    from zbpipe.planning.registry import plan
 
     costs = Costs(**cost)
     m = k * p
@@ -88,12 +98,20 @@ def test_explicit_memory_limit_is_respected() -> None:
 
 costs_st = st.builds(
     lambda f, b, w, c: Costs(f=f, b=b, w=w, comm=c),
-    st.floats(0.2, 2), st.floats(0.2, 2), st.floats(0.1, 2), st.floats(0, 0.3),
+    st.floats(0.2, 2),
+    st.floats(0.2, 2),
+    st.floats(0.1, 2),
+    st.floats(0, 0.3),
 )
 
 
 @settings(max_examples=10, deadline=None)
-@given(p=st.integers(1, 8), m=st.integers(1, 32), costs=costs_st, mode=st.sampled_from(["zb", "half", "min"]))
+@given(
+    p=st.integers(1, 8),
+    m=st.integers(1, 32),
+    costs=costs_st,
+    mode=st.sampled_from(["zb", "half", "min"]),
+)
 def test_any_case_complete_deadlock_free_within_budget(p, m, costs, mode) -> None:
     pl = plan_zbv(p, m, costs, memory=mode)
     pl.validate()  # complete: every (stage, microbatch) has F, B and W
@@ -123,7 +141,9 @@ def test_v_half_min_faster_than_1f1b_with_equal_costs(p, mode) -> None:
 
 
 @pytest.mark.parametrize("p", [4, 8, 16])
-@pytest.mark.parametrize("mode,units", [("half", lambda p: (p + 2) / 2), ("min", lambda p: (p + 4) / 3)])
+@pytest.mark.parametrize(
+    "mode,units", [("half", lambda p: (p + 2) / 2), ("min", lambda p: (p + 4) / 3)]
+)
 def test_v_half_min_paper_table_at_equal_costs(p, mode, units) -> None:
     # The controllable-memory paper's table (F = B = W, m >= 2p): V-Half's bubble about p / (2m),
     # V-Min's about 2p / (3m), within its memory budget, and both faster than 1F1B on the same model.
@@ -143,7 +163,7 @@ def test_v_half_min_paper_table_at_equal_costs(p, mode, units) -> None:
 def test_building_block_is_a_valid_periodic_block(p, costs, w_last) -> None:
     # The block of one microbatch, repeated every period, must respect every dependency (with comm
     # across ranks) and never overlap itself on a rank modulo the period (checked on the timeline).
-    from zbpipe.plan.vblocks import block_offsets
+    from zbpipe.planning.vblocks import block_offsets
 
     sc = costs.per_stage(2 * p)
     work = max(sum(sc[s].f + sc[s].b + sc[s].w for s in (r, 2 * p - 1 - r)) for r in range(p))
@@ -166,8 +186,12 @@ def test_building_block_is_a_valid_periodic_block(p, costs, w_last) -> None:
         assert off[("W", s)] >= end[("B", s)] - 1e-9
     for r in range(p):
         # three copies of the block, one period apart: no two passes of rank r overlap in time
-        ivs = sorted((t + j * period, end[k] + j * period) for k, t in off.items() if rank(k[1]) == r
-                     for j in range(3))
+        ivs = sorted(
+            (t + j * period, end[k] + j * period)
+            for k, t in off.items()
+            if rank(k[1]) == r
+            for j in range(3)
+        )
         assert all(a[1] <= b[0] + 1e-9 for a, b in zip(ivs, ivs[1:]))
 
 
@@ -177,9 +201,21 @@ def test_v_min_block_unit_costs_hand_worked_p2() -> None:
     # B3 4, B0 1 (distinct), on rank 1 F1 1, F2 2, B2 5, B1 0 (distinct). Then each W (w_last) at
     # the first free residue after its B: rank 0 W3 at 5, W0 at 8 (residue 2); rank 1 W2 at 6 is
     # residue 0 (B1's), 7 and 8 are F1's and F2's, so 9 (3); W1 at 7 is taken, so 10 (4).
-    from zbpipe.plan.vblocks import block_offsets
+    from zbpipe.planning.vblocks import block_offsets
 
     off = block_offsets(2, UNIT.per_stage(4), 6.0, w_last=True)
-    want = {("F", 0): 0, ("F", 1): 1, ("F", 2): 2, ("F", 3): 3, ("B", 3): 4, ("W", 3): 5, ("B", 2): 5,
-            ("W", 2): 9, ("B", 1): 6, ("W", 1): 10, ("B", 0): 7, ("W", 0): 8}
+    want = {
+        ("F", 0): 0,
+        ("F", 1): 1,
+        ("F", 2): 2,
+        ("F", 3): 3,
+        ("B", 3): 4,
+        ("W", 3): 5,
+        ("B", 2): 5,
+        ("W", 2): 9,
+        ("B", 1): 6,
+        ("W", 1): 10,
+        ("B", 0): 7,
+        ("W", 0): 8,
+    }
     assert off == pytest.approx(want)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from zbpipe.plan import Costs, plan, simulate
+from zbpipe.planning import Costs, plan, simulate
 from zbpipe.profile import ProfileConfig, measure_stage_costs, round_sig
 from zbpipe.trace import Event
 
@@ -37,7 +37,11 @@ def test_measure_stage_costs_takes_per_stage_medians_in_milliseconds():
     assert c.b == pytest.approx((4.5, 5.0))
     assert c.w == pytest.approx((1.5, 5.0))
     assert c.comm == pytest.approx((0.25, 0.5))
-    assert (c.mem_f, c.mem_b, c.mem_w) == (1.0, 0.0, -1.0)  # memory stays in "microbatches in flight"
+    assert (c.mem_f, c.mem_b, c.mem_w) == (
+        1.0,
+        0.0,
+        -1.0,
+    )  # memory stays in "microbatches in flight"
 
 
 def test_measure_stage_costs_accepts_a_flat_list_and_rounds_to_significant_digits():
@@ -48,13 +52,20 @@ def test_measure_stage_costs_accepts_a_flat_list_and_rounds_to_significant_digit
 
 
 def test_measure_stage_costs_names_a_stage_without_measurements():
-    events = [_ev("F", 0, 0, 0, 1.0), _ev("B", 0, 0, 1, 1.0), _ev("W", 0, 0, 2, 1.0), _ev("F", 1, 0, 1, 1.0)]
+    events = [
+        _ev("F", 0, 0, 0, 1.0),
+        _ev("B", 0, 0, 1, 1.0),
+        _ev("W", 0, 0, 2, 1.0),
+        _ev("F", 1, 0, 1, 1.0),
+    ]
     with pytest.raises(ValueError, match="stage 1"):
         measure_stage_costs(events, 2)
 
 
-@pytest.mark.parametrize("bad", [{"profile_steps": 0}, {"warmup_steps": -1}, {"digits": 0}, {"comm": "fast"},
-                                 {"unit": 0}])
+@pytest.mark.parametrize(
+    "bad",
+    [{"profile_steps": 0}, {"warmup_steps": -1}, {"digits": 0}, {"comm": "fast"}, {"unit": 0}],
+)
 def test_profile_config_rejects_bad_values(bad):
     with pytest.raises(ValueError, match="ProfileConfig"):
         ProfileConfig(**bad)
@@ -114,7 +125,11 @@ def test_new_plan_is_the_generators_plan_for_the_measured_costs(two_ranks, case,
 def test_rank_0_logs_one_line_with_costs_and_makespans(two_ranks):
     for case in ("auto", "zbv"):
         (line,) = two_ranks[0][case]["log"]
-        assert "measured costs (ms) F=[" in line and "simulated makespan" in line and "(switched)" in line
+        assert (
+            "measured costs (ms) F=[" in line
+            and "simulated makespan" in line
+            and "(switched)" in line
+        )
         assert two_ranks[1][case]["log"] == []  # other ranks log the same line at debug level
 
 
@@ -128,7 +143,9 @@ def test_ranks_that_re_plan_differently_fail_loudly_on_every_rank(two_ranks):
 def test_zbauto_profile_on_4_ranks_grads_and_plan_agree():
     from zbpipe.testing import run_ranks
 
-    outs = run_ranks(cases.profiled_training, 4, "ScheduleZBAuto", 8, 4, 2, {"memory_limit": "1p"}, timeout=200)
+    outs = run_ranks(
+        cases.profiled_training, 4, "ScheduleZBAuto", 8, 4, 2, {"memory_limit": "1p"}, timeout=200
+    )
     assert len({o["fingerprint"] for o in outs}) == 1
     assert all(o["measured"] == outs[0]["measured"] for o in outs)
     assert all(o["worst"] < 1e-5 for o in outs)
@@ -138,5 +155,9 @@ def test_zbauto_profile_on_4_ranks_grads_and_plan_agree():
     # under those costs than the equal-cost plan it would replace.
     measured = outs[0]["measured"]
     new, old = plan("ZB1P", 4, 8, costs=measured), plan("ZB1P", 4, 8, costs=Costs())
-    expected = new if simulate(new, measured).makespan <= simulate(old, measured).makespan * (1 + 1e-9) else old
+    expected = (
+        new
+        if simulate(new, measured).makespan <= simulate(old, measured).makespan * (1 + 1e-9)
+        else old
+    )
     assert outs[0]["order"] == dict(expected.order)

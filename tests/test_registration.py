@@ -17,13 +17,17 @@ def registered():
 
 def test_torch_lookup_finds_zbpipe_names(registered):
     assert torch_schedules.get_schedule_class("ZBH1") is ScheduleZBH1
-    assert torch_schedules.get_schedule_class("zbh1") is ScheduleZBH1  # torch's lookup is case-insensitive
+    assert (
+        torch_schedules.get_schedule_class("zbh1") is ScheduleZBH1
+    )  # torch's lookup is case-insensitive
     assert torch_schedules.get_schedule_class("Schedule1F1BMulti") is Schedule1F1BMulti
 
 
 def test_torch_names_still_resolve_to_torch_classes(registered):
     assert torch_schedules.get_schedule_class("1F1B") is torch_schedules.Schedule1F1B
-    assert torch_schedules.get_schedule_class("ZBVZeroBubble") is torch_schedules.ScheduleZBVZeroBubble
+    assert (
+        torch_schedules.get_schedule_class("ZBVZeroBubble") is torch_schedules.ScheduleZBVZeroBubble
+    )
 
 
 def test_unknown_name_still_raises_value_error(registered):
@@ -57,7 +61,9 @@ def test_modules_that_imported_the_function_by_name_are_rebound(monkeypatch):
     import sys
 
     user = types.ModuleType("_zbpipe_fake_user")
-    user.get_schedule_class = torch_schedules.get_schedule_class  # like `from ... import get_schedule_class`
+    user.get_schedule_class = (
+        torch_schedules.get_schedule_class
+    )  # like `from ... import get_schedule_class`
     monkeypatch.setitem(sys.modules, user.__name__, user)
     try:
         registration.register()

@@ -46,9 +46,14 @@ def test_exception_on_one_rank_mid_step_ends_every_rank_quickly():
 @pytest.mark.parametrize("world", [2])
 def test_same_seed_gives_bitwise_identical_runs_for_every_schedule(world):
     case_list = [
-        ("ScheduleZBH1", {}, 4), ("ScheduleZBH1", {"exact": True}, 3), ("ScheduleZBH2", {}, 4),
-        ("ScheduleZBAuto", {}, 4), ("ScheduleZBV", {"memory": "zb"}, 4), ("ScheduleZBV", {"memory": "half"}, 4),
-        ("ScheduleZBV", {"memory": "min"}, 4), ("Schedule1F1BMulti", {}, 4),
+        ("ScheduleZBH1", {}, 4),
+        ("ScheduleZBH1", {"exact": True}, 3),
+        ("ScheduleZBH2", {}, 4),
+        ("ScheduleZBAuto", {}, 4),
+        ("ScheduleZBV", {"memory": "zb"}, 4),
+        ("ScheduleZBV", {"memory": "half"}, 4),
+        ("ScheduleZBV", {"memory": "min"}, 4),
+        ("Schedule1F1BMulti", {}, 4),
     ]
     counts = run_ranks(cases.determinism_cases, world, case_list, timeout=240)
     assert all(c > 0 for per_rank in counts for c in per_rank)

@@ -32,13 +32,20 @@ def test_zbh1_grads_equal_unpipelined_reference(world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_zbh2_and_auto_grads_equal_unpipelined_reference(world):
     ms = (world, 2 * world + 1)
-    _run(world, _cases("ScheduleZBH2", ms) + _cases("ScheduleZBAuto", ms, {"memory_limit": "1p"})
-         + _cases("ScheduleZBAuto", ms, {"memory_limit": "2p"}))
+    _run(
+        world,
+        _cases("ScheduleZBH2", ms)
+        + _cases("ScheduleZBAuto", ms, {"memory_limit": "1p"})
+        + _cases("ScheduleZBAuto", ms, {"memory_limit": "2p"}),
+    )
 
 
 def test_zbv_all_memory_modes_grads_equal_reference_on_2_ranks():
     ms = (1, 3, 4, 8)
-    _run(2, [c for mode in ("zb", "half", "min") for c in _cases("ScheduleZBV", ms, {"memory": mode})])
+    _run(
+        2,
+        [c for mode in ("zb", "half", "min") for c in _cases("ScheduleZBV", ms, {"memory": mode})],
+    )
 
 
 def test_zbv_grads_equal_reference_on_4_ranks():

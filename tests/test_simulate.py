@@ -2,7 +2,7 @@
 
 import pytest
 
-from zbpipe.plan import Action, Costs, Plan, PlanError, plan_1f1b, simulate
+from zbpipe.planning import Action, Costs, Plan, PlanError, plan_1f1b, simulate
 
 
 def test_hand_worked_1f1b_p2_m2_with_comm():
@@ -11,9 +11,16 @@ def test_hand_worked_1f1b_p2_m2_with_comm():
     # rank 1: F0 [1.5,2.5] (0F0 ends 1, +0.5)  BW0 [2.5,4.5]  F1 [4.5,5.5]  BW1 [5.5,7.5]
     # rank 0: BW0 [5,7] (1BW0 ends 4.5, +0.5)  BW1 [8,10] (1BW1 ends 7.5, +0.5)
     res = simulate(plan_1f1b(2, 2), Costs(comm=0.5))
-    times = {r: [(str(iv.action), iv.start, iv.end) for iv in ivs] for r, ivs in res.timeline.items()}
+    times = {
+        r: [(str(iv.action), iv.start, iv.end) for iv in ivs] for r, ivs in res.timeline.items()
+    }
     assert times[0] == [("0F0", 0, 1), ("0F1", 1, 2), ("0BW0", 5, 7), ("0BW1", 8, 10)]
-    assert times[1] == [("1F0", 1.5, 2.5), ("1BW0", 2.5, 4.5), ("1F1", 4.5, 5.5), ("1BW1", 5.5, 7.5)]
+    assert times[1] == [
+        ("1F0", 1.5, 2.5),
+        ("1BW0", 2.5, 4.5),
+        ("1F1", 4.5, 5.5),
+        ("1BW1", 5.5, 7.5),
+    ]
     assert res.makespan == 10
     assert res.busy == {0: 6, 1: 6}
     # spans: rank 0 is 10, rank 1 is 6; bubble = 1 - 12 / (2 * 10)
@@ -35,8 +42,14 @@ def test_split_backward_same_rank_has_no_comm():
 
 def test_memory_accounting_is_signed():
     # F allocates 2 at start, B frees 0.5, W frees 1.5: peak 2 + 2 - 0.5 = 3.5 after F1 starts.
-    acts = [Action(0, "F", 0), Action(0, "B", 0), Action(0, "F", 1), Action(0, "W", 0), Action(0, "B", 1),
-            Action(0, "W", 1)]
+    acts = [
+        Action(0, "F", 0),
+        Action(0, "B", 0),
+        Action(0, "F", 1),
+        Action(0, "W", 0),
+        Action(0, "B", 1),
+        Action(0, "W", 1),
+    ]
     res = simulate(_plan({0: acts}, 1, 2, {0: 0}), Costs(mem_f=2, mem_b=-0.5, mem_w=-1.5))
     assert res.peak_memory == {0: 3.5}
 
@@ -60,7 +73,9 @@ def test_same_rank_dependency_violation():
     # Two stages on one rank; stage 1's forward is placed before stage 0's on that rank.
     a = lambda s, k, m: Action(s, k, m)
     order = {0: [a(1, "F", 0), a(0, "F", 0), a(1, "BW", 0), a(0, "BW", 0)]}
-    with pytest.raises(PlanError, match=r"rank 0 step 0 \(1F0\) needs the activation of F0 from stage 0.*step 1"):
+    with pytest.raises(
+        PlanError, match=r"rank 0 step 0 \(1F0\) needs the activation of F0 from stage 0.*step 1"
+    ):
         simulate(_plan(order, 1, 1, {0: 0, 1: 0}))
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch.distributed.pipelining as pipelining
 
 from zbpipe._compat import _Action
-from zbpipe.plan import Costs, plan, plan_1f1b, plan_from_csv, plan_to_csv, simulate
-from zbpipe.plan.registry import TORCH_SCHEDULES
+from zbpipe.planning import Costs, plan, plan_1f1b, plan_from_csv, plan_to_csv, simulate
+from zbpipe.planning.registry import TORCH_SCHEDULES
 from zbpipe.torch_plans import torch_plan
 
 
@@ -84,7 +84,8 @@ def test_torch_parses_our_csv():
     for r, row in enumerate(rows):
         parsed = [_Action.from_str(cell) for cell in row]
         assert [(a.stage_index, a.computation_type.value, a.microbatch_index) for a in parsed] == [
-            (a.stage, {"F": "F", "B": "I", "W": "W", "BW": "B"}[a.kind], a.microbatch) for a in pl.order[r]
+            (a.stage, {"F": "F", "B": "I", "W": "W", "BW": "B"}[a.kind], a.microbatch)
+            for a in pl.order[r]
         ]
 
 

@@ -11,7 +11,10 @@ try:
     import zbpipe.torchtitan as zt
     import torchtitan.distributed.pipeline_parallel as tt_pp
 except ImportError as e:  # torchtitan or one of its imports is not installed
-    pytest.skip(f"torchtitan cannot be imported ({e}); pip install -e '.[torchtitan]'", allow_module_level=True)
+    pytest.skip(
+        f"torchtitan cannot be imported ({e}); pip install -e '.[torchtitan]'",
+        allow_module_level=True,
+    )
 
 import _torchtitan_cases as cases
 from zbpipe.schedules import ScheduleZBH1
@@ -35,9 +38,16 @@ def test_v_schedule_gets_v_placement_from_torchtitan(p):
 
 
 def test_zbh1_gets_one_stage_per_rank_from_torchtitan():
-    assert [tt_pp._get_pp_rank_to_stage_indices_mapping(r, 4, "ZBH1", 4) for r in range(4)] == [(0,), (1,), (2,), (3,)]
+    assert [tt_pp._get_pp_rank_to_stage_indices_mapping(r, 4, "ZBH1", 4) for r in range(4)] == [
+        (0,),
+        (1,),
+        (2,),
+        (3,),
+    ]
     dims, parallelism = _dims(pp=4, schedule="ZBH1")
-    num_stages, num_layers, *_ = tt_pp._get_pipeline_metadata(dims, parallelism, cases.tiny_llama3_config())
+    num_stages, num_layers, *_ = tt_pp._get_pipeline_metadata(
+        dims, parallelism, cases.tiny_llama3_config()
+    )
     assert (num_stages, num_layers) == (4, cases.N_LAYERS)
     # The same call for a torch Multi schedule keeps torchtitan's default of two per rank.
     dims, parallelism = _dims(pp=4, schedule="Interleaved1F1B")
@@ -63,16 +73,23 @@ def test_loss_is_logged_from_the_rank_holding_the_last_stage():
 
     dims, _ = _dims(pp=4, schedule="ZBH1")
     assert metrics._get_metrics_rank(parallel_dims=dims, pp_schedule="ZBH1") == 3
-    assert metrics._get_metrics_rank(parallel_dims=dims, pp_schedule=V_NAME) == 0  # V: last stage on rank 0
-    assert metrics._get_metrics_rank(parallel_dims=dims, pp_schedule="1F1B") == 3  # torch's: unchanged
+    assert (
+        metrics._get_metrics_rank(parallel_dims=dims, pp_schedule=V_NAME) == 0
+    )  # V: last stage on rank 0
+    assert (
+        metrics._get_metrics_rank(parallel_dims=dims, pp_schedule="1F1B") == 3
+    )  # torch's: unchanged
 
 
 def _dims(pp, schedule):
     from torchtitan.config import ParallelismConfig
     from torchtitan.distributed import ParallelDims
 
-    parallelism = ParallelismConfig(pipeline_parallel_degree=pp, pipeline_parallel_schedule=schedule,
-                                    data_parallel_shard_degree=1)
+    parallelism = ParallelismConfig(
+        pipeline_parallel_degree=pp,
+        pipeline_parallel_schedule=schedule,
+        data_parallel_shard_degree=1,
+    )
     return ParallelDims.from_config(parallelism, pp), parallelism
 
 
@@ -94,8 +111,15 @@ def test_torchtitan_pipeline_grads_match_1f1b_and_unpipelined():
     assert set(grads["ZBH1"]) == set(ref_grads)
     for name in ("ZBH1", V_NAME):
         for fqn, ref in ref_grads.items():
-            np.testing.assert_allclose(grads[name][fqn], grads["1F1B"][fqn], rtol=1e-5, atol=1e-5, err_msg=f"{name} {fqn}")
-            np.testing.assert_allclose(grads[name][fqn], ref, rtol=1e-5, atol=1e-5, err_msg=f"{name} {fqn}")
+            np.testing.assert_allclose(
+                grads[name][fqn], grads["1F1B"][fqn], rtol=1e-5, atol=1e-5, err_msg=f"{name} {fqn}"
+            )
+            np.testing.assert_allclose(
+                grads[name][fqn], ref, rtol=1e-5, atol=1e-5, err_msg=f"{name} {fqn}"
+            )
     # The loss comes back on the rank holding the last stage: rank 1 in a loop, rank 0 in a V.
     assert per_rank[1]["ZBH1"][3] == pytest.approx(ref_loss, rel=1e-6)
-    assert per_rank[0][V_NAME][3] == pytest.approx(ref_loss, rel=1e-6) and per_rank[1][V_NAME][3] is None
+    assert (
+        per_rank[0][V_NAME][3] == pytest.approx(ref_loss, rel=1e-6)
+        and per_rank[1][V_NAME][3] is None
+    )

@@ -30,8 +30,12 @@ def test_a_disabled_tracer_records_nothing():
 
 def test_bubble_rate_of_a_hand_worked_trace():
     # rank 0 busy [0,1] and [2,3] (span 3), rank 1 busy [1,3] (span 2): busy 4 of 2 x 3.
-    t = Trace({0: [Event(0, "F", 0, 0, 0.0, 1.0), Event(0, "BW", 0, 0, 2.0, 3.0)],
-               1: [Event(1, "F", 1, 0, 1.0, 2.0), Event(1, "BW", 1, 0, 2.0, 3.0)]})
+    t = Trace(
+        {
+            0: [Event(0, "F", 0, 0, 0.0, 1.0), Event(0, "BW", 0, 0, 2.0, 3.0)],
+            1: [Event(1, "F", 1, 0, 1.0, 2.0), Event(1, "BW", 1, 0, 2.0, 3.0)],
+        }
+    )
     assert t.bubble_rate == pytest.approx(1 - 4 / 6)
     assert t.makespan == pytest.approx(3.0)
     assert t.busy() == {0: 2.0, 1: 2.0} and t.busy("F") == {0: 1.0, 1: 1.0}

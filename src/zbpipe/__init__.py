@@ -2,7 +2,7 @@
 
 The plan layer (``Costs``, ``plan``, ``simulate``, ``Action``, ``Plan``) is imported eagerly and
 never imports torch. Torch-facing names are resolved lazily (PEP 562) on first access, so
-``import zbpipe.plan`` works on a machine without torch.
+``import zbpipe.planning`` works on a machine without torch.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import importlib
 
 __version__ = "0.1.0"
 
-from .plan import Action, Costs, Plan, PlanError, SimResult, plan, simulate
+from .planning import Action, Costs, Plan, PlanError, SimResult, plan, simulate
 
 #: lazily imported public name -> module that defines it
 _LAZY: dict[str, str] = {

@@ -126,7 +126,9 @@ class WeightGrad:
                     if g is not None:
                         contributions[param_index[n]].append(g)
             else:
-                res = _group_pass(gr.members, [GradientEdge(c, nr) for c, nr in gr.edges], any_conflict)
+                res = _group_pass(
+                    gr.members, [GradientEdge(c, nr) for c, nr in gr.edges], any_conflict
+                )
                 for (child, nr), g in zip(gr.edges, res, strict=True):
                     collect(child, nr, g)
             for b in gr.members:
@@ -215,7 +217,9 @@ def _group_pass(members: list[_Boundary], wanted: list[GradientEdge], retain: bo
                 seeds.append(g)
     if not outs:
         return tuple(None for _ in wanted)
-    return torch.autograd.grad(outs, wanted, grad_outputs=seeds, retain_graph=retain, allow_unused=True)
+    return torch.autograd.grad(
+        outs, wanted, grad_outputs=seeds, retain_graph=retain, allow_unused=True
+    )
 
 
 def backward_input(
@@ -326,11 +330,13 @@ def backward_input(
     for pos, e in zip(input_pos, input_edges, strict=True):
         result[pos] = by_edge.get((e.node, e.output_nr))
     captured: dict[Node, list[Tensor | None]] = {n: [None] * _num_slots(n) for n in stage0_targets}
-    for (n, i), gr in zip(slots, res[len(reached_inputs):], strict=True):
+    for (n, i), gr in zip(slots, res[len(reached_inputs) :], strict=True):
         captured[n][i] = gr
     for b in boundaries:
         b.grads = tuple(captured[b.node]) if b.node in captured else recorded.get(b.node)
-    boundaries = [b for b in boundaries if b.grads is not None and any(x is not None for x in b.grads)]
+    boundaries = [
+        b for b in boundaries if b.grads is not None and any(x is not None for x in b.grads)
+    ]
 
     known = {_storage(t) for t in grads} | {_storage(t) for t in res if t is not None}
     for b in boundaries:
@@ -344,8 +350,14 @@ def backward_input(
     logger.debug(
         "B: %d nodes in A, %d targets, %d boundaries (%d with conflict) in %d groups (%d folded), "
         "%d root seeds: W makes %d calls",
-        len(in_a), len(targets), len(boundaries), len(conflicts), len(groups),
-        sum(gr.params is not None for gr in groups), len(root_seeds), wg.num_calls,
+        len(in_a),
+        len(targets),
+        len(boundaries),
+        len(conflicts),
+        len(groups),
+        sum(gr.params is not None for gr in groups),
+        len(root_seeds),
+        wg.num_calls,
     )
     return tuple(result), wg
 

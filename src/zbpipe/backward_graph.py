@@ -137,7 +137,9 @@ def _group_boundaries(g: _Graph, boundaries: list[_Boundary]) -> list[_Group]:
     multi = [bk for bk in buckets.values() if len(bk) > 1]
     shared = {c for bk in multi for b in bk for c, _ in b.weight_edges if g.parents.get(c, 0) > 1}
     if not shared:  # a chain, or siblings with their own weights (q/k/v, gate/up): no check
-        return [_Group(bk, _unique(e for b in bk for e in b.weight_edges)) for bk in buckets.values()]
+        return [
+            _Group(bk, _unique(e for b in bk for e in b.weight_edges)) for bk in buckets.values()
+        ]
 
     # Bit i marks candidate i's shared weight-edge children; reach[n] = the marks below n.
     bit: dict[int, int] = {}

@@ -11,7 +11,7 @@ import json
 import sys
 from typing import Sequence
 
-from .plan import Costs, Plan, PlanError, SimResult, known_names, plan, plan_to_csv, simulate
+from .planning import Costs, Plan, PlanError, SimResult, known_names, plan, plan_to_csv, simulate
 
 
 def _costs_arg(text: str) -> Costs:
@@ -22,15 +22,25 @@ def _costs_arg(text: str) -> Costs:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="zbpipe", description="Zero Bubble pipeline schedules: plan and simulate.")
+    parser = argparse.ArgumentParser(
+        prog="zbpipe", description="Zero Bubble pipeline schedules: plan and simulate."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("-p", "--num-ranks", type=int, required=True, help="pipeline ranks")
-        p.add_argument("-m", "--n-microbatches", type=int, required=True, help="microbatches per step")
-        p.add_argument("--costs", type=_costs_arg, default=Costs(),
-                       help="per-stage costs of the model split into p stages, e.g. f=1,b=1,w=1,comm=0")
-        p.add_argument("--memory-limit", type=float, default=None, help="per-rank activation memory limit")
+        p.add_argument(
+            "-m", "--n-microbatches", type=int, required=True, help="microbatches per step"
+        )
+        p.add_argument(
+            "--costs",
+            type=_costs_arg,
+            default=Costs(),
+            help="per-stage costs of the model split into p stages, e.g. f=1,b=1,w=1,comm=0",
+        )
+        p.add_argument(
+            "--memory-limit", type=float, default=None, help="per-rank activation memory limit"
+        )
 
     sim = sub.add_parser("simulate", help="simulate one schedule and print its bubble rate")
     sim.add_argument("--schedule", default="ZBH1", help=f"one of: {', '.join(known_names())}")
@@ -44,22 +54,48 @@ def build_parser() -> argparse.ArgumentParser:
     common(cmp_)
     cmp_.set_defaults(handler=_cmd_compare)
 
-    draw = sub.add_parser("draw", help="draw a plan's simulated timeline, or a measured trace, as PNG and/or Chrome JSON")
-    draw.add_argument("--schedule", default="ZBH1", help="schedule to simulate and draw (ignored with --trace)")
-    draw.add_argument("--trace", metavar="FILE", help="draw a measured trace instead (the Chrome JSON Trace.write_chrome writes)")
+    draw = sub.add_parser(
+        "draw",
+        help="draw a plan's simulated timeline, or a measured trace, as PNG and/or Chrome JSON",
+    )
+    draw.add_argument(
+        "--schedule", default="ZBH1", help="schedule to simulate and draw (ignored with --trace)"
+    )
+    draw.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="draw a measured trace instead (the Chrome JSON Trace.write_chrome writes)",
+    )
     draw.add_argument("-p", "--num-ranks", type=int, help="pipeline ranks (needed without --trace)")
-    draw.add_argument("-m", "--n-microbatches", type=int, help="microbatches per step (needed without --trace)")
-    draw.add_argument("--costs", type=_costs_arg, default=Costs(),
-                      help="per-stage costs of the model split into p stages, e.g. f=1,b=1,w=1,comm=0")
-    draw.add_argument("--memory-limit", type=float, default=None, help="per-rank activation memory limit")
-    draw.add_argument("--png", metavar="FILE", help="write the timeline picture here (needs matplotlib)")
-    draw.add_argument("--json", metavar="FILE", help="write Chrome/Perfetto trace JSON here (chrome://tracing, ui.perfetto.dev)")
+    draw.add_argument(
+        "-m", "--n-microbatches", type=int, help="microbatches per step (needed without --trace)"
+    )
+    draw.add_argument(
+        "--costs",
+        type=_costs_arg,
+        default=Costs(),
+        help="per-stage costs of the model split into p stages, e.g. f=1,b=1,w=1,comm=0",
+    )
+    draw.add_argument(
+        "--memory-limit", type=float, default=None, help="per-rank activation memory limit"
+    )
+    draw.add_argument(
+        "--png", metavar="FILE", help="write the timeline picture here (needs matplotlib)"
+    )
+    draw.add_argument(
+        "--json",
+        metavar="FILE",
+        help="write Chrome/Perfetto trace JSON here (chrome://tracing, ui.perfetto.dev)",
+    )
     draw.add_argument("--title", help="picture title (default: schedule, p, m, bubble rate)")
     draw.set_defaults(handler=_cmd_draw)
 
-    demo = sub.add_parser("demo", add_help=False,
-                          help="the main job: a real 2-rank CPU training run, ZB-H1 against torch's 1F1B "
-                               "(zbpipe demo --help for its options)")
+    demo = sub.add_parser(
+        "demo",
+        add_help=False,
+        help="the main job: a real 2-rank CPU training run, ZB-H1 against torch's 1F1B "
+        "(zbpipe demo --help for its options)",
+    )
     demo.add_argument("demo_args", nargs=argparse.REMAINDER)
     demo.set_defaults(handler=_cmd_demo)
     return parser
@@ -76,17 +112,27 @@ def chunk_costs(costs: Costs, p: Plan) -> Costs:
 
 
 def _run(name: str, args: argparse.Namespace) -> tuple[Plan, SimResult]:
-    pl = plan(name, args.num_ranks, args.n_microbatches, costs=None if name.lower().startswith("torch:") else args.costs,
-              memory_limit=args.memory_limit)
+    pl = plan(
+        name,
+        args.num_ranks,
+        args.n_microbatches,
+        costs=None if name.lower().startswith("torch:") else args.costs,
+        memory_limit=args.memory_limit,
+    )
     return pl, simulate(pl, chunk_costs(args.costs, pl), memory_limit=args.memory_limit)
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     pl, res = _run(args.schedule, args)
-    print(f"{pl.name}: {pl.num_ranks} ranks, {pl.num_stages} stages, {pl.n_microbatches} microbatches")
+    print(
+        f"{pl.name}: {pl.num_ranks} ranks, {pl.num_stages} stages, {pl.n_microbatches} microbatches"
+    )
     print(f"bubble rate: {res.bubble_rate:.4f}")
     print(f"makespan: {res.makespan:.4f}")
-    print("peak memory per rank: " + ", ".join(f"{r}: {v:g}" for r, v in sorted(res.peak_memory.items())))
+    print(
+        "peak memory per rank: "
+        + ", ".join(f"{r}: {v:g}" for r, v in sorted(res.peak_memory.items()))
+    )
     if args.grid:
         print(pl)
     if args.json:
@@ -100,10 +146,17 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 def _result_json(pl: Plan, res: SimResult) -> dict:
     return {
-        "schedule": pl.name, "num_ranks": pl.num_ranks, "n_microbatches": pl.n_microbatches,
-        "num_stages": pl.num_stages, "bubble_rate": res.bubble_rate, "makespan": res.makespan,
+        "schedule": pl.name,
+        "num_ranks": pl.num_ranks,
+        "n_microbatches": pl.n_microbatches,
+        "num_stages": pl.num_stages,
+        "bubble_rate": res.bubble_rate,
+        "makespan": res.makespan,
         "peak_memory": {str(r): v for r, v in res.peak_memory.items()},
-        "timeline": {str(r): [[str(iv.action), iv.start, iv.end] for iv in ivs] for r, ivs in res.timeline.items()},
+        "timeline": {
+            str(r): [[str(iv.action), iv.start, iv.end] for iv in ivs]
+            for r, ivs in res.timeline.items()
+        },
     }
 
 
@@ -146,15 +199,19 @@ def _cmd_draw(args: argparse.Namespace) -> int:
                 print(f"measured trace: {len(boxes)} ranks, bubble rate {rate:.4f}")
         else:
             if args.num_ranks is None or args.n_microbatches is None:
-                raise ValueError("drawing a schedule needs -p/--num-ranks and -m/--n-microbatches (or give --trace FILE)")
+                raise ValueError(
+                    "drawing a schedule needs -p/--num-ranks and -m/--n-microbatches (or give --trace FILE)"
+                )
             pl, res = _run(args.schedule, args)
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump(draw.plan_chrome(pl, result=res), f)
             if args.png:
                 draw.plan_timeline_png(pl, None, args.png, result=res, title=args.title)
-            print(f"{pl.name}: {pl.num_ranks} ranks, {pl.n_microbatches} microbatches, "
-                  f"bubble rate {res.bubble_rate:.4f}, makespan {res.makespan:.4f}")
+            print(
+                f"{pl.name}: {pl.num_ranks} ranks, {pl.n_microbatches} microbatches, "
+                f"bubble rate {res.bubble_rate:.4f}, makespan {res.makespan:.4f}"
+            )
     except ImportError as e:
         print(f"zbpipe draw: error: {e}", file=sys.stderr)
         return 2

@@ -2,7 +2,7 @@
 
 Execution model
 ---------------
-The plan is :func:`zbpipe.plan.continuous.continuous_parts`: per rank a warm-up, a period per
+The plan is :func:`zbpipe.planning.continuous.continuous_parts`: per rank a warm-up, a period per
 mini-batch boundary and a drain, over global microbatch indices ``g = k * m + j`` (mini-batch
 ``k`` of the current stream, microbatch ``j``). The user hands in one mini-batch per
 :meth:`ScheduleContinuous.step` call. Every rank keeps the same
@@ -59,10 +59,16 @@ from .backward import WeightGrad, backward_input
 from .continuous_stream import StreamFrontier
 from .continuous_versions import WeightVersions
 from .optim import PostValidatedStep, StepReport
-from .plan import Costs
-from .plan.continuous import MODES, continuous_parts, plan_continuous, version_bound
+from .planning import Costs
+from .planning.continuous import MODES, continuous_parts, plan_continuous, version_bound
 from .saved import SavedTensors, param_storages
-from .validation import check_not_compiled, check_peers_agree, check_schedule_args, check_step_args, config_fingerprint
+from .validation import (
+    check_not_compiled,
+    check_peers_agree,
+    check_schedule_args,
+    check_step_args,
+    config_fingerprint,
+)
 
 log = logging.getLogger(__name__)
 
@@ -127,13 +133,24 @@ class ScheduleContinuous(C.PipelineScheduleMulti):
         if mode not in MODES:
             raise ValueError(f"ScheduleContinuous: mode must be one of {MODES}, got {mode!r}")
         if loss_fn is None:
-            raise ValueError("ScheduleContinuous: loss_fn is required (the schedule trains; use torch's eval() schedules to infer)")
+            raise ValueError(
+                "ScheduleContinuous: loss_fn is required (the schedule trains; use torch's eval() schedules to infer)"
+            )
         if post_validate is not None and mode != "sync":
-            raise ValueError("ScheduleContinuous: post_validate is supported in mode='sync' only; drop it or use sync")
-        super().__init__(stages=stages, n_microbatches=n_microbatches, loss_fn=loss_fn,
-                         args_chunk_spec=args_chunk_spec, kwargs_chunk_spec=kwargs_chunk_spec,
-                         output_merge_spec=output_merge_spec, use_full_backward=use_full_backward,
-                         scale_grads=scale_grads, backward_requires_autograd=backward_requires_autograd)
+            raise ValueError(
+                "ScheduleContinuous: post_validate is supported in mode='sync' only; drop it or use sync"
+            )
+        super().__init__(
+            stages=stages,
+            n_microbatches=n_microbatches,
+            loss_fn=loss_fn,
+            args_chunk_spec=args_chunk_spec,
+            kwargs_chunk_spec=kwargs_chunk_spec,
+            output_merge_spec=output_merge_spec,
+            use_full_backward=use_full_backward,
+            scale_grads=scale_grads,
+            backward_requires_autograd=backward_requires_autograd,
+        )
         self.mode = mode
         self.costs = costs if costs is not None else Costs()
         self.stage = stages[0]
@@ -143,16 +160,27 @@ class ScheduleContinuous(C.PipelineScheduleMulti):
         if check_peers:
             plan = plan_continuous(p, m, self.costs, memory_limit, n_minibatches=2, mode=mode)
             fp = config_fingerprint(type(self), m, self._num_stages, plan)
-            check_peers_agree(type(self), self.stage.group, self.rank, fp,
-                              f"ScheduleContinuous(n_microbatches={m}, mode={mode}, plan {fp})")
+            check_peers_agree(
+                type(self),
+                self.stage.group,
+                self.rank,
+                fp,
+                f"ScheduleContinuous(n_microbatches={m}, mode={mode}, plan {fp})",
+            )
         params = [q for q in self.stage.submod.parameters()]
         if isinstance(optimizer, torch.optim.Optimizer):
             self.optimizer = optimizer
         elif callable(optimizer):
             self.optimizer = optimizer(params)
         else:
-            raise ValueError("ScheduleContinuous: optimizer must be a torch Optimizer or a callable(params) -> Optimizer")
-        self._pv = PostValidatedStep(self.optimizer, group=self.stage.group, **post_validate) if post_validate else None
+            raise ValueError(
+                "ScheduleContinuous: optimizer must be a torch Optimizer or a callable(params) -> Optimizer"
+            )
+        self._pv = (
+            PostValidatedStep(self.optimizer, group=self.stage.group, **post_validate)
+            if post_validate
+            else None
+        )
         #: reports of the post-validated steps, in mini-batch order (post_validate only)
         self.step_reports: list[StepReport] = []
         self._versions = WeightVersions(self.stage.submod, mode) if mode != "sync" else None
@@ -190,7 +218,9 @@ class ScheduleContinuous(C.PipelineScheduleMulti):
         """The documented bound on :attr:`max_live_versions` for this stage."""
         return version_bound(self.mode, self._num_stages, self.stage.stage_index)
 
-    def step(self, *args: Any, target: Any = None, losses: list | None = None, **kwargs: Any) -> list[LossRecord]:
+    def step(
+        self, *args: Any, target: Any = None, losses: list | None = None, **kwargs: Any
+    ) -> list[LossRecord]:
         """Hand in one mini-batch and run everything it makes runnable on this rank.
 
         Returns (and appends to ``losses`` if given) ``(minibatch_index, [per-microbatch
@@ -199,7 +229,9 @@ class ScheduleContinuous(C.PipelineScheduleMulti):
         """
         check_step_args(self, args, kwargs, target)
         if not torch.is_grad_enabled():
-            raise RuntimeError("ScheduleContinuous.step() trains and needs autograd; do not call it under torch.no_grad()")
+            raise RuntimeError(
+                "ScheduleContinuous.step() trains and needs autograd; do not call it under torch.no_grad()"
+            )
         m = self._n_microbatches
         arg_mbs, kwarg_mbs = self._split_inputs(args, kwargs)
         target_mbs = list(torch.tensor_split(target, m, 0)) if target is not None else None
@@ -207,7 +239,9 @@ class ScheduleContinuous(C.PipelineScheduleMulti):
             self._initialize(arg_mbs[0], kwarg_mbs[0], target_mbs[0] if target_mbs else None)
         start = self._given * m
         for j in range(m):
-            if self.stage.is_first:  # only stage 0 consumes positional inputs (else they would pile up)
+            if (
+                self.stage.is_first
+            ):  # only stage 0 consumes positional inputs (else they would pile up)
                 self._args[start + j] = arg_mbs[j]
             self._kwargs[start + j] = kwarg_mbs[j]
             if target_mbs is not None:
@@ -229,15 +263,19 @@ class ScheduleContinuous(C.PipelineScheduleMulti):
             self._frontier.drain(self._given)
             self._run(self._frontier.advance(self._given * self._n_microbatches)[self.rank])
             if self._frontier.pending():
-                raise RuntimeError("zbpipe continuous: the drain did not finish; the plan is inconsistent")
+                raise RuntimeError(
+                    "zbpipe continuous: the drain did not finish; the plan is inconsistent"
+                )
         for w in self._sends:
             w.wait()
         self._sends.clear()
         self._validate()
         out = self._report(losses)
         if self._stepped != self._given or self._pending_w or self.stage.fwd_cache:
-            raise RuntimeError(f"zbpipe continuous: rank {self.rank} left work after flush "
-                               f"({self._stepped} of {self._given} steps)")
+            raise RuntimeError(
+                f"zbpipe continuous: rank {self.rank} left work after flush "
+                f"({self._stepped} of {self._given} steps)"
+            )
         self._base += self._given
         self._reset_stream()
         return out
@@ -250,8 +288,11 @@ class ScheduleContinuous(C.PipelineScheduleMulti):
         """
         self._refuse_in_flight("state_dict")
         return {
-            "mode": self.mode, "stage_index": self.stage.stage_index, "n_microbatches": self._n_microbatches,
-            "minibatches_done": self._base, "module": self.stage.submod.state_dict(),
+            "mode": self.mode,
+            "stage_index": self.stage.stage_index,
+            "n_microbatches": self._n_microbatches,
+            "minibatches_done": self._base,
+            "module": self.stage.submod.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "versions": self._versions.state_dict() if self._versions is not None else None,
         }
@@ -261,7 +302,9 @@ class ScheduleContinuous(C.PipelineScheduleMulti):
         self._refuse_in_flight("load_state_dict")
         for key, mine in (("mode", self.mode), ("stage_index", self.stage.stage_index)):
             if state[key] != mine:
-                raise ValueError(f"ScheduleContinuous.load_state_dict: checkpoint has {key}={state[key]!r}, this schedule {mine!r}")
+                raise ValueError(
+                    f"ScheduleContinuous.load_state_dict: checkpoint has {key}={state[key]!r}, this schedule {mine!r}"
+                )
         self.stage.submod.load_state_dict(state["module"])
         self.optimizer.load_state_dict(state["optimizer"])
         self._base = int(state["minibatches_done"])
@@ -271,13 +314,17 @@ class ScheduleContinuous(C.PipelineScheduleMulti):
     # ------------------------------------------------------------------ internals
     def _refuse_in_flight(self, what: str) -> None:
         if self.in_flight:
-            raise RuntimeError(f"ScheduleContinuous.{what}(): {self._given} mini-batch(es) are in flight; call flush() first")
+            raise RuntimeError(
+                f"ScheduleContinuous.{what}(): {self._given} mini-batch(es) are in flight; call flush() first"
+            )
 
     def _reset_stream(self) -> None:
         self._frontier = StreamFrontier(self.parts)
         self._given = 0
         self._stepped = 0
-        self._f_count = 0  # F passes this rank has run in this stream (the frontier runs ahead of it)
+        self._f_count = (
+            0  # F passes this rank has run in this stream (the frontier runs ahead of it)
+        )
         self._args: dict[int, Any] = {}
         self._kwargs: dict[int, Any] = {}
         self._targets: dict[int, Any] = {}
@@ -314,10 +361,16 @@ class ScheduleContinuous(C.PipelineScheduleMulti):
     def _run(self, actions: list) -> None:
         for a in actions:
             try:
-                {"F": self._forward, "B": self._backward_input, "W": self._backward_weight}[a.kind](a.microbatch)
+                {"F": self._forward, "B": self._backward_input, "W": self._backward_weight}[a.kind](
+                    a.microbatch
+                )
             except Exception:
-                log.error("zbpipe continuous: rank %d failed at %s (mini-batch %d of this stream)",
-                          self.rank, a, self._minibatch(a.microbatch))
+                log.error(
+                    "zbpipe continuous: rank %d failed at %s (mini-batch %d of this stream)",
+                    self.rank,
+                    a,
+                    self._minibatch(a.microbatch),
+                )
                 raise
         self._sends = [w for w in self._sends if not w.is_completed()]
 
@@ -380,8 +433,9 @@ class ScheduleContinuous(C.PipelineScheduleMulti):
             params = list(self._leaves[g].values())
         else:
             params = [q for q in st.submod.parameters() if q.requires_grad]
-        grads, self._pending_w[g] = backward_input(outputs, output_grads, input_values, params,
-                                                   saved=self._saved.get(g))
+        grads, self._pending_w[g] = backward_input(
+            outputs, output_grads, input_values, params, saved=self._saved.get(g)
+        )
         if not st.is_first:
             st.bwd_cache[g] = tuple(grads[: len(st._stage_meta.inputs)])
             self._sends += [_post(op) for op in st.get_bwd_send_ops(g)]
@@ -399,7 +453,9 @@ class ScheduleContinuous(C.PipelineScheduleMulti):
         self._w_done[k] = self._w_done.get(k, 0) + 1
         if self._w_done[k] == self._n_microbatches:  # the plan's step_after: the last W of k
             if k != self._stepped:
-                raise RuntimeError(f"zbpipe continuous: mini-batch {k} finished before {self._stepped}")
+                raise RuntimeError(
+                    f"zbpipe continuous: mini-batch {k} finished before {self._stepped}"
+                )
             self._optimizer_step(k)
 
     def _next_forward_minibatch(self) -> int:
@@ -431,7 +487,9 @@ class ScheduleContinuous(C.PipelineScheduleMulti):
         if not self.stage.is_last:
             return out
         m = self._n_microbatches
-        while self._reported < self._given and all(self._reported * m + j in self._loss_values for j in range(m)):
+        while self._reported < self._given and all(
+            self._reported * m + j in self._loss_values for j in range(m)
+        ):
             k = self._reported
             out.append((self._base + k, [self._loss_values.pop(k * m + j) for j in range(m)]))
             self._reported += 1

@@ -1,6 +1,6 @@
 """Which actions of a continuous plan each rank can run, given the mini-batches handed in so far.
 
-A continuous plan (:func:`zbpipe.plan.continuous.continuous_parts`) is, per rank, a warm-up,
+A continuous plan (:func:`zbpipe.planning.continuous.continuous_parts`) is, per rank, a warm-up,
 a period repeated once per mini-batch boundary and a drain. :class:`StreamFrontier` holds every
 rank's order as a stream that grows by one period per mini-batch given, and answers "how far
 can each rank get now?" with a fixed point over the plan's dependencies:
@@ -20,8 +20,8 @@ Pure Python, no torch: the plan layer's data only.
 
 from __future__ import annotations
 
-from .plan.continuous import ContinuousParts
-from .plan.core import Action
+from .planning.continuous import ContinuousParts
+from .planning.core import Action
 
 
 def _shift(actions: tuple[Action, ...], offset: int) -> list[Action]:
@@ -40,14 +40,20 @@ def check_stream_parts(parts: ContinuousParts) -> None:
     joined = parts.join(3)
     for r, acts in joined.items():
         if any(a.stage != r or a.kind not in ("F", "B", "W") for a in acts):
-            raise ValueError(f"continuous runtime: rank {r}'s order must hold only F/B/W of stage {r}")
+            raise ValueError(
+                f"continuous runtime: rank {r}'s order must hold only F/B/W of stage {r}"
+            )
         for kind in ("F", "B", "W"):
             seq = [a.microbatch for a in acts if a.kind == kind]
             if seq != list(range(3 * m)):
-                raise ValueError(f"continuous runtime: rank {r} runs its {kind} passes out of microbatch order")
+                raise ValueError(
+                    f"continuous runtime: rank {r} runs its {kind} passes out of microbatch order"
+                )
         cut = [a for a in parts.period[r] if not (a.kind == "F" and a.microbatch >= m)]
         if cut != list(parts.drain[r]):
-            raise ValueError(f"continuous runtime: rank {r}'s drain is not its period without the next forwards")
+            raise ValueError(
+                f"continuous runtime: rank {r}'s drain is not its period without the next forwards"
+            )
 
 
 class StreamFrontier:
@@ -60,7 +66,9 @@ class StreamFrontier:
         self.p = len(parts.warmup)
         self._orders = {r: list(parts.warmup[r]) for r in range(self.p)}
         self._pos = {r: 0 for r in range(self.p)}
-        self._periods = 0  # periods appended: covers mini-batches 0..periods (forwards of periods + 1 excluded)
+        self._periods = (
+            0  # periods appended: covers mini-batches 0..periods (forwards of periods + 1 excluded)
+        )
         self._drained = False
         self.f_done = [0] * self.p  # F passes done per stage (they run in microbatch order)
         self.b_done = [0] * self.p
@@ -80,10 +88,14 @@ class StreamFrontier:
         self.give(n_minibatches)
         limit = n_minibatches * self.m
         for r in range(self.p):
-            done, rest = self._orders[r][: self._pos[r]], self._orders[r][self._pos[r]:]
+            done, rest = self._orders[r][: self._pos[r]], self._orders[r][self._pos[r] :]
             if any(a.kind == "F" and a.microbatch >= limit for a in done):
-                raise RuntimeError("continuous stream ran a forward past its end")  # never: no data for it
-            self._orders[r] = done + [a for a in rest if not (a.kind == "F" and a.microbatch >= limit)]
+                raise RuntimeError(
+                    "continuous stream ran a forward past its end"
+                )  # never: no data for it
+            self._orders[r] = done + [
+                a for a in rest if not (a.kind == "F" and a.microbatch >= limit)
+            ]
         self._drained = True
 
     def _ready(self, a: Action, available: int) -> bool:

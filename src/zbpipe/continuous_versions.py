@@ -81,11 +81,17 @@ class WeightVersions:
     def state_dict(self) -> dict:
         if self.uses:
             raise RuntimeError("WeightVersions: microbatches in flight; call flush() first")
-        return {"latest": self.latest, "store": {v: {n: t.clone() for n, t in ts.items()} for v, ts in self.store.items()}}
+        return {
+            "latest": self.latest,
+            "store": {v: {n: t.clone() for n, t in ts.items()} for v, ts in self.store.items()},
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.latest = int(state["latest"])
-        self.store = {int(v): {n: t.detach().clone() for n, t in ts.items()} for v, ts in state["store"].items()}
+        self.store = {
+            int(v): {n: t.detach().clone() for n, t in ts.items()}
+            for v, ts in state["store"].items()
+        }
         self.uses = {}
         self.peak = max(self.peak, len(self.store))
 

@@ -39,11 +39,21 @@ class DemoConfig:
     """Pipeline ranks (processes)."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "microbatches", "microbatch_size", "hidden", "seq", "blocks_per_stage", "ranks"):
+        for name in (
+            "steps",
+            "microbatches",
+            "microbatch_size",
+            "hidden",
+            "seq",
+            "blocks_per_stage",
+            "ranks",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"DemoConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.hidden % 2:
-            raise ValueError(f"DemoConfig.hidden must be even (2 attention heads), got {self.hidden}")
+            raise ValueError(
+                f"DemoConfig.hidden must be even (2 attention heads), got {self.hidden}"
+            )
 
 
 SCHEDULES = ("torch 1F1B", "zbpipe ZBH1")
@@ -58,7 +68,9 @@ def _rank_main(rank: int, world: int, cfg: DemoConfig) -> list[dict[str, Any]] |
     from .testing.models import TinyGPTConfig, build_stages, lm_loss, synthetic_batch
     from .trace import Trace, Tracer, attach_stage_tracer
 
-    mcfg = TinyGPTConfig(vocab=128, hidden=cfg.hidden, seq=cfg.seq, heads=2, blocks_per_stage=cfg.blocks_per_stage)
+    mcfg = TinyGPTConfig(
+        vocab=128, hidden=cfg.hidden, seq=cfg.seq, heads=2, blocks_per_stage=cfg.blocks_per_stage
+    )
     runs = {}
     for name in SCHEDULES:
         module = build_stages(mcfg, world, seed=0)[rank]  # same init for both schedules
@@ -84,7 +96,11 @@ def _rank_main(rank: int, world: int, cfg: DemoConfig) -> list[dict[str, Any]] |
             losses: list = []
             dist.barrier()
             t0 = time.perf_counter()
-            sched.step(*((ids,) if rank == 0 else ()), target=tgt if rank == world - 1 else None, losses=losses)
+            sched.step(
+                *((ids,) if rank == 0 else ()),
+                target=tgt if rank == world - 1 else None,
+                losses=losses,
+            )
             opt.step()
             elapsed = time.perf_counter() - t0
             loss = torch.stack(losses).mean().item() if losses else None
@@ -92,16 +108,20 @@ def _rank_main(rank: int, world: int, cfg: DemoConfig) -> list[dict[str, Any]] |
             dist.all_gather_object(gathered, (rank, elapsed, loss, tracer.events))
             if rank == 0:
                 trace = Trace({r: ev for r, _, _, ev in gathered})
-                rows.append({
-                    "step": step, "schedule": name,
-                    "loss": next(l for _, _, l, _ in gathered if l is not None),
-                    "step_time_s": max(t for _, t, _, _ in gathered),
-                    "bubble_rate": trace.bubble_rate,
-                })
+                rows.append(
+                    {
+                        "step": step,
+                        "schedule": name,
+                        "loss": next(l for _, _, l, _ in gathered if l is not None),
+                        "step_time_s": max(t for _, t, _, _ in gathered),
+                        "bubble_rate": trace.bubble_rate,
+                    }
+                )
                 r = rows[-1]
                 progress.console.print(
                     f"step {step:2d}  {name:<12}  loss {r['loss']:.4f}  step {r['step_time_s'] * 1e3:7.1f} ms  "
-                    f"bubble {r['bubble_rate']:6.1%}")
+                    f"bubble {r['bubble_rate']:6.1%}"
+                )
                 progress.advance(progress.task_ids[0])
     if progress is not None:
         progress.stop()
@@ -112,8 +132,13 @@ def _progress(total: int) -> Any:
     """A live progress bar (rich) above the per-step lines; plain lines when not on a terminal."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    progress = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        transient=True)
+    progress = Progress(
+        TextColumn("training"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        transient=True,
+    )
     progress.add_task("steps", total=total)
     progress.start()
     return progress
@@ -137,7 +162,11 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             (r for r in rows if r["schedule"] == SCHEDULES[1] and r["step"] > 0),
         )
     ]
-    out["zbh1_over_1f1b_step_time"] = {"min": min(ratios), "median": statistics.median(ratios), "max": max(ratios)}
+    out["zbh1_over_1f1b_step_time"] = {
+        "min": min(ratios),
+        "median": statistics.median(ratios),
+        "max": max(ratios),
+    }
     return out
 
 
@@ -151,9 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the per-step rows and summary here")
     args = parser.parse_args(argv)
     cfg = DemoConfig(**{k: getattr(args, k) for k in asdict(defaults)})
-    print(f"zbpipe demo: {cfg.ranks} ranks (gloo, 1 thread each), {cfg.microbatches} microbatches x "
-          f"{cfg.microbatch_size} sequences of {cfg.seq} tokens, hidden {cfg.hidden}, "
-          f"{cfg.blocks_per_stage} blocks per stage", flush=True)
+    print(
+        f"zbpipe demo: {cfg.ranks} ranks (gloo, 1 thread each), {cfg.microbatches} microbatches x "
+        f"{cfg.microbatch_size} sequences of {cfg.seq} tokens, hidden {cfg.hidden}, "
+        f"{cfg.blocks_per_stage} blocks per stage",
+        flush=True,
+    )
     rows = run_ranks(_rank_main, cfg.ranks, cfg, timeout=max(300.0, 60.0 * cfg.steps))[0]
     summary = summarize(rows)
     from rich.console import Console
@@ -164,12 +196,18 @@ def main(argv: list[str] | None = None) -> int:
         table.add_column(col, justify="left" if col == "schedule" else "right")
     for name in SCHEDULES:
         s = summary[name]
-        table.add_row(name, f"{s['median_step_time_s'] * 1e3:.1f} ms", f"{s['median_bubble_rate']:.1%}",
-                      f"{s['final_loss']:.4f}")
+        table.add_row(
+            name,
+            f"{s['median_step_time_s'] * 1e3:.1f} ms",
+            f"{s['median_bubble_rate']:.1%}",
+            f"{s['final_loss']:.4f}",
+        )
     console = Console()
     console.print(table)
     r = summary["zbh1_over_1f1b_step_time"]
-    console.print(f"ZBH1 / 1F1B step time: median {r['median']:.3f} (min {r['min']:.3f}, max {r['max']:.3f})")
+    console.print(
+        f"ZBH1 / 1F1B step time: median {r['median']:.3f} (min {r['min']:.3f}, max {r['max']:.3f})"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": asdict(cfg), "rows": rows, "summary": summary}, f, indent=2)

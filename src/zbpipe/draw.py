@@ -1,7 +1,7 @@
 """Pictures of pipeline timelines: PNG (matplotlib) and Chrome/Perfetto JSON.
 
 Both work on one neutral shape, :class:`Box` (one compute action on one rank, with its start and
-end), so a simulated plan (:class:`~zbpipe.plan.SimResult`), a measured
+end), so a simulated plan (:class:`~zbpipe.planning.SimResult`), a measured
 :class:`~zbpipe.trace.Trace`, and a Chrome JSON file the tracer wrote all draw the same way.
 
 This module never imports torch (``zbpipe draw --schedule ...`` is a planning command) and imports
@@ -15,16 +15,19 @@ import json
 import logging
 from typing import Any, Iterable, Mapping, Sequence
 
-from .plan import Costs, Plan, SimResult, simulate
+from .planning import Costs, Plan, SimResult, simulate
 from .timeline import Event, to_chrome
-from .plan.metrics import bubble_rate as _bubble_rate
+from .planning.metrics import bubble_rate as _bubble_rate
 
 logger = logging.getLogger(__name__)
 
 #: Fill colour per action kind (colour-blind-safe hues from the Okabe-Ito palette).
 KIND_COLORS: dict[str, str] = {"F": "#0072B2", "B": "#009E73", "W": "#E69F00", "BW": "#CC79A7"}
 KIND_NAMES: dict[str, str] = {
-    "F": "F (forward)", "B": "B (input grad)", "W": "W (weight grad)", "BW": "BW (full backward)",
+    "F": "F (forward)",
+    "B": "B (input grad)",
+    "W": "W (weight grad)",
+    "BW": "BW (full backward)",
 }
 #: A simulated cost unit is written to Chrome JSON as 1 ms (1000 us) so viewers show readable numbers.
 SIM_UNIT_US = 1000.0
@@ -38,7 +41,10 @@ Box = Event
 def boxes_from_sim(result: SimResult) -> dict[int, list[Box]]:
     """The simulator's timeline as boxes (time in cost units)."""
     return {
-        rank: [Box(rank, iv.action.kind, iv.action.stage, iv.action.microbatch, iv.start, iv.end) for iv in ivs]
+        rank: [
+            Box(rank, iv.action.kind, iv.action.stage, iv.action.microbatch, iv.start, iv.end)
+            for iv in ivs
+        ]
         for rank, ivs in sorted(result.timeline.items())
     }
 
@@ -76,7 +82,9 @@ def boxes_from_chrome(data: Mapping[str, Any], time_scale: float = 1e6) -> dict[
     """
     events = data.get("traceEvents") if isinstance(data, Mapping) else None
     if not isinstance(events, list):
-        raise ValueError("Chrome trace JSON must be an object with a 'traceEvents' list (as Trace.write_chrome writes)")
+        raise ValueError(
+            "Chrome trace JSON must be an object with a 'traceEvents' list (as Trace.write_chrome writes)"
+        )
     out: dict[int, list[Box]] = {}
     for ev in events:
         if ev.get("ph") != "X":
@@ -98,13 +106,23 @@ def boxes_from_chrome(data: Mapping[str, Any], time_scale: float = 1e6) -> dict[
     return dict(sorted(out.items()))
 
 
-def plan_chrome(plan: Plan, costs: Costs | None = None, result: SimResult | None = None) -> dict[str, Any]:
+def plan_chrome(
+    plan: Plan, costs: Costs | None = None, result: SimResult | None = None
+) -> dict[str, Any]:
     """A plan's simulated timeline as Chrome JSON (one cost unit shown as 1 ms)."""
     res = result if result is not None else simulate(plan, costs)
-    return to_chrome(boxes_from_sim(res), time_scale=SIM_UNIT_US, meta={
-        "schedule": plan.name, "num_ranks": plan.num_ranks, "n_microbatches": plan.n_microbatches,
-        "bubble_rate": res.bubble_rate, "makespan": res.makespan, "time_unit": "1 cost unit = 1 ms",
-    })
+    return to_chrome(
+        boxes_from_sim(res),
+        time_scale=SIM_UNIT_US,
+        meta={
+            "schedule": plan.name,
+            "num_ranks": plan.num_ranks,
+            "n_microbatches": plan.n_microbatches,
+            "bubble_rate": res.bubble_rate,
+            "makespan": res.makespan,
+            "time_unit": "1 cost unit = 1 ms",
+        },
+    )
 
 
 # ---------------------------------------------------------------------------- PNG
@@ -123,7 +141,7 @@ def _matplotlib() -> tuple[Any, Any, Any]:
 
 def _tint(hex_color: str, amount: float) -> tuple[float, float, float]:
     """``hex_color`` mixed with white (``amount`` 0 = unchanged, 1 = white)."""
-    rgb = [int(hex_color[i:i + 2], 16) / 255 for i in (1, 3, 5)]
+    rgb = [int(hex_color[i : i + 2], 16) / 255 for i in (1, 3, 5)]
     return tuple(c + (1 - c) * amount for c in rgb)  # type: ignore[return-value]
 
 
@@ -132,8 +150,14 @@ def _text_color(rgb: Sequence[float]) -> str:
     return "black" if luminance > 0.6 else "white"
 
 
-def draw_timeline(intervals_by_rank: Mapping[int, Iterable[Any]], title: str, path: str, *,
-                  time_label: str = "time", dpi: int = 120) -> None:
+def draw_timeline(
+    intervals_by_rank: Mapping[int, Iterable[Any]],
+    title: str,
+    path: str,
+    *,
+    time_label: str = "time",
+    dpi: int = 120,
+) -> None:
     """Paint a timeline PNG: one row per rank (rank 0 on top), time on x, one box per action.
 
     ``intervals_by_rank`` holds :class:`Box` es, the simulator's ``Interval`` s or the tracer's
@@ -156,7 +180,9 @@ def draw_timeline(intervals_by_rank: Mapping[int, Iterable[Any]], title: str, pa
     height = top + bottom + 0.45 * max(1, len(ranks))
     fig = Figure(figsize=(width, height), dpi=dpi)
     FigureCanvasAgg(fig)
-    ax = fig.add_axes((left / width, bottom / height, 1 - (left + right) / width, 1 - (top + bottom) / height))
+    ax = fig.add_axes(
+        (left / width, bottom / height, 1 - (left + right) / width, 1 - (top + bottom) / height)
+    )
     ax.set_xlim(t0 - 0.005 * span, t1 + 0.005 * span)
     ax.set_ylim(len(ranks) - 0.5, -0.5)  # rank 0 on top
     px_per_unit = ax.get_window_extent().width / (1.01 * span)
@@ -169,13 +195,25 @@ def draw_timeline(intervals_by_rank: Mapping[int, Iterable[Any]], title: str, pa
     for row, r in enumerate(ranks):
         for b in boxes[r]:
             rgb = _tint(KIND_COLORS.get(b.kind, "#777777"), 0.45 * min(chunk_of[(r, b.stage)], 1))
-            ax.broken_barh([(b.start, b.end - b.start)], (row - 0.4, 0.8), facecolors=[rgb],
-                           edgecolors="white", linewidth=0.6)
+            ax.broken_barh(
+                [(b.start, b.end - b.start)],
+                (row - 0.4, 0.8),
+                facecolors=[rgb],
+                edgecolors="white",
+                linewidth=0.6,
+            )
             label = str(b.microbatch)
             # ~6.5 px per digit at fontsize 8, plus a margin: skip labels that would overflow.
             if (b.end - b.start) * px_per_unit >= 6.5 * len(label) + 3:
-                ax.text((b.start + b.end) / 2, row, label, ha="center", va="center", fontsize=8,
-                        color=_text_color(rgb))
+                ax.text(
+                    (b.start + b.end) / 2,
+                    row,
+                    label,
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                    color=_text_color(rgb),
+                )
     ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
     ax.set_xlabel(time_label)
     ax.set_title(title, fontsize=10)
@@ -186,15 +224,26 @@ def draw_timeline(intervals_by_rank: Mapping[int, Iterable[Any]], title: str, pa
 
     kinds = [k for k in ("F", "B", "W", "BW") if any(b.kind == k for b in all_boxes)]
     kinds += sorted({b.kind for b in all_boxes} - set(kinds))
-    handles = [Patch(facecolor=KIND_COLORS.get(k, "#777777"), label=KIND_NAMES.get(k, k)) for k in kinds]
+    handles = [
+        Patch(facecolor=KIND_COLORS.get(k, "#777777"), label=KIND_NAMES.get(k, k)) for k in kinds
+    ]
     if any(c >= 1 for c in chunk_of.values()):
-        handles += [Patch(facecolor=_tint(KIND_COLORS.get(k, "#777777"), 0.45), label=f"{k}, 2nd chunk")
-                    for k in kinds]
+        handles += [
+            Patch(facecolor=_tint(KIND_COLORS.get(k, "#777777"), 0.45), label=f"{k}, 2nd chunk")
+            for k in kinds
+        ]
     handles.append(Patch(facecolor="white", edgecolor="#999999", label="idle (bubble)"))
-    fig.legend(handles=handles, loc="center left", bbox_to_anchor=(1 - (right - 0.1) / width, 0.5),
-               frameon=False, fontsize=8)
+    fig.legend(
+        handles=handles,
+        loc="center left",
+        bbox_to_anchor=(1 - (right - 0.1) / width, 0.5),
+        frameon=False,
+        fontsize=8,
+    )
     fig.savefig(path, dpi=dpi, facecolor="white")
-    logger.info("zbpipe: wrote timeline %s (%d actions on %d ranks)", path, len(all_boxes), len(ranks))
+    logger.info(
+        "zbpipe: wrote timeline %s (%d actions on %d ranks)", path, len(all_boxes), len(ranks)
+    )
 
 
 def _as_box(rank: int, x: Any) -> Box:
@@ -204,22 +253,34 @@ def _as_box(rank: int, x: Any) -> Box:
         return Box(rank, x.action.kind, x.action.stage, x.action.microbatch, x.start, x.end)
     if hasattr(x, "kind"):  # the tracer's Event
         return Box(rank, x.kind, x.stage, x.microbatch, x.start, x.end)
-    raise ValueError(f"draw_timeline: cannot draw {x!r}; pass Box, simulator Interval or tracer Event objects")
+    raise ValueError(
+        f"draw_timeline: cannot draw {x!r}; pass Box, simulator Interval or tracer Event objects"
+    )
 
 
 def plan_title(plan: Plan, result: SimResult) -> str:
-    return (f"{plan.name}   p={plan.num_ranks}   m={plan.n_microbatches}   "
-            f"bubble rate {result.bubble_rate:.1%}   makespan {result.makespan:.4g}")
+    return (
+        f"{plan.name}   p={plan.num_ranks}   m={plan.n_microbatches}   "
+        f"bubble rate {result.bubble_rate:.1%}   makespan {result.makespan:.4g}"
+    )
 
 
-def plan_timeline_png(plan: Plan, costs: Costs | None, path: str, *, result: SimResult | None = None,
-                      title: str | None = None) -> SimResult:
+def plan_timeline_png(
+    plan: Plan,
+    costs: Costs | None,
+    path: str,
+    *,
+    result: SimResult | None = None,
+    title: str | None = None,
+) -> SimResult:
     """Simulate ``plan`` with ``costs`` (per stage, as ``simulate`` takes them) and draw it.
 
     Returns the simulation result drawn. Pass ``result`` to draw one you already have.
     """
     res = result if result is not None else simulate(plan, costs)
-    draw_timeline(boxes_from_sim(res), title or plan_title(plan, res), path, time_label="time (cost units)")
+    draw_timeline(
+        boxes_from_sim(res), title or plan_title(plan, res), path, time_label="time (cost units)"
+    )
     return res
 
 
@@ -232,7 +293,9 @@ def trace_png(trace: Any, path: str, *, title: str | None = None) -> float:
     rate = _bubble_rate({r: [(b.start, b.end) for b in bs] for r, bs in boxes.items()})
     mbs = {b.microbatch for bs in boxes.values() for b in bs}
     # Seconds would give tiny tick labels on CPU runs of a few ms: draw milliseconds.
-    ms = {r: [b._replace(start=b.start * 1e3, end=b.end * 1e3) for b in bs] for r, bs in boxes.items()}
+    ms = {
+        r: [b._replace(start=b.start * 1e3, end=b.end * 1e3) for b in bs] for r, bs in boxes.items()
+    }
     auto = f"measured trace   p={len(boxes)}   m={len(mbs)}   bubble rate {rate:.1%}"
     draw_timeline(ms, title or auto, path, time_label="time (ms)")
     return rate

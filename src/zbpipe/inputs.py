@@ -48,8 +48,14 @@ def check_batch(batch: Any, n_microbatches: int, name: str = "batch") -> None:
     torch would otherwise quietly make fewer microbatches (it takes the smallest dim 0) or fail
     inside its splitter with an assertion.
     """
-    sizes = {path: t.shape[0] for path, t in _leaves(batch, name) if isinstance(t, torch.Tensor) and t.dim() > 0}
-    scalars = [path for path, t in _leaves(batch, name) if isinstance(t, torch.Tensor) and t.dim() == 0]
+    sizes = {
+        path: t.shape[0]
+        for path, t in _leaves(batch, name)
+        if isinstance(t, torch.Tensor) and t.dim() > 0
+    }
+    scalars = [
+        path for path, t in _leaves(batch, name) if isinstance(t, torch.Tensor) and t.dim() == 0
+    ]
     if scalars:
         raise ValueError(
             f"{scalars[0]} is a 0-dim tensor and cannot be split into microbatches; give it a batch dimension "
@@ -82,7 +88,9 @@ class FirstStageKeywords:
                 if stage is not self._first:
                     self._guard(stage)
 
-    def bind(self, args: tuple, kwargs: dict[str, Any], n_microbatches: int) -> tuple[tuple, dict[str, Any]]:
+    def bind(
+        self, args: tuple, kwargs: dict[str, Any], n_microbatches: int
+    ) -> tuple[tuple, dict[str, Any]]:
         """``step()``'s ``(args, kwargs)`` as torch's stage accepts them.
 
         Tensor-only positional inputs pass unchanged (torch's own path). If any positional input
@@ -125,10 +133,14 @@ class FirstStageKeywords:
         """Wrap this stage object's two entry points that receive ``step()``'s keywords."""
         forward, prepare = stage.forward_one_chunk, stage._prepare_forward_infra
 
-        def forward_one_chunk(mb: int, args: Any, kwargs: dict | None = None, *rest: Any, **kw: Any) -> Any:
+        def forward_one_chunk(
+            mb: int, args: Any, kwargs: dict | None = None, *rest: Any, **kw: Any
+        ) -> Any:
             return forward(mb, args, self._drop(kwargs), *rest, **kw)
 
-        def _prepare_forward_infra(n: int, args: Any, kwargs: dict | None = None, *rest: Any, **kw: Any) -> Any:
+        def _prepare_forward_infra(
+            n: int, args: Any, kwargs: dict | None = None, *rest: Any, **kw: Any
+        ) -> Any:
             return prepare(n, args, self._drop(kwargs), *rest, **kw)
 
         stage.forward_one_chunk = forward_one_chunk

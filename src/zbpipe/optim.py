@@ -81,8 +81,13 @@ class PostValidatedStep:
     ``check_finite``: skip the step on every stage if any gradient is inf or NaN.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, group: dist.ProcessGroup | None = None,
-                 max_norm: float | None = None, check_finite: bool = True) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        group: dist.ProcessGroup | None = None,
+        max_norm: float | None = None,
+        check_finite: bool = True,
+    ) -> None:
         if max_norm is not None and not max_norm > 0:
             raise ValueError(f"max_norm must be > 0 or None, got {max_norm!r}")
         self.optimizer = optimizer
@@ -114,7 +119,11 @@ class PostValidatedStep:
             upstream = torch.empty(2, dtype=torch.float64)
             dist.recv(upstream, self._peer(rank + 1), group=self.group, tag=_TAG)
             partial += upstream
-        send = dist.isend(partial.clone(), self._peer(rank - 1), group=self.group, tag=_TAG) if rank > 0 else None
+        send = (
+            dist.isend(partial.clone(), self._peer(rank - 1), group=self.group, tag=_TAG)
+            if rank > 0
+            else None
+        )
         bad = self.check_finite and (partial[1].item() > 0 or not math.isfinite(partial[0].item()))
         coef = math.nan if bad else _coef(partial[0].item(), self.max_norm)
         snapshot = None
@@ -126,8 +135,9 @@ class PostValidatedStep:
             self._scale_and_step(params, [p.grad for p in params], coef)
         total = partial if rank == 0 else torch.empty(2, dtype=torch.float64)
         work = dist.broadcast(total, self._peer(0), group=self.group, async_op=True)
-        self._pending = dict(work=work, send=send, total=total, coef=coef, bad=bad,
-                             snapshot=snapshot, params=params)
+        self._pending = dict(
+            work=work, send=send, total=total, coef=coef, bad=bad, snapshot=snapshot, params=params
+        )
 
     def validate(self) -> StepReport | None:
         """Wait for the global state of the pending step and fix it if the guess was wrong."""
@@ -160,11 +170,18 @@ class PostValidatedStep:
                         p.grad = g
                 report = StepReport("redone", norm, coef, pend["coef"])
         if report.status != "ok":
-            log.info("post-validation: step %s (global norm %g, coef %g, optimistic %g)",
-                     report.status, report.global_norm, report.clip_coef, report.optimistic_coef)
+            log.info(
+                "post-validation: step %s (global norm %g, coef %g, optimistic %g)",
+                report.status,
+                report.global_norm,
+                report.clip_coef,
+                report.optimistic_coef,
+            )
         return report
 
-    def _scale_and_step(self, params: list[torch.Tensor], grads: list[torch.Tensor], coef: float) -> None:
+    def _scale_and_step(
+        self, params: list[torch.Tensor], grads: list[torch.Tensor], coef: float
+    ) -> None:
         if coef != 1.0:
             coef_t = torch.tensor(coef, dtype=torch.float64)
             with torch.no_grad():
@@ -176,8 +193,14 @@ class PostValidatedStep:
         state = self.optimizer.state
         return dict(
             params=[p.detach().clone() for p in params],
-            state={p: {k: v.clone() if torch.is_tensor(v) else copy.deepcopy(v) for k, v in state[p].items()}
-                   for p in params if p in state},
+            state={
+                p: {
+                    k: v.clone() if torch.is_tensor(v) else copy.deepcopy(v)
+                    for k, v in state[p].items()
+                }
+                for p in params
+                if p in state
+            },
             grads=[p.grad.detach().clone() for p in params] if self.max_norm is not None else None,
         )
 

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal, Mapping, Sequence, Union
 
-from .plan import Costs, Plan
+from .planning import Costs, Plan
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +62,13 @@ class ProfileConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"ProfileConfig.{name} must be an int >= {low}, got {value!r}")
         if not (isinstance(self.unit, (int, float)) and self.unit > 0):
-            raise ValueError(f"ProfileConfig.unit must be seconds per cost unit (> 0), got {self.unit!r}")
+            raise ValueError(
+                f"ProfileConfig.unit must be seconds per cost unit (> 0), got {self.unit!r}"
+            )
         if self.comm != "measure" and not (isinstance(self.comm, (int, float)) and self.comm >= 0):
-            raise ValueError(f"ProfileConfig.comm must be 'measure' or a time >= 0, got {self.comm!r}")
+            raise ValueError(
+                f"ProfileConfig.comm must be 'measure' or a time >= 0, got {self.comm!r}"
+            )
 
 
 # ---------------------------------------------------------------------------- pure measurement
@@ -80,7 +84,9 @@ def _flatten(trace_events: Any) -> list[Any]:
     return list(events)
 
 
-def stage_medians(trace_events: Any, stages: Iterable[int] | None = None) -> dict[int, dict[str, float]]:
+def stage_medians(
+    trace_events: Any, stages: Iterable[int] | None = None
+) -> dict[int, dict[str, float]]:
     """Median duration (seconds) of each kind of pass, per stage: ``{stage: {kind: median}}``.
 
     ``trace_events``: events with ``kind``, ``stage``, ``start``, ``end`` (a list, a
@@ -92,7 +98,10 @@ def stage_medians(trace_events: Any, stages: Iterable[int] | None = None) -> dic
         if e.kind not in KINDS or (keep is not None and e.stage not in keep):
             continue
         durations.setdefault(e.stage, {}).setdefault(e.kind, []).append(e.end - e.start)
-    return {s: {k: statistics.median(v) for k, v in sorted(kinds.items())} for s, kinds in sorted(durations.items())}
+    return {
+        s: {k: statistics.median(v) for k, v in sorted(kinds.items())}
+        for s, kinds in sorted(durations.items())
+    }
 
 
 def costs_from_medians(
@@ -111,7 +120,9 @@ def costs_from_medians(
     """
     comms = list(comm) if isinstance(comm, (list, tuple)) else [float(comm)] * num_stages
     if len(comms) != num_stages:
-        raise ValueError(f"comm has {len(comms)} values but there are {num_stages} stages; give one per stage")
+        raise ValueError(
+            f"comm has {len(comms)} values but there are {num_stages} stages; give one per stage"
+        )
     fix = (lambda x: x / unit) if digits is None else (lambda x: round_sig(x / unit, digits))
     f, b, w = [], [], []
     for s in range(num_stages):
@@ -143,7 +154,9 @@ def measure_stage_costs(
     ``digits`` rounds to that many significant digits. Raises ``ValueError`` naming a stage
     without measurements.
     """
-    return costs_from_medians(stage_medians(trace_events), num_stages, comm, unit=unit, digits=digits)
+    return costs_from_medians(
+        stage_medians(trace_events), num_stages, comm, unit=unit, digits=digits
+    )
 
 
 # ---------------------------------------------------------------------------- collectives
@@ -155,7 +168,9 @@ def _comm_partner(stage_index: int, placement: Mapping[int, int]) -> int | None:
     return None
 
 
-def measure_comm(stages: Sequence[Any], placement: Mapping[int, int], group: Any, repeats: int) -> dict[int, float]:
+def measure_comm(
+    stages: Sequence[Any], placement: Mapping[int, int], group: Any, repeats: int
+) -> dict[int, float]:
     """Seconds per message for each local stage: half the fastest of ``repeats`` timed round trips
     of its real message size.
 
@@ -175,7 +190,9 @@ def measure_comm(stages: Sequence[Any], placement: Mapping[int, int], group: Any
         other = _comm_partner(st.stage_index, placement)
         if other is not None:
             which = "outputs" if other == st.stage_index + 1 else "inputs"
-            local.append((st.stage_index, placement[other], max(1, C.stage_message_bytes(st, which))))
+            local.append(
+                (st.stage_index, placement[other], max(1, C.stage_message_bytes(st, which)))
+            )
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, local, group=group)
     links = sorted(link for part in gathered for link in part)
@@ -225,7 +242,9 @@ def agree_on_plan(sched: Any, plan_or_error: Plan | str, group: Any) -> None:
     from .validation import config_fingerprint, disagreement
 
     if isinstance(plan_or_error, Plan):
-        mine = config_fingerprint(type(sched), sched._n_microbatches, sched._num_stages, plan_or_error)
+        mine = config_fingerprint(
+            type(sched), sched._n_microbatches, sched._num_stages, plan_or_error
+        )
     else:
         mine = f"error: {plan_or_error}"
     lines = disagreement(group, sched.rank, mine, mine)
@@ -242,7 +261,9 @@ class CostProfiler:
 
     def __init__(self, config: ProfileConfig, keep_tracing: bool) -> None:
         self.config = config
-        self.keep_tracing = keep_tracing  # the user's trace= choice, restored once profiling is done
+        self.keep_tracing = (
+            keep_tracing  # the user's trace= choice, restored once profiling is done
+        )
         self.steps_seen = 0
         self.events: list[Any] = []
         self.done = False
@@ -270,16 +291,20 @@ class CostProfiler:
             comm = list(gather_stage_values(comm_s, group).values())
         else:
             comm = [float(cfg.comm) * cfg.unit] * sched._num_stages
-        return costs_from_medians(medians, sched._num_stages, comm, unit=cfg.unit, digits=cfg.digits)
+        return costs_from_medians(
+            medians, sched._num_stages, comm, unit=cfg.unit, digits=cfg.digits
+        )
 
     def replan(self, sched: Any) -> None:
-        from .plan import simulate
+        from .planning import simulate
         from .validation import config_fingerprint
 
         costs = self.measured_costs(sched)
         group = sched._stages[0].group
         try:
-            new = sched.build_plan(sched.pp_group_size, sched._n_microbatches, costs, **sched._plan_options)
+            new = sched.build_plan(
+                sched.pp_group_size, sched._n_microbatches, costs, **sched._plan_options
+            )
         except ValueError as e:  # PlanError included: report it to the peers, then raise below
             agree_on_plan(sched, str(e), group)
             raise
@@ -288,7 +313,9 @@ class CostProfiler:
         r_old, r_new = simulate(old, costs), simulate(new, costs)
         # The generator optimises its cost model; it is not guaranteed to beat the equal-cost plan
         # under every cost vector. Both makespans are identical on every rank, so is the choice.
-        chosen, outcome = (new, "switched") if r_new.makespan <= r_old.makespan * (1 + 1e-9) else (old, "kept")
+        chosen, outcome = (
+            (new, "switched") if r_new.makespan <= r_old.makespan * (1 + 1e-9) else (old, "kept")
+        )
         if chosen.order == old.order:
             outcome = "unchanged"
         sched.measured_costs = costs
@@ -301,13 +328,24 @@ class CostProfiler:
             level,
             "zbpipe profile: %s measured costs (%s) F=%s B=%s W=%s comm=%s; plan %s %s -> %s: "
             "simulated makespan %.4g -> %.4g %s, bubble rate %.1f%% -> %.1f%% (%s)",
-            type(sched).__name__, unit, _fmt(costs.f), _fmt(costs.b), _fmt(costs.w), _fmt(costs.comm),
-            new.name, fp(old), fp(new), r_old.makespan, r_new.makespan, unit,
-            100 * r_old.bubble_rate, 100 * r_new.bubble_rate, outcome,
+            type(sched).__name__,
+            unit,
+            _fmt(costs.f),
+            _fmt(costs.b),
+            _fmt(costs.w),
+            _fmt(costs.comm),
+            new.name,
+            fp(old),
+            fp(new),
+            r_old.makespan,
+            r_new.makespan,
+            unit,
+            100 * r_old.bubble_rate,
+            100 * r_new.bubble_rate,
+            outcome,
         )
 
 
 def _fmt(values: Any) -> str:
     vals = values if isinstance(values, tuple) else (values,)
     return "[" + ",".join(f"{v:g}" for v in vals) + "]"
-

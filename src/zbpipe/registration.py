@@ -71,8 +71,11 @@ def _make_wrapper(original: Callable[[str], type]) -> Callable[[str], type]:
 
 def _modules_holding(fn: object) -> list[ModuleType]:
     # A copy of sys.modules: importing can mutate it while we scan.
-    return [m for m in list(sys.modules.values())
-            if isinstance(m, ModuleType) and getattr(m, _ATTR, None) is fn]
+    return [
+        m
+        for m in list(sys.modules.values())
+        if isinstance(m, ModuleType) and getattr(m, _ATTR, None) is fn
+    ]
 
 
 def register() -> Callable[[str], type]:
@@ -91,7 +94,9 @@ def register() -> Callable[[str], type]:
     for module in patched:
         setattr(module, _ATTR, wrapper)
     if patched:
-        logger.debug("zbpipe: get_schedule_class wrapped in %s", sorted(m.__name__ for m in patched))
+        logger.debug(
+            "zbpipe: get_schedule_class wrapped in %s", sorted(m.__name__ for m in patched)
+        )
     return wrapper
 
 
@@ -110,4 +115,10 @@ def is_registered() -> bool:
     return _is_wrapper(getattr(_torch_schedules(), _ATTR))
 
 
-__all__ = ["register", "unregister", "is_registered", "original_get_schedule_class", "lookup_zbpipe"]
+__all__ = [
+    "register",
+    "unregister",
+    "is_registered",
+    "original_get_schedule_class",
+    "lookup_zbpipe",
+]

@@ -1,4 +1,4 @@
-"""The torch-facing runtime: run a zbpipe :class:`~zbpipe.plan.Plan` with torch's action runtime.
+"""The torch-facing runtime: run a zbpipe :class:`~zbpipe.planning.Plan` with torch's action runtime.
 
 :class:`PlannedSchedule` is a ``PipelineScheduleMulti`` (through torch's private
 ``_PipelineScheduleRuntime``). It never decides an order: a plan generator does, every rank
@@ -27,7 +27,7 @@ from . import _compat as C
 from .backward import WeightGrad, backward_input
 from .inputs import FirstStageKeywords
 from .memory import SavedActivationMeter
-from .plan import Costs, Plan
+from .planning import Costs, Plan
 from .profile import CostProfiler, ProfileConfig
 from .saved import SavedTensors, param_storages
 from .trace import Tracer
@@ -54,7 +54,7 @@ def plan_to_torch_actions(plan: Plan) -> dict[int, list[Any]]:
 class PlannedSchedule(C._PipelineScheduleRuntime):
     """Base class: a multi-stage torch schedule whose order comes from a zbpipe plan.
 
-    Subclasses set ``plan_name`` (a name :func:`zbpipe.plan` knows), ``placement`` and
+    Subclasses set ``plan_name`` (a name :func:`zbpipe.planning` knows), ``placement`` and
     ``stages_per_rank``, and may override :meth:`build_plan`.
     """
 
@@ -101,17 +101,23 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         self._plan_options = plan_options  # kept for a re-plan from measured costs
         #: the agreed per-stage costs once ``costs="profile"`` has measured them (else None)
         self.measured_costs: Costs | None = None
-        self.plan: Plan = self.build_plan(self.pp_group_size, n_microbatches, self.costs, **plan_options)
+        self.plan: Plan = self.build_plan(
+            self.pp_group_size, n_microbatches, self.costs, **plan_options
+        )
         check_plan_for_runtime(self.plan, stages)
         if self.plan.uses_split_backward():
             check_not_compiled(type(self), stages)
         if check_peers:
-            fingerprint = config_fingerprint(type(self), n_microbatches, self._num_stages, self.plan)
+            fingerprint = config_fingerprint(
+                type(self), n_microbatches, self._num_stages, self.plan
+            )
             summary = f"{type(self).__name__}(n_microbatches={n_microbatches}, stages={self._num_stages}, plan {fingerprint})"
             check_peers_agree(type(self), stages[0].group, self.rank, fingerprint, summary)
         self._lower(self.plan)
         self.tracer = Tracer(rank=self.rank, enabled=trace or profiling, device=stages[0].device)
-        self._profiler = CostProfiler(profile or ProfileConfig(), keep_tracing=trace) if profiling else None
+        self._profiler = (
+            CostProfiler(profile or ProfileConfig(), keep_tracing=trace) if profiling else None
+        )
         self._stage_by_index = {s.stage_index: s for s in stages}
         # dict/TensorDict batches reach stage 0 by keyword (torch stages take only tensors positionally)
         self._batch_keywords = FirstStageKeywords(stages)
@@ -150,14 +156,14 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
 
     def build_plan(self, num_ranks: int, n_microbatches: int, costs: Costs, **options: Any) -> Plan:
         """The plan this schedule runs (every rank computes the same one)."""
-        from .plan import plan
+        from .planning import plan
 
         return plan(self.plan_name, num_ranks, n_microbatches, costs=costs, **options)
 
     @classmethod
     def stage_index_to_rank(cls, num_ranks: int) -> dict[int, int]:
         """Which rank holds each stage, for integrations that build stages (torchtitan)."""
-        from .plan import loop_placement, v_placement
+        from .planning import loop_placement, v_placement
 
         if cls.placement == "v":
             return v_placement(num_ranks)
@@ -182,8 +188,14 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         check_step_args(self, args, kwargs, target)
         args, kwargs = self._batch_keywords.bind(args, kwargs, self._n_microbatches)
         self.tracer.clear()
-        out = super().step(*args, target=target, losses=losses, return_outputs=return_outputs,
-                           loss_kwargs=loss_kwargs, **kwargs)
+        out = super().step(
+            *args,
+            target=target,
+            losses=losses,
+            return_outputs=return_outputs,
+            loss_kwargs=loss_kwargs,
+            **kwargs,
+        )
         if self._profiler is not None:
             self._profiler.after_step(self)  # collective on the profiling window's last step
         return out
@@ -195,10 +207,16 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         super()._update_losses(stages, losses)
 
     def _report_nonfinite_losses(self, losses: list) -> None:
-        bad = [i for i, l in enumerate(losses) if isinstance(l, torch.Tensor) and not torch.isfinite(l).all()]
+        bad = [
+            i
+            for i, l in enumerate(losses)
+            if isinstance(l, torch.Tensor) and not torch.isfinite(l).all()
+        ]
         self.nonfinite_microbatches = bad
         if bad:
-            logger.warning("zbpipe: non-finite loss in microbatch(es) %s on rank %d", bad, self.rank)
+            logger.warning(
+                "zbpipe: non-finite loss in microbatch(es) %s on rank %d", bad, self.rank
+            )
 
     def _step_microbatches(
         self,
@@ -212,9 +230,13 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         # torch's custom-function context carries no return_outputs / loss_kwargs: keep them here.
         self._step_opts = (return_outputs, loss_kwargs)
         try:
-            super()._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs)
+            super()._step_microbatches(
+                arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs
+            )
             if self._pending_w:
-                raise RuntimeError(f"zbpipe: weight passes never ran for (stage, microbatch) {sorted(self._pending_w)}")
+                raise RuntimeError(
+                    f"zbpipe: weight passes never ran for (stage, microbatch) {sorted(self._pending_w)}"
+                )
         finally:
             # A failed step must not leak autograd graphs or saved activations into the next one.
             self._pending_w.clear()
@@ -242,7 +264,9 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
     def _wait_recv(self, ops: dict, stage_idx: int, mb: int, what: str) -> None:
         key = (stage_idx, mb)
         if key not in ops:
-            raise RuntimeError(f"zbpipe: rank {self.rank} ran {what} of stage {stage_idx} mb {mb} before its receive")
+            raise RuntimeError(
+                f"zbpipe: rank {self.rank} ran {what} of stage {stage_idx} mb {mb} before its receive"
+            )
         C._wait_batch_p2p(ops.pop(key))
 
     def _run_forward(self, action: Any, ctx: Any) -> None:
@@ -274,7 +298,9 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
 
     def _run_backward_input(self, action: Any, ctx: Any) -> None:
         s, mb = action.stage_index, action.microbatch_index
-        if not self._stage_by_index[s].has_backward:  # eval(), or no loss_fn: forward only, like torch
+        if not self._stage_by_index[
+            s
+        ].has_backward:  # eval(), or no loss_fn: forward only, like torch
             return
         stage = self._backward_prologue(s, mb)
         with self.tracer.span("B", s, mb):
@@ -318,7 +344,9 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         self.backward_counter[s] += 1
         last = self.backward_counter[s] == self._n_microbatches
         with self.tracer.span("BW", s, mb):
-            stage.backward_one_chunk(mb, loss=self._maybe_get_loss(stage, mb), full_backward=True, last_backward=last)
+            stage.backward_one_chunk(
+                mb, loss=self._maybe_get_loss(stage, mb), full_backward=True, last_backward=last
+            )
         self._release_saved(s, mb)
         self._backward_epilogue(stage, mb)
 
@@ -327,12 +355,18 @@ def _check_profile_args(cls: type, costs: Any, profile: Any) -> bool:
     """True for ``costs="profile"``; a ValueError for other strings or a stray ``profile=``."""
     if isinstance(costs, str):
         if costs != "profile":
-            raise ValueError(f"{cls.__name__}: costs must be a zbpipe.Costs, None or 'profile', got {costs!r}")
+            raise ValueError(
+                f"{cls.__name__}: costs must be a zbpipe.Costs, None or 'profile', got {costs!r}"
+            )
         if profile is not None and not isinstance(profile, ProfileConfig):
-            raise ValueError(f"{cls.__name__}: profile must be a zbpipe.profile.ProfileConfig, got {profile!r}")
+            raise ValueError(
+                f"{cls.__name__}: profile must be a zbpipe.profile.ProfileConfig, got {profile!r}"
+            )
         return True
     if profile is not None:
-        raise ValueError(f"{cls.__name__}: profile= only applies with costs='profile'; pass costs='profile' or drop it")
+        raise ValueError(
+            f"{cls.__name__}: profile= only applies with costs='profile'; pass costs='profile' or drop it"
+        )
     return False
 
 

@@ -39,7 +39,15 @@ class Observer(Protocol):
 class Holder:
     """One saved tensor. ``release()`` drops it; a later unpack raises a clear error."""
 
-    __slots__ = ("tensor", "nbytes", "storage", "unpacked_as", "_observer", "_finalizer", "__weakref__")
+    __slots__ = (
+        "tensor",
+        "nbytes",
+        "storage",
+        "unpacked_as",
+        "_observer",
+        "_finalizer",
+        "__weakref__",
+    )
 
     def __init__(self, tensor: torch.Tensor, observer: Observer | None) -> None:
         self.tensor: torch.Tensor | None = tensor

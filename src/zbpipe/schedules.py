@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from .plan import Costs, Plan
+from .planning import Costs, Plan
 from .runtime import PlannedSchedule
 
 
@@ -64,7 +64,9 @@ class ScheduleZBV(PlannedSchedule):
     placement = "v"
     stages_per_rank = 2
 
-    def __init__(self, *args: Any, memory: Literal["zb", "half", "min"] = "zb", **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, memory: Literal["zb", "half", "min"] = "zb", **kwargs: Any
+    ) -> None:
         if memory not in ("zb", "half", "min"):
             raise ValueError(f"ScheduleZBV: memory must be 'zb', 'half' or 'min', got {memory!r}")
         self.memory = memory
@@ -84,23 +86,39 @@ class ScheduleZBAuto(PlannedSchedule):
 
     plan_name = "ZB2P"
 
-    def __init__(self, *args: Any, memory_limit: str | float = "2p", refine: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, memory_limit: str | float = "2p", refine: bool = False, **kwargs: Any
+    ) -> None:
         if isinstance(memory_limit, str) and memory_limit not in ("1p", "2p"):
-            raise ValueError(f"ScheduleZBAuto: memory_limit must be '1p', '2p' or a number, got {memory_limit!r}")
-        if not isinstance(memory_limit, str) and not (isinstance(memory_limit, (int, float)) and memory_limit > 0):
-            raise ValueError(f"ScheduleZBAuto: a numeric memory_limit must be > 0, got {memory_limit!r}")
+            raise ValueError(
+                f"ScheduleZBAuto: memory_limit must be '1p', '2p' or a number, got {memory_limit!r}"
+            )
+        if not isinstance(memory_limit, str) and not (
+            isinstance(memory_limit, (int, float)) and memory_limit > 0
+        ):
+            raise ValueError(
+                f"ScheduleZBAuto: a numeric memory_limit must be > 0, got {memory_limit!r}"
+            )
         self.memory_limit = memory_limit
         self.refine = refine
         super().__init__(*args, **kwargs)
 
     def build_plan(self, num_ranks: int, n_microbatches: int, costs: Costs, **options: Any) -> Plan:
-        from .plan import plan
+        from .planning import plan
 
         if isinstance(self.memory_limit, str):
             name, limit = ("ZB1P" if self.memory_limit == "1p" else "ZB2P"), None
         else:
             name, limit = "ZB2P", float(self.memory_limit)
-        return plan(name, num_ranks, n_microbatches, costs=costs, memory_limit=limit, refine=self.refine, **options)
+        return plan(
+            name,
+            num_ranks,
+            n_microbatches,
+            costs=costs,
+            memory_limit=limit,
+            refine=self.refine,
+            **options,
+        )
 
 
 #: zbpipe's schedule classes by the name torch/torchtitan configs use.

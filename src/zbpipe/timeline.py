@@ -22,8 +22,11 @@ class Event(NamedTuple):
     end: float
 
 
-def to_chrome(boxes_by_rank: Mapping[int, Sequence[Event]], time_scale: float = 1e6,
-              meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def to_chrome(
+    boxes_by_rank: Mapping[int, Sequence[Event]],
+    time_scale: float = 1e6,
+    meta: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """Chrome/Perfetto trace-event JSON: one complete event per compute action, one row per rank.
 
     Each event is named like ``F3`` with category ``F``; ``tid`` is the rank. ``time_scale``
@@ -31,15 +34,24 @@ def to_chrome(boxes_by_rank: Mapping[int, Sequence[Event]], time_scale: float = 
     """
     starts = [b.start for boxes in boxes_by_rank.values() for b in boxes]
     t0 = min(starts) if starts else 0.0
-    rows = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
-            for r in sorted(boxes_by_rank)]
+    rows = [
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
+        for r in sorted(boxes_by_rank)
+    ]
     for rank in sorted(boxes_by_rank):
         for b in boxes_by_rank[rank]:
-            rows.append({
-                "name": f"{b.kind}{b.microbatch}", "cat": b.kind, "ph": "X", "pid": 0, "tid": rank,
-                "ts": (b.start - t0) * time_scale, "dur": (b.end - b.start) * time_scale,
-                "args": {"stage": b.stage, "microbatch": b.microbatch},
-            })
+            rows.append(
+                {
+                    "name": f"{b.kind}{b.microbatch}",
+                    "cat": b.kind,
+                    "ph": "X",
+                    "pid": 0,
+                    "tid": rank,
+                    "ts": (b.start - t0) * time_scale,
+                    "dur": (b.end - b.start) * time_scale,
+                    "args": {"stage": b.stage, "microbatch": b.microbatch},
+                }
+            )
     out: dict[str, Any] = {"traceEvents": rows, "displayTimeUnit": "ms"}
     if meta:
         out["otherData"] = dict(meta)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch.distributed.pipelining as pipelining
 
 from ._compat import TORCH_TO_KIND
-from .plan.core import Action, Plan, loop_placement, make_plan, v_placement
+from .planning.core import Action, Plan, loop_placement, make_plan, v_placement
 
 _V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 
@@ -41,7 +41,14 @@ def torch_plan(name: str, num_ranks: int, n_microbatches: int, stages_per_rank: 
         if m < p:
             raise ValueError(f"torch:1F1B needs n_microbatches >= num_ranks ({p}), got {m}")
         order = {r: _torch_1f1b_rank_order(r, p, m) for r in range(p)}
-        return make_plan("torch:1F1B", p, m, loop_placement(p, p), order, source="Schedule1F1B._step_microbatches")
+        return make_plan(
+            "torch:1F1B",
+            p,
+            m,
+            loop_placement(p, p),
+            order,
+            source="Schedule1F1B._step_microbatches",
+        )
     if name == "GPipe":
         sched = pipelining.ScheduleGPipe.__new__(pipelining.ScheduleGPipe)
         sched._num_stages, sched._n_microbatches = p, m
@@ -62,10 +69,14 @@ def torch_plan(name: str, num_ranks: int, n_microbatches: int, stages_per_rank: 
         sched.number_of_rounds, sched.microbatches_per_round = rounds, m // rounds
         raw = {r: sched._calculate_single_rank_operations(r) for r in range(p)}
         placement = loop_placement(p, p * stages_per_rank)
-        return make_plan(f"torch:{name}", p, m, placement, _convert(raw), stages_per_rank=stages_per_rank)
+        return make_plan(
+            f"torch:{name}", p, m, placement, _convert(raw), stages_per_rank=stages_per_rank
+        )
     if name in _V_SCHEDULES:
         if name == "DualPipeV" and m < 2 * p:
-            raise ValueError(f"torch:DualPipeV needs n_microbatches >= 2 * num_ranks ({2 * p}), got {m}")
+            raise ValueError(
+                f"torch:DualPipeV needs n_microbatches >= 2 * num_ranks ({2 * p}), got {m}"
+            )
         cls = getattr(pipelining, f"Schedule{name}")
         sched = cls.__new__(cls)
         sched.pp_group_size, sched._n_microbatches = p, m

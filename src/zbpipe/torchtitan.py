@@ -99,8 +99,9 @@ def _wrap_stage_mapping(original: Callable) -> Callable:
     pp_degree, pp_schedule, num_stages) -> tuple[int, ...]`` (V by identity check)."""
 
     @functools.wraps(original)
-    def _get_pp_rank_to_stage_indices_mapping(pp_rank: int, pp_degree: int, pp_schedule: str,
-                                              num_stages: int) -> tuple[int, ...]:
+    def _get_pp_rank_to_stage_indices_mapping(
+        pp_rank: int, pp_degree: int, pp_schedule: str, num_stages: int
+    ) -> tuple[int, ...]:
         cls = lookup_zbpipe(pp_schedule)
         if cls is None:
             return original(pp_rank, pp_degree, pp_schedule, num_stages)
@@ -120,23 +121,38 @@ def _wrap_module_split_v02(original: Callable) -> Callable:
     """
 
     @functools.wraps(original)
-    def pipeline_module_split(whole_model: Any, pp_mesh: Any, pp_schedule: str, device: Any,
-                              module_names_per_stage: list, *args: Any, **kwargs: Any) -> Any:
+    def pipeline_module_split(
+        whole_model: Any,
+        pp_mesh: Any,
+        pp_schedule: str,
+        device: Any,
+        module_names_per_stage: list,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
         cls = lookup_zbpipe(pp_schedule)
         if cls is None:
-            return original(whole_model, pp_mesh, pp_schedule, device, module_names_per_stage, *args, **kwargs)
+            return original(
+                whole_model, pp_mesh, pp_schedule, device, module_names_per_stage, *args, **kwargs
+            )
         pp_degree = pp_mesh.size()
         names = list(module_names_per_stage)
         if cls.stages_per_rank == 1 and len(names) == 2 * pp_degree:
             names = [names[i] + names[i + 1] for i in range(0, len(names), 2)]
-            logger.info("zbpipe: %s runs one stage per rank; merged torchtitan's %d parts into %d",
-                        cls.__name__, 2 * pp_degree, pp_degree)
+            logger.info(
+                "zbpipe: %s runs one stage per rank; merged torchtitan's %d parts into %d",
+                cls.__name__,
+                2 * pp_degree,
+                pp_degree,
+            )
         mine = stage_indices(cls, pp_mesh.get_local_rank(), pp_degree, len(names))
         proxy = "ZBVZeroBubble" if cls.placement == "v" else "1F1B"
         stages, models = original(whole_model, pp_mesh, proxy, device, names, *args, **kwargs)
         got = tuple(s.stage_index for s in stages)
         if tuple(sorted(got)) != mine:
-            raise RuntimeError(f"zbpipe: torchtitan built stages {got} on this rank, {cls.__name__} needs {mine}")
+            raise RuntimeError(
+                f"zbpipe: torchtitan built stages {got} on this rank, {cls.__name__} needs {mine}"
+            )
         return stages, models
 
     return pipeline_module_split
@@ -145,7 +161,9 @@ def _wrap_module_split_v02(original: Callable) -> Callable:
 def _metrics_rank(cls: type, parallel_dims: Any) -> int:
     # torchtitan's layout: pp is the outermost mesh dimension, so the first global rank of pipeline
     # rank r is r * (world_size // pp) (same formula torchtitan uses for the last rank).
-    return (parallel_dims.world_size // parallel_dims.pp) * last_stage_pp_rank(cls, parallel_dims.pp)
+    return (parallel_dims.world_size // parallel_dims.pp) * last_stage_pp_rank(
+        cls, parallel_dims.pp
+    )
 
 
 def _schedule_name(kwargs: dict, args: tuple, v02: bool) -> str:
@@ -182,8 +200,12 @@ def _wrap_ensure_loss_visible(original: Callable, v02: bool) -> Callable:
             return original(*args, **kwargs)
         rank = _metrics_rank(cls, parallel_dims)
         if str(rank) not in os.environ.get("LOG_RANK", "").split(","):
-            logger.warning("zbpipe: the %s loss is printed by rank %d only; add %d to LOG_RANK to see it",
-                           cls.__name__, rank, rank)
+            logger.warning(
+                "zbpipe: the %s loss is printed by rank %d only; add %d to LOG_RANK to see it",
+                cls.__name__,
+                rank,
+                rank,
+            )
         return None
 
     return ensure_pp_loss_visible
@@ -237,12 +259,18 @@ def install() -> str:
                 setattr(wrapper, _MARK, True)
                 _rebind(current, wrapper, f)
             register()  # rebind get_schedule_class in torchtitan modules loaded just now
-            logger.info("zbpipe: torchtitan %s integration installed (%s targets)", _torchtitan_version(), line)
+            logger.info(
+                "zbpipe: torchtitan %s integration installed (%s targets)",
+                _torchtitan_version(),
+                line,
+            )
             return line
     raise ImportError(
         f"zbpipe.torchtitan supports torchtitan 0.2.x and 0.3.x, found torchtitan {_torchtitan_version()} "
         f"without the functions it patches: "
-        + "; ".join(f"{line}: {', '.join(f'{m}.{f}' for m, f, _ in t)}" for line, t in TARGETS.items())
+        + "; ".join(
+            f"{line}: {', '.join(f'{m}.{f}' for m, f, _ in t)}" for line, t in TARGETS.items()
+        )
     )
 
 
@@ -281,4 +309,3 @@ def llama3_debugmodel_zbh1() -> Any:
 def llama3_debugmodel_zbv() -> Any:
     """torchtitan 0.3.x: llama3 debug model with zbpipe's ZB-V (two stages per rank, V placement)."""
     return _llama3_debugmodel("ZBV")
-

@@ -3,7 +3,7 @@
 A :class:`Tracer` records the start and end of every compute action a rank runs (F, B, W, BW),
 after any receive it waited on, so idle time is what the pipeline left idle. ``gather`` collects
 all ranks' records into a :class:`Trace`, whose ``bubble_rate`` uses the simulator's formula
-(:func:`zbpipe.plan.metrics.bubble_rate`) and which writes Chrome/Perfetto JSON.
+(:func:`zbpipe.planning.metrics.bubble_rate`) and which writes Chrome/Perfetto JSON.
 
 zbpipe's schedules call the tracer themselves. For torch's built-in schedules,
 :func:`attach_stage_tracer` wraps a stage's compute methods so the same numbers can be compared.
@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from .plan.metrics import bubble_rate as _bubble_rate
+from .planning.metrics import bubble_rate as _bubble_rate
 from .timeline import Event, to_chrome
 
 
@@ -55,7 +55,10 @@ class Tracer:
             yield
             return
         if self._cuda:
-            start_evt, end_evt = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start_evt, end_evt = (
+                torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(enable_timing=True),
+            )
             start_evt.record()
             if self._anchor is None:
                 self._anchor = (start_evt, time.perf_counter())
@@ -69,7 +72,9 @@ class Tracer:
         try:
             yield
         finally:
-            self._events.append(Event(self.rank, kind, stage, microbatch, start, time.perf_counter()))
+            self._events.append(
+                Event(self.rank, kind, stage, microbatch, start, time.perf_counter())
+            )
 
     def _resolve_cuda(self) -> None:
         torch.cuda.synchronize()
@@ -102,7 +107,7 @@ class Trace:
 
     @property
     def bubble_rate(self) -> float:
-        """Measured bubble rate (the paper's definition; see :func:`zbpipe.plan.metrics.bubble_rate`)."""
+        """Measured bubble rate (the paper's definition; see :func:`zbpipe.planning.metrics.bubble_rate`)."""
         return _bubble_rate({r: [(e.start, e.end) for e in evs] for r, evs in self.events.items()})
 
     @property
@@ -135,7 +140,11 @@ def attach_stage_tracer(stage: Any, tracer: Tracer) -> None:
     need this.
     """
     idx = stage.stage_index
-    fwd, bwd, bww = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
+    fwd, bwd, bww = (
+        stage.forward_one_chunk,
+        stage.backward_one_chunk,
+        stage.backward_weight_one_chunk,
+    )
 
     def forward_one_chunk(mb: int, *args: Any, **kwargs: Any) -> Any:
         with tracer.span("F", idx, mb):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from . import _compat as C
-from .plan import Costs, Plan
+from .planning import Costs, Plan
 
 
 def check_schedule_args(cls: type, stages: Any, n_microbatches: Any, costs: Any) -> list[Any]:
@@ -19,11 +19,15 @@ def check_schedule_args(cls: type, stages: Any, n_microbatches: Any, costs: Any)
     if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int):
         raise ValueError(f"{name}: n_microbatches must be an int >= 1, got {n_microbatches!r}")
     if n_microbatches < 1:
-        raise ValueError(f"{name}: n_microbatches must be >= 1, got {n_microbatches}; pass the number of microbatches per step")
+        raise ValueError(
+            f"{name}: n_microbatches must be >= 1, got {n_microbatches}; pass the number of microbatches per step"
+        )
     if isinstance(stages, C._PipelineStageBase):
         stages = [stages]
     if not isinstance(stages, (list, tuple)) or not stages:
-        raise ValueError(f"{name}: stages must be a non-empty list of torch PipelineStage objects, got {stages!r}")
+        raise ValueError(
+            f"{name}: stages must be a non-empty list of torch PipelineStage objects, got {stages!r}"
+        )
     for i, st in enumerate(stages):
         if not isinstance(st, C._PipelineStageBase):
             raise ValueError(
@@ -31,7 +35,9 @@ def check_schedule_args(cls: type, stages: Any, n_microbatches: Any, costs: Any)
                 "wrap each model chunk in PipelineStage(module, stage_index, num_stages, device)"
             )
     if costs is not None and not isinstance(costs, Costs):
-        raise ValueError(f"{name}: costs must be a zbpipe.Costs, 'profile' or None, got {type(costs).__name__}")
+        raise ValueError(
+            f"{name}: costs must be a zbpipe.Costs, 'profile' or None, got {type(costs).__name__}"
+        )
     from torch.nn.parallel import DistributedDataParallel
 
     for st in stages:
@@ -83,9 +89,13 @@ def check_plan_for_runtime(plan: Plan, stages: Sequence[Any]) -> None:
     # torch keeps the last stage's losses in a list indexed by microbatch: forwards of the last
     # stage must run in microbatch order.
     last = plan.num_stages - 1
-    fwd = [a.microbatch for a in plan.order[plan.placement[last]] if a.stage == last and a.kind == "F"]
+    fwd = [
+        a.microbatch for a in plan.order[plan.placement[last]] if a.stage == last and a.kind == "F"
+    ]
     if fwd != sorted(fwd):
-        raise ValueError(f"plan {plan.name}: the last stage's forwards must run in microbatch order, got {fwd}")
+        raise ValueError(
+            f"plan {plan.name}: the last stage's forwards must run in microbatch order, got {fwd}"
+        )
 
 
 def check_not_compiled(cls: type, stages: Sequence[Any]) -> None:
@@ -98,7 +108,10 @@ def check_not_compiled(cls: type, stages: Sequence[Any]) -> None:
     """
     for st in stages:
         for name, mod in st.submod.named_modules():
-            compiled = type(mod).__name__ == "OptimizedModule" or getattr(mod, "_compiled_call_impl", None) is not None
+            compiled = (
+                type(mod).__name__ == "OptimizedModule"
+                or getattr(mod, "_compiled_call_impl", None) is not None
+            )
             if compiled:
                 where = name or "the stage module itself"
                 raise ValueError(
@@ -160,7 +173,9 @@ def check_step_args(sched: Any, args: tuple, kwargs: dict, target: Any) -> None:
             "pass inputs only on the rank holding stage 0 (call step(target=..., losses=...) or step() elsewhere)"
         )
     if has_first and not args and not kwargs:
-        raise ValueError(f"{name}.step(): rank {sched.rank} holds stage 0 and needs the batch: call step(x, ...)")
+        raise ValueError(
+            f"{name}.step(): rank {sched.rank} holds stage 0 and needs the batch: call step(x, ...)"
+        )
     if has_last and sched._loss_fn is not None and sched._has_backward and target is None:
         raise ValueError(
             f"{name}.step(): rank {sched.rank} holds the last stage and the schedule has a loss_fn, "

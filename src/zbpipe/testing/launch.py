@@ -29,7 +29,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, pg_timeout: float, fn: Callable, args: tuple, q: Any) -> None:
+def _entry(
+    rank: int, world: int, port: int, pg_timeout: float, fn: Callable, args: tuple, q: Any
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -37,7 +39,10 @@ def _entry(rank: int, world: int, port: int, pg_timeout: float, fn: Callable, ar
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
             timeout=timedelta(seconds=pg_timeout),
         )
         result = fn(rank, world, *args)
@@ -91,8 +96,11 @@ def run_ranks(
             try:
                 rank, status, payload = q.get(timeout=min(remaining, 1.0))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)
-                        and r not in results and r not in errors]
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if p.exitcode not in (None, 0) and r not in results and r not in errors
+                ]
                 for r in dead:
                     errors[r] = f"rank {r} exited with code {procs[r].exitcode} without reporting"
                 if errors and not any(p.is_alive() for p in procs):

@@ -118,7 +118,9 @@ def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
-def synthetic_batch(cfg: TinyGPTConfig, batch: int, step: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def synthetic_batch(
+    cfg: TinyGPTConfig, batch: int, step: int, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A learnable synthetic task: each sequence counts up by a per-sequence stride (mod vocab).
 
     Returns ``(ids, targets)`` with targets the next token, so the loss falls as the model learns.

@@ -113,7 +113,9 @@ def _describe(key: _Key) -> str:
     }[what]
 
 
-def simulate(plan: Plan, costs: Costs | None = None, memory_limit: float | None = None) -> SimResult:
+def simulate(
+    plan: Plan, costs: Costs | None = None, memory_limit: float | None = None
+) -> SimResult:
     """Run ``plan`` on the cost model; raise ``PlanError`` if it is wrong, deadlocks or overflows.
 
     ``memory_limit`` is per rank, in the memory units of ``costs``.

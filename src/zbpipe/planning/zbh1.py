@@ -37,7 +37,9 @@ from .onef1b import _check_sizes, onef1b_rank_order
 from .simulate import _makes, _needs, simulate
 
 
-def zbh1_rank_order(rank: int, num_ranks: int, n_microbatches: int, lag: int | None = None) -> list[Action]:
+def zbh1_rank_order(
+    rank: int, num_ranks: int, n_microbatches: int, lag: int | None = None
+) -> list[Action]:
     """The paper-shape order of one rank: 1F1B's F/B order, W of each B ``lag`` B-steps later."""
     lag = rank if lag is None else lag
     order: list[Action] = []
@@ -76,12 +78,23 @@ def plan_zbh1(
             f"plan_zbh1: memory_limit {limit:g} is below 1F1B's peak on ranks {sorted(short)} "
             f"({max(short.values()):g}); raise memory_limit or use fewer microbatches in flight"
         )
-    paper = make_plan("ZBH1", p, m, placement, {r: zbh1_rank_order(r, p, m) for r in range(p)},
-                      form="paper")
+    paper = make_plan(
+        "ZBH1", p, m, placement, {r: zbh1_rank_order(r, p, m) for r in range(p)}, form="paper"
+    )
     candidates = [paper] if _peak_ok(paper, costs, limit) else []
-    candidates.append(make_plan("ZBH1", p, m, placement, _greedy_orders(p, m, costs, limit), form="greedy"))
-    candidates.append(make_plan("ZBH1", p, m, placement, {r: zbh1_rank_order(r, p, m, lag=0) for r in range(p)},
-                                form="w-after-b"))
+    candidates.append(
+        make_plan("ZBH1", p, m, placement, _greedy_orders(p, m, costs, limit), form="greedy")
+    )
+    candidates.append(
+        make_plan(
+            "ZBH1",
+            p,
+            m,
+            placement,
+            {r: zbh1_rank_order(r, p, m, lag=0) for r in range(p)},
+            form="w-after-b",
+        )
+    )
     if exact:  # every form keeps W in microbatch order today; exact makes that a checked promise
         candidates = [c for c in candidates if _w_in_microbatch_order(c)]
     spans = [simulate(c, costs).makespan for c in candidates]
@@ -169,8 +182,10 @@ def _greedy_orders(p: int, m: int, costs: Costs, limit: float) -> dict[int, list
                 waiting[missing[0]].append(r)
                 break
             # Neighbouring stages sit on other ranks (one stage per rank), F on the same rank.
-            t_ready = max([free[r]] + [ready[k] + (sc[k[0]].comm if k[0] != r else 0.0)
-                                       for k in _needs(a, p - 1)])
+            t_ready = max(
+                [free[r]]
+                + [ready[k] + (sc[k[0]].comm if k[0] != r else 0.0) for k in _needs(a, p - 1)]
+            )
             overflow = a.kind == "F" and mem[r] + sc[r].mem_f > limit + 1e-9
             if pending[r] and (overflow or t_ready - free[r] >= sc[r].w - 1e-12):
                 run(r, Action(r, "W", pending[r].popleft()), free[r])

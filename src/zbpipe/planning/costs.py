@@ -78,13 +78,24 @@ class Costs:
                 if not values:
                     raise ValueError(f"Costs.{fld.name} is an empty list; give one value per stage")
             for v in values:
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or math.isinf(v):
+                if (
+                    isinstance(v, bool)
+                    or not isinstance(v, (int, float))
+                    or math.isnan(v)
+                    or math.isinf(v)
+                ):
                     raise ValueError(f"Costs.{fld.name} must be finite numbers, got {value!r}")
                 if fld.name in ("f", "b", "w", "comm", "mem_f") and v < 0:
                     raise ValueError(f"Costs.{fld.name} must be >= 0, got {value!r}")
-        lengths = {len(getattr(self, f.name)) for f in fields(self) if isinstance(getattr(self, f.name), tuple)}
+        lengths = {
+            len(getattr(self, f.name))
+            for f in fields(self)
+            if isinstance(getattr(self, f.name), tuple)
+        }
         if len(lengths) > 1:
-            raise ValueError(f"Costs per-stage lists have different lengths {sorted(lengths)}; give one value per stage")
+            raise ValueError(
+                f"Costs per-stage lists have different lengths {sorted(lengths)}; give one value per stage"
+            )
 
     @property
     def num_stages(self) -> int | None:
@@ -138,9 +149,15 @@ class Costs:
             return v / chunks
 
         return Costs(
-            f=div(self.f), b=div(self.b), w=div(self.w),
-            comm=tuple(c for c in self.comm for _ in range(chunks)) if isinstance(self.comm, tuple) else self.comm,
-            mem_f=div(self.mem_f), mem_b=div(self.mem_b), mem_w=div(self.mem_w),
+            f=div(self.f),
+            b=div(self.b),
+            w=div(self.w),
+            comm=tuple(c for c in self.comm for _ in range(chunks))
+            if isinstance(self.comm, tuple)
+            else self.comm,
+            mem_f=div(self.mem_f),
+            mem_b=div(self.mem_b),
+            mem_w=div(self.mem_w),
         )
 
     @classmethod
@@ -151,7 +168,9 @@ class Costs:
         for part in filter(None, (p.strip() for p in text.split(","))):
             key, sep, val = part.partition("=")
             if not sep or key.strip() not in names:
-                raise ValueError(f"--costs: expected key=value with key in {sorted(names)}, got {part!r}")
+                raise ValueError(
+                    f"--costs: expected key=value with key in {sorted(names)}, got {part!r}"
+                )
             try:
                 kwargs[key.strip()] = float(val)
             except ValueError:

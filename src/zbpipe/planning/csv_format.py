@@ -29,7 +29,9 @@ from .core import Action, Plan, PlanError, make_plan, v_placement
 TORCH_TO_KIND = {"F": "F", "I": "B", "W": "W", "B": "BW"}
 KIND_TO_TORCH = {v: k for k, v in TORCH_TO_KIND.items()}
 _NON_COMPUTE = ("UNSHARD", "RESHARD", "REDUCE_GRAD", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
-_ACTION = re.compile(r"^(\d+)(UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B|F|I|W|B)(\d*)$")
+_ACTION = re.compile(
+    r"^(\d+)(UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B|F|I|W|B)(\d*)$"
+)
 
 
 def action_to_torch_str(a: Action) -> str:
@@ -58,7 +60,9 @@ def parse_torch_action(cell: str, where: str = "") -> list[Action]:
         return [a for sub in inner.split(";") for a in parse_torch_action(sub, where)]
     match = _ACTION.match(cell)
     if match is None:
-        raise PlanError(f"{where}: cannot parse {cell!r}; expected [stage][F|I|W|B][microbatch], e.g. 2F0")
+        raise PlanError(
+            f"{where}: cannot parse {cell!r}; expected [stage][F|I|W|B][microbatch], e.g. 2F0"
+        )
     stage, kind, mb = match.groups()
     if kind in _NON_COMPUTE:
         return []
@@ -77,7 +81,11 @@ def plan_from_csv(text: str, name: str = "csv", n_microbatches: int | None = Non
     if not rows:
         raise PlanError("plan_from_csv: the CSV has no rows; expected one row per rank")
     order = {
-        r: [a for step, cell in enumerate(row) for a in parse_torch_action(cell, f"row {r} column {step}")]
+        r: [
+            a
+            for step, cell in enumerate(row)
+            for a in parse_torch_action(cell, f"row {r} column {step}")
+        ]
         for r, row in enumerate(rows)
     }
     placement: dict[int, int] = {}

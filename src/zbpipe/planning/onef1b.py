@@ -11,7 +11,9 @@ from .core import Action, Plan, loop_placement, make_plan
 from .costs import Costs
 
 
-def onef1b_rank_order(rank: int, num_ranks: int, n_microbatches: int, backward: str = "BW") -> list[Action]:
+def onef1b_rank_order(
+    rank: int, num_ranks: int, n_microbatches: int, backward: str = "BW"
+) -> list[Action]:
     """The 1F1B order of one rank (``backward`` is ``"BW"``, or ``"B"`` for the F/B skeleton)."""
     m = n_microbatches
     warmup = min(num_ranks - 1 - rank, m)
@@ -24,7 +26,10 @@ def onef1b_rank_order(rank: int, num_ranks: int, n_microbatches: int, backward: 
 
 
 def plan_1f1b(
-    num_ranks: int, n_microbatches: int, costs: Costs | None = None, memory_limit: float | None = None
+    num_ranks: int,
+    n_microbatches: int,
+    costs: Costs | None = None,
+    memory_limit: float | None = None,
 ) -> Plan:
     """The 1F1B plan (any ``n_microbatches >= 1``; with ``m < p`` it degenerates to GPipe).
 

@@ -52,7 +52,9 @@ def default_budget(num_ranks: int, stage_costs: list[StageCosts], memory: Memory
     p = num_ranks
     if memory == "zb":
         # 1F1B on the same model: its stage i (chunks 2i, 2i+1) holds p - i microbatches
-        return max((p - i) * (stage_costs[2 * i].mem_f + stage_costs[2 * i + 1].mem_f) for i in range(p))
+        return max(
+            (p - i) * (stage_costs[2 * i].mem_f + stage_costs[2 * i + 1].mem_f) for i in range(p)
+        )
     factor = (p + 2) / 2 if memory == "half" else (p + 4) / 3
     return factor * stage0_unit(stage_costs)
 
@@ -71,7 +73,9 @@ def _strategies(num_ranks: int, memory: MemoryMode) -> list[Strategy]:
     return out
 
 
-def _candidates(p: int, m: int, costs: Costs, sc: list[StageCosts], budget: float, memory: MemoryMode):
+def _candidates(
+    p: int, m: int, costs: Costs, sc: list[StageCosts], budget: float, memory: MemoryMode
+):
     """Yield ``(label, GreedyResult)`` in a fixed order."""
     if memory != "zb":
         # the controllable-memory paper's construction: one block repeated every period, squeezed
@@ -104,7 +108,9 @@ def plan_zbv(
     if memory not in _NAMES:
         raise ValueError(f"memory must be one of {sorted(_NAMES)}, got {memory!r}")
     if num_ranks < 1 or n_microbatches < 1:
-        raise ValueError(f"num_ranks and n_microbatches must be >= 1, got {num_ranks}, {n_microbatches}")
+        raise ValueError(
+            f"num_ranks and n_microbatches must be >= 1, got {num_ranks}, {n_microbatches}"
+        )
     p, m = num_ranks, n_microbatches
     costs = costs if costs is not None else Costs()
     sc = costs.per_stage(2 * p)
@@ -119,7 +125,12 @@ def plan_zbv(
     else:
         budget = default_budget(p, sc, memory)
         if budget < floor:
-            log.warning("%s default budget %g is below the minimum %g; using the minimum", memory, budget, floor)
+            log.warning(
+                "%s default budget %g is below the minimum %g; using the minimum",
+                memory,
+                budget,
+                floor,
+            )
             budget = floor
 
     # the best candidate of each family: building blocks, and the rest (ZB-V order, greedy)
@@ -132,7 +143,9 @@ def plan_zbv(
         if family not in best or key < best[family][0]:
             best[family] = (key, label, res)
     if not best:
-        raise ValueError(f"no {_NAMES[memory]} plan fits memory_limit={budget:g}; use memory_limit >= {floor:g}")
+        raise ValueError(
+            f"no {_NAMES[memory]} plan fits memory_limit={budget:g}; use memory_limit >= {floor:g}"
+        )
     # Polish by local search (improve.py): it shortens the plan where the costs leave gaps that a
     # fixed order cannot see (e.g. B > F makes the chunk-0 backward chain late). The budget is a
     # count of simulations, never wall time, so every rank computes the same plan. Each family's
@@ -140,8 +153,15 @@ def plan_zbv(
     chosen: tuple[tuple[float, float], Plan, str] | None = None  # ((span, makespan), plan, label)
     for family, (_, label, res) in sorted(best.items()):
         plan = make_plan(
-            _NAMES[memory], p, m, v_placement(p), res.order, style="v",
-            memory=memory, memory_budget=budget, strategy=label,
+            _NAMES[memory],
+            p,
+            m,
+            v_placement(p),
+            res.order,
+            style="v",
+            memory=memory,
+            memory_budget=budget,
+            strategy=label,
         )
         evals = improve_budget(p, m)
         if family:
@@ -150,7 +170,9 @@ def plan_zbv(
             evals = max(100, evals // 4)
         plan = improve(plan, costs, memory_limit=budget, max_seconds=None, max_evals=evals)
         try:
-            r = simulate(plan, costs, memory_limit=budget)  # independent check of deadlock freedom and memory
+            r = simulate(
+                plan, costs, memory_limit=budget
+            )  # independent check of deadlock freedom and memory
         except PlanError as exc:  # a bug in the generator, not the user's fault
             raise RuntimeError(f"plan_zbv built an invalid plan ({label}): {exc}") from exc
         span = max(iv[-1].end - iv[0].start for iv in r.timeline.values() if iv)
@@ -170,14 +192,20 @@ def improve_budget(num_ranks: int, n_microbatches: int) -> int:
 
 
 def plan_zbv_half(
-    num_ranks: int, n_microbatches: int, costs: Costs | None = None, memory_limit: float | None = None
+    num_ranks: int,
+    n_microbatches: int,
+    costs: Costs | None = None,
+    memory_limit: float | None = None,
 ) -> Plan:
     """V-Half: about half of 1F1B's activation memory."""
     return plan_zbv(num_ranks, n_microbatches, costs, memory_limit, memory="half")
 
 
 def plan_zbv_min(
-    num_ranks: int, n_microbatches: int, costs: Costs | None = None, memory_limit: float | None = None
+    num_ranks: int,
+    n_microbatches: int,
+    costs: Costs | None = None,
+    memory_limit: float | None = None,
 ) -> Plan:
     """V-Min: about a third of 1F1B's activation memory."""
     return plan_zbv(num_ranks, n_microbatches, costs, memory_limit, memory="min")

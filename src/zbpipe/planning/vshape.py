@@ -210,7 +210,12 @@ def greedy_v(
             if not f_fits(r, s):
                 continue  # only this rank's own B/W can unblock it
             if a <= t + _EPS:
-                if s == c0 and has_w and strategy.w_before_f and mem[r] + _EPS >= max(peak[r], _EPS):
+                if (
+                    s == c0
+                    and has_w
+                    and strategy.w_before_f
+                    and mem[r] + _EPS >= max(peak[r], _EPS)
+                ):
                     break
                 run(r, Action(s, "F", next_f[s]), t)
                 return t
@@ -247,7 +252,9 @@ def greedy_v(
     return _greedy_result(order, first_start, time, peak)
 
 
-def zbv_fb_order(num_ranks: int, n_microbatches: int, with_w: bool = False) -> dict[int, list[Action]]:
+def zbv_fb_order(
+    num_ranks: int, n_microbatches: int, with_w: bool = False
+) -> dict[int, list[Action]]:
     """The order of the ZB-V paper's hand-made schedule (Qi et al. 2024, Sec. 6).
 
     Rank ``r``: ``2(p - r) - 1`` chunk-0 forwards; ``r`` pairs (chunk-1 F, chunk-0 F);

@@ -61,8 +61,12 @@ def _forced_before(a: Action, b: Action) -> bool:
     return False
 
 
-def refine(plan: Plan, costs: Costs | None = None, memory_limit: float | None = None,
-           time_limit: float = 30.0) -> RefineResult:
+def refine(
+    plan: Plan,
+    costs: Costs | None = None,
+    memory_limit: float | None = None,
+    time_limit: float = 30.0,
+) -> RefineResult:
     """Improve ``plan`` (F/B/W, one stage per rank) with the MILP; see the module docstring."""
     import numpy as np
     from scipy.optimize import Bounds, LinearConstraint, milp
@@ -73,8 +77,10 @@ def refine(plan: Plan, costs: Costs | None = None, memory_limit: float | None = 
     costs = costs or Costs()
     p, m = plan.num_ranks, plan.n_microbatches
     if plan.num_stages != p or any(a.kind == "BW" for acts in plan.order.values() for a in acts):
-        raise ValueError("refine: needs a one-stage-per-rank plan with split backward (F, B, W); "
-                         f"{plan.name} has {plan.num_stages} stages or fused BW")
+        raise ValueError(
+            "refine: needs a one-stage-per-rank plan with split backward (F, B, W); "
+            f"{plan.name} has {plan.num_stages} stages or fused BW"
+        )
     sc = costs.per_stage(p)
     base = simulate(plan, costs, memory_limit)
     ub = base.makespan
@@ -85,7 +91,7 @@ def refine(plan: Plan, costs: Costs | None = None, memory_limit: float | None = 
     for s in range(p):
         mine = [a for a in acts if a.stage == s]
         for i, a in enumerate(mine):
-            for b in mine[i + 1:]:
+            for b in mine[i + 1 :]:
                 if not (_forced_before(a, b) or _forced_before(b, a)):
                     pairs.append((a, b))
     yidx = {pr: n_t + 1 + k for k, pr in enumerate(pairs)}
@@ -154,12 +160,17 @@ def refine(plan: Plan, costs: Costs | None = None, memory_limit: float | None = 
     c = np.zeros(nv)
     c[C] = 1.0
     integrality = np.zeros(nv)
-    integrality[n_t + 1:] = 1
+    integrality[n_t + 1 :] = 1
     ub_vars = np.full(nv, M)
-    ub_vars[n_t + 1:] = 1.0
+    ub_vars[n_t + 1 :] = 1.0
     ub_vars[C] = ub + 1e-6  # incumbent cut from the heuristic
-    res = milp(c, constraints=LinearConstraint(A.tocsr(), lo, hi), integrality=integrality,
-               bounds=Bounds(np.zeros(nv), ub_vars), options={"time_limit": time_limit, "disp": False})
+    res = milp(
+        c,
+        constraints=LinearConstraint(A.tocsr(), lo, hi),
+        integrality=integrality,
+        bounds=Bounds(np.zeros(nv), ub_vars),
+        options={"time_limit": time_limit, "disp": False},
+    )
     solver_log = f"HiGHS status {res.status}: {res.message}; {len(pairs)} ordering binaries, {len(rows)} rows"
     log.info("refine %s p=%d m=%d: %s", plan.name, p, m, solver_log)
     raw = getattr(res, "mip_dual_bound", None)
@@ -171,12 +182,16 @@ def refine(plan: Plan, costs: Costs | None = None, memory_limit: float | None = 
     orders = {}
     for s in range(p):
         mine = [a for a in acts if a.stage == s]
-        orders[s] = sorted(mine, key=lambda a: (round(starts[idx[a]], 6), "FBW".index(a.kind), a.microbatch))
+        orders[s] = sorted(
+            mine, key=lambda a: (round(starts[idx[a]], 6), "FBW".index(a.kind), a.microbatch)
+        )
     new = make_plan(plan.name, p, m, plan.placement, orders, refined=True, **dict(plan.meta))
     got = simulate(new, costs, memory_limit)
     obj = float(res.fun)
     if got.makespan > obj + 1e-6 * max(1.0, obj):
-        raise RuntimeError(f"refine: simulated makespan {got.makespan} exceeds the MILP objective {obj}")
+        raise RuntimeError(
+            f"refine: simulated makespan {got.makespan} exceeds the MILP objective {obj}"
+        )
     best, span = (new, got.makespan) if got.makespan <= ub else (plan, ub)
     lb = min(bound if np.isfinite(bound) else obj, span)
     optimal = res.status == 0

@@ -100,7 +100,9 @@ class ContinuousParts:
         return orders
 
 
-def _split_segment(segment: Mapping[int, Sequence[Action]], m: int) -> tuple[Orders, Orders, Orders]:
+def _split_segment(
+    segment: Mapping[int, Sequence[Action]], m: int
+) -> tuple[Orders, Orders, Orders]:
     """Parts of the sync plan from a one-mini-batch order: head = F before the first B."""
     warmup, period, drain = {}, {}, {}
     for r, acts in segment.items():
@@ -120,8 +122,10 @@ def _stream_parts(p: int, m: int, warmups: Sequence[int]) -> tuple[Orders, Order
         unit = lambda i: [Action(r, "F", i + w), Action(r, "B", i), Action(r, "W", i)]  # noqa: E731
         warmup[r] = tuple(Action(r, "F", j) for j in range(w))
         period[r] = tuple(a for i in range(m) for a in unit(i))
-        drain[r] = tuple([a for i in range(m - w) for a in unit(i)]
-                         + [a for i in range(m - w, m) for a in (Action(r, "B", i), Action(r, "W", i))])
+        drain[r] = tuple(
+            [a for i in range(m - w) for a in unit(i)]
+            + [a for i in range(m - w, m) for a in (Action(r, "B", i), Action(r, "W", i))]
+        )
     return warmup, period, drain
 
 
@@ -140,7 +144,10 @@ def _sync_segments(p: int, m: int, sc: list[StageCosts], limit: float) -> list[t
         ("zbh1", {r: zbh1_rank_order(r, p, m) for r in range(p)}),
     ]
     caps = tuple(2 * (p - r) - 1 for r in range(p))
-    strategies = list(STRATEGIES) + [Strategy(max_inflight=caps), Strategy(max_inflight=caps, keep_ahead=False)]
+    strategies = list(STRATEGIES) + [
+        Strategy(max_inflight=caps),
+        Strategy(max_inflight=caps, keep_ahead=False),
+    ]
     for i, strategy in enumerate(strategies):
         res = list_schedule(p, m, sc, limit, strategy)
         if res is not None:
@@ -201,7 +208,9 @@ def continuous_parts(
                 continue
             seen.add(warmups)
             parts = _stream_parts(p, m, warmups)
-            joined = ContinuousParts(*parts, minibatch_size=m, mode=mode, memory_limit=limit, source="").join(2)
+            joined = ContinuousParts(
+                *parts, minibatch_size=m, mode=mode, memory_limit=limit, source=""
+            ).join(2)
             if any(_peak(a, sc) > limit + _EPS for a in joined.values()):
                 continue
             scored.append((round(probe(parts), 9), i, f"stream-warmup-x{d:g}", parts))
@@ -210,8 +219,18 @@ def continuous_parts(
             f"Continuous ({mode}): no plan fits memory_limit {limit:g}; raise it (1F1B's peak is {base:g})"
         )
     best = min(scored, key=lambda c: (c[0], c[1]))
-    log.debug("Continuous %s p=%d m=%d limit=%g: %s, probe makespan %g", mode, p, m, limit, best[2], best[0])
-    return ContinuousParts(*best[3], minibatch_size=m, mode=mode, memory_limit=limit, source=best[2])
+    log.debug(
+        "Continuous %s p=%d m=%d limit=%g: %s, probe makespan %g",
+        mode,
+        p,
+        m,
+        limit,
+        best[2],
+        best[0],
+    )
+    return ContinuousParts(
+        *best[3], minibatch_size=m, mode=mode, memory_limit=limit, source=best[2]
+    )
 
 
 def plan_continuous(
@@ -233,16 +252,26 @@ def plan_continuous(
     orders = parts.join(n_minibatches)
     m, n = n_microbatches, n_minibatches
     plan = make_plan(
-        "Continuous", num_ranks, n * m, loop_placement(num_ranks, num_ranks), orders,
-        minibatch_size=m, n_minibatches=n, mode=mode, memory_limit=parts.memory_limit,
-        source=parts.source, step_after=step_positions(orders, m, n),
+        "Continuous",
+        num_ranks,
+        n * m,
+        loop_placement(num_ranks, num_ranks),
+        orders,
+        minibatch_size=m,
+        n_minibatches=n,
+        mode=mode,
+        memory_limit=parts.memory_limit,
+        source=parts.source,
+        step_after=step_positions(orders, m, n),
     )
     simulate(plan, costs, parts.memory_limit)  # deadlock and memory: raises PlanError
     check_continuous(plan)
     return plan
 
 
-def step_positions(orders: Mapping[int, Sequence[Action]], m: int, n: int) -> dict[int, tuple[int, ...]]:
+def step_positions(
+    orders: Mapping[int, Sequence[Action]], m: int, n: int
+) -> dict[int, tuple[int, ...]]:
     """Per rank, the index of the action after which mini-batch ``k``'s optimizer step runs.
 
     That is the last W (or BW) of ``k``, and never before the step of ``k - 1`` (steps are in order).
@@ -277,8 +306,14 @@ def live_versions(plan: Plan) -> dict[int, int]:
     result = {}
     for rank, acts in plan.order.items():
         for s in plan.stages_of(rank):
-            todo = [sum(1 for a in acts if a.stage == s and a.kind in ("W", "BW") and a.microbatch // m == k)
-                    for k in range(n)]
+            todo = [
+                sum(
+                    1
+                    for a in acts
+                    if a.stage == s and a.kind in ("W", "BW") and a.microbatch // m == k
+                )
+                for k in range(n)
+            ]
             latest = 0  # updates applied so far on this stage
             uses: dict[int, int] = {}  # in-flight microbatch -> version
             worst = 1
@@ -342,6 +377,12 @@ def check_continuous(plan: Plan) -> None:
 
 
 __all__ = [
-    "ContinuousParts", "MODES", "check_continuous", "continuous_parts", "live_versions",
-    "plan_continuous", "step_positions", "version_bound",
+    "ContinuousParts",
+    "MODES",
+    "check_continuous",
+    "continuous_parts",
+    "live_versions",
+    "plan_continuous",
+    "step_positions",
+    "version_bound",
 ]

@@ -35,7 +35,9 @@ _STRETCH_STEP = 0.05
 _MAX_STRETCH_STEPS = 13  # periods up to 1.6x a rank's work per microbatch
 
 
-def _place(busy: list[tuple[float, float]], period: float, ready: float, dur: float) -> float | None:
+def _place(
+    busy: list[tuple[float, float]], period: float, ready: float, dur: float
+) -> float | None:
     """Earliest start >= ``ready`` where ``[start, start + dur)`` misses every busy interval mod ``period``."""
     starts = [ready] + [ready + ((s + d - ready) % period) for s, d in busy]
     for t in sorted(starts):
@@ -110,7 +112,9 @@ def block_order(
             timed[r].append((t0 + j * period, Action(s, kind, j)))
     # ties cannot happen inside one rank (the block never overlaps itself modulo the period);
     # sorting on the action too keeps the order deterministic anyway
-    return {r: [a for _, a in sorted(v, key=lambda x: (round(x[0], 9), x[1]))] for r, v in timed.items()}
+    return {
+        r: [a for _, a in sorted(v, key=lambda x: (round(x[0], 9), x[1]))] for r, v in timed.items()
+    }
 
 
 def block_candidates(

@@ -36,7 +36,12 @@ GENERATORS: dict[str, Generator] = {
 
 #: torch's built-in schedules, by the class name ``torch.distributed.pipelining`` gives them.
 TORCH_SCHEDULES: tuple[str, ...] = (
-    "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "GPipe", "DualPipeV",
+    "1F1B",
+    "Interleaved1F1B",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "GPipe",
+    "DualPipeV",
 )
 
 
@@ -57,13 +62,13 @@ def plan(
 
     ``torch:`` names accept ``stages_per_rank`` (default 2) for torch's interleaved schedules.
     ``refine=True`` (zbpipe's names) improves the plan with the exact MILP
-    (:func:`zbpipe.plan.milp.refine`, needs scipy); ``refine_time_limit`` bounds it in seconds.
+    (:func:`zbpipe.planning.milp.refine`, needs scipy); ``refine_time_limit`` bounds it in seconds.
     """
     refine = bool(options.pop("refine", False))
     refine_time_limit = float(options.pop("refine_time_limit", 30.0))
     key = name.strip().lower()
     if key.startswith("torch:"):
-        wanted = key[len("torch:"):]
+        wanted = key[len("torch:") :]
         for torch_name in TORCH_SCHEDULES:
             if torch_name.lower() == wanted:
                 torch_plans = importlib.import_module("zbpipe.torch_plans")
@@ -72,14 +77,22 @@ def plan(
         for gen_name, gen in GENERATORS.items():
             if gen_name.lower() == key:
                 _check_options(gen_name, gen, options)
-                result = gen(num_ranks, n_microbatches, costs=costs, memory_limit=memory_limit, **options)
+                result = gen(
+                    num_ranks, n_microbatches, costs=costs, memory_limit=memory_limit, **options
+                )
                 if refine:
                     from .milp import refine as refine_plan
 
-                    limit = memory_limit if memory_limit is not None else result.meta.get("memory_limit")
+                    limit = (
+                        memory_limit
+                        if memory_limit is not None
+                        else result.meta.get("memory_limit")
+                    )
                     result = refine_plan(result, costs, limit, time_limit=refine_time_limit).plan
                 return result
-    raise ValueError(f"unknown schedule {name!r}; known names (case-insensitive): {', '.join(known_names())}")
+    raise ValueError(
+        f"unknown schedule {name!r}; known names (case-insensitive): {', '.join(known_names())}"
+    )
 
 
 def _check_options(name: str, gen: Generator, options: dict[str, object]) -> None:

@@ -106,7 +106,9 @@ class Plan:
 def validate_structure(plan: Plan) -> None:
     p, m = plan.num_ranks, plan.n_microbatches
     if p < 1 or m < 1:
-        raise PlanError(f"plan {plan.name}: num_ranks and n_microbatches must be >= 1, got {p}, {m}")
+        raise PlanError(
+            f"plan {plan.name}: num_ranks and n_microbatches must be >= 1, got {p}, {m}"
+        )
     stages = sorted(plan.placement)
     if stages != list(range(len(stages))):
         raise PlanError(f"plan {plan.name}: stages must be 0..S-1, got {stages}")

@@ -130,7 +130,10 @@ def list_schedule(
         if x.nw == m:
             continue
         f_left = x.nf < m
-        f_mem_ok = x.mem + c.mem_f <= memory_limit + _EPS and x.mem + c.mem_f + max(0.0, c.mem_b) <= memory_limit + _EPS
+        f_mem_ok = (
+            x.mem + c.mem_f <= memory_limit + _EPS
+            and x.mem + c.mem_f + max(0.0, c.mem_b) <= memory_limit + _EPS
+        )
         f_cap_ok = strategy.max_inflight is None or x.nf - x.nb < strategy.max_inflight[s]
         f_allowed = f_left and f_mem_ok and f_cap_ok
         tf, f_exact = arrival_f(s) if f_left else (math.inf, True)
@@ -146,11 +149,19 @@ def list_schedule(
             choice = "F"
         elif b_left and tb <= t and b_mem_ok:
             choice = "B"
-        elif f_allowed and tf <= t and (strategy.f_may_delay_b or not b_left or not b_exact or tb >= t + c.f):
+        elif (
+            f_allowed
+            and tf <= t
+            and (strategy.f_may_delay_b or not b_left or not b_exact or tb >= t + c.f)
+        ):
             choice = "F"
         elif w_left:
             f_held = f_allowed and tf <= t
-            nxt = tb if f_held and b_left else min(tf if f_allowed else math.inf, tb if b_left else math.inf)
+            nxt = (
+                tb
+                if f_held and b_left
+                else min(tf if f_allowed else math.inf, tb if b_left else math.inf)
+            )
             gap = nxt - t
             if (
                 gap >= c.w - _EPS
@@ -169,7 +180,11 @@ def list_schedule(
         # Idle until the earliest next event (a lower bound if its producer has not decided yet);
         # a ready F held back for an arriving B waits for that B.
         f_held = f_allowed and tf <= t
-        nxt = tb if f_held and b_left else min(tf if f_allowed else math.inf, tb if b_left else math.inf)
+        nxt = (
+            tb
+            if f_held and b_left
+            else min(tf if f_allowed else math.inf, tb if b_left else math.inf)
+        )
         if tb <= t and not b_mem_ok or math.isinf(nxt):
             return None  # memory too small for this strategy: no W to free it, nothing can run
         x.t = max(t, nxt)
@@ -208,7 +223,11 @@ def _peak(order: list[Action], sc: list[StageCosts]) -> float:
     return peak
 
 
-def _fits(orders: dict[int, list[Action]] | dict[int, tuple[Action, ...]], sc: list[StageCosts], limit: float) -> bool:
+def _fits(
+    orders: dict[int, list[Action]] | dict[int, tuple[Action, ...]],
+    sc: list[StageCosts],
+    limit: float,
+) -> bool:
     return all(_peak(list(acts), sc) <= limit + _EPS for acts in orders.values())
 
 
@@ -277,13 +296,25 @@ def plan_auto(
         )
     best = min(ok, key=lambda c: (round(c[0], 9), round(c[1], 9)))
     source = best[2] if isinstance(best[2], str) else f"heuristic:{STRATEGIES[best[2]]}"
-    log.debug("%s p=%d m=%d limit=%g: span %g makespan %g from %s", name, p, m, limit, best[0], best[1], source)
+    log.debug(
+        "%s p=%d m=%d limit=%g: span %g makespan %g from %s",
+        name,
+        p,
+        m,
+        limit,
+        best[0],
+        best[1],
+        source,
+    )
     plan = make_plan(name, p, m, placement, best[3], memory_limit=limit, source=source)
     return plan
 
 
 def plan_zb1p(
-    num_ranks: int, n_microbatches: int, costs: Costs | None = None, memory_limit: float | None = None
+    num_ranks: int,
+    n_microbatches: int,
+    costs: Costs | None = None,
+    memory_limit: float | None = None,
 ) -> Plan:
     """ZB-1p: the heuristic under 1F1B's peak memory (``p * mem_f`` with uniform stages)."""
     costs = costs or Costs()
@@ -293,14 +324,27 @@ def plan_zb1p(
 
 
 def plan_zb2p(
-    num_ranks: int, n_microbatches: int, costs: Costs | None = None, memory_limit: float | None = None
+    num_ranks: int,
+    n_microbatches: int,
+    costs: Costs | None = None,
+    memory_limit: float | None = None,
 ) -> Plan:
     """ZB-2p: the heuristic under twice 1F1B's peak memory (the paper's near-zero-bubble budget)."""
     costs = costs or Costs()
     costs.check(num_ranks)
-    limit = 2 * onef1b_peak(num_ranks, n_microbatches, costs) if memory_limit is None else memory_limit
+    limit = (
+        2 * onef1b_peak(num_ranks, n_microbatches, costs) if memory_limit is None else memory_limit
+    )
     return plan_auto(num_ranks, n_microbatches, costs, limit, name="ZB2P")
 
 
-__all__ = ["Strategy", "list_schedule", "minimum_memory", "onef1b_peak", "plan_auto", "plan_zb1p", "plan_zb2p",
-           "PlanError"]
+__all__ = [
+    "Strategy",
+    "list_schedule",
+    "minimum_memory",
+    "onef1b_peak",
+    "plan_auto",
+    "plan_zb1p",
+    "plan_zb2p",
+    "PlanError",
+]

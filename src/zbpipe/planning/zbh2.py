@@ -25,7 +25,10 @@ from .costs import Costs
 
 
 def plan_zbh2(
-    num_ranks: int, n_microbatches: int, costs: Costs | None = None, memory_limit: float | None = None
+    num_ranks: int,
+    n_microbatches: int,
+    costs: Costs | None = None,
+    memory_limit: float | None = None,
 ) -> Plan:
     """The ZB-H2 plan; ``ValueError`` if its peak memory under ``costs`` exceeds ``memory_limit``."""
     p, m = num_ranks, n_microbatches

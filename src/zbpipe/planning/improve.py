@@ -71,7 +71,9 @@ class _Model:
         self.order = [[ids[a] for a in plan.order[r]] for r in range(plan.num_ranks)]
         self.feeders = [i for i, a in enumerate(self.actions) if a.kind != "W"]
 
-    def evaluate(self, order: list[list[int]], base: _Eval | None = None, since: float = 0.0) -> _Eval | None:
+    def evaluate(
+        self, order: list[list[int]], base: _Eval | None = None, since: float = 0.0
+    ) -> _Eval | None:
         """Simulate ``order`` (a worklist over ranks, each action looked at O(1) times); None on deadlock.
 
         Incremental: with ``base`` (the simulation of an order that differs only in actions that
@@ -156,7 +158,7 @@ def _producers(a: Action, last: int, ids: dict[Action, int]) -> list[int]:
 
 def _moved(seq: list[int], src: int, dst: int) -> list[int]:
     """``seq`` with the action at ``src`` moved to index ``dst`` (of the result)."""
-    out = seq[:src] + seq[src + 1:]
+    out = seq[:src] + seq[src + 1 :]
     out.insert(dst, seq[src])
     return out
 
@@ -166,7 +168,7 @@ def _can_move(model: _Model, seq: list[int], src: int, dst: int) -> bool:
     a = seq[src]
     if dst < src:
         return not any(x in model.same_rank_deps[a] for x in seq[dst:src])
-    return not any(a in model.same_rank_deps[x] for x in seq[src + 1: dst + 1])
+    return not any(a in model.same_rank_deps[x] for x in seq[src + 1 : dst + 1])
 
 
 def _critical_arcs(model: _Model, order: list[list[int]], ev: _Eval) -> list[tuple[int, int]]:
@@ -267,7 +269,9 @@ def improve(
     order = [list(seq) for seq in model.order]
     ev = model.evaluate(order)
     if ev is None:
-        raise ValueError(f"improve: plan {plan.name} deadlocks; give a valid plan (simulate() names the ranks)")
+        raise ValueError(
+            f"improve: plan {plan.name} deadlocks; give a valid plan (simulate() names the ranks)"
+        )
     limits = [memory_limit if memory_limit is not None else model.peak(seq) for seq in order]
     first_key = ev.key[:2]
     evals, accepted = 1, 0
@@ -294,7 +298,7 @@ def improve(
             if sig in tried:
                 continue
             tried.add(sig)
-            trial = order[:r] + [new_seq] + order[r + 1:]
+            trial = order[:r] + [new_seq] + order[r + 1 :]
             new_ev = model.evaluate(trial, ev, ev.start[seq[min(src, dst)]])
             evals += 1
             if new_ev is not None and new_ev.key < ev.key:
@@ -309,12 +313,23 @@ def improve(
             per_round *= 4  # look further down the list of wasted spots before giving up
     if ev.key[:2] >= first_key:
         return plan  # tie-break progress alone is no reason to change the plan
-    log.debug("improve %s: span/makespan %s -> %s in %d moves, %d simulations", plan.name, first_key, ev.key,
-              accepted, evals)
+    log.debug(
+        "improve %s: span/makespan %s -> %s in %d moves, %d simulations",
+        plan.name,
+        first_key,
+        ev.key,
+        accepted,
+        evals,
+    )
     new_order = {r: tuple(model.actions[a] for a in seq) for r, seq in enumerate(order)}
     meta = dict(plan.meta)
-    meta["improved_from"] = {"name": plan.name, "span": first_key[0], "makespan": first_key[1],
-                             "moves": accepted, "simulations": evals}
+    meta["improved_from"] = {
+        "name": plan.name,
+        "span": first_key[0],
+        "makespan": first_key[1],
+        "moves": accepted,
+        "simulations": evals,
+    }
     out = replace(plan, order=new_order, meta=meta)
     out.validate()
     return out
