@@ -65,14 +65,19 @@ class _Events:
 
 
 def _instrument(sched: Any, stages: list[PipelineStage], ev: _Events) -> None:
-    """Log W actions, each stage's REDUCE_GRAD window, and every reduce-scatter FSDP issues."""
-    run_w = sched._comp_type_to_function_map[C.BACKWARD_WEIGHT]
+    """Log weight passes, each stage's REDUCE_GRAD window, and every reduce-scatter FSDP issues.
 
-    def logged_w(action: Any, ctx: Any) -> None:
-        run_w(action, ctx)
-        ev.log.append(("W", action.stage_index, action.microbatch_index))
+    A weight pass is a W, or a fused BW (the runtime fuses a W that directly follows its B):
+    both are logged as ("W", stage, mb).
+    """
+    for kind in (C.BACKWARD_WEIGHT, C.FULL_BACKWARD):
+        run = sched._comp_type_to_function_map[kind]
 
-    sched.register_custom_function(C.BACKWARD_WEIGHT, logged_w)
+        def logged(action: Any, ctx: Any, run: Any = run) -> None:
+            run(action, ctx)
+            ev.log.append(("W", action.stage_index, action.microbatch_index))
+
+        sched.register_custom_function(kind, logged)
     for st in stages:
         reduce = st.perform_reduce_grad
 

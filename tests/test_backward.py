@@ -317,7 +317,9 @@ def test_accumulation_with_weight_reuse_matches_fused():
     for w in reversed(b):  # any order of W gives the same sum up to rounding
         w.run()
     for rp, p in zip(ref.parameters(), params, strict=True):
-        torch.testing.assert_close(p.grad, rp.grad, rtol=RTOL, atol=ATOL)
+        # Summing six fp32 terms (two uses x three microbatches) in the reverse order: an element
+        # near 0.07 built from terms near 1 can move by a few ulps of 1 (2.4e-7 seen).
+        torch.testing.assert_close(p.grad, rp.grad, rtol=RTOL, atol=1e-6)
 
 
 class _Keep(torch.autograd.Function):

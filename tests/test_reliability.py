@@ -24,7 +24,7 @@ def test_step_arguments_on_the_wrong_rank_raise():
     assert "does not hold stage 0" in last
 
 
-def test_in_place_compiled_submodule_is_refused():
+def test_in_place_compiled_submodule_is_refused_by_the_graph_engine():
     for msg in run_ranks(cases.compiled_submodule_error, 2, timeout=90):
         assert "torch.compile'd" in msg and "Schedule1F1BMulti" in msg
 

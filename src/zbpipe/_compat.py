@@ -40,3 +40,21 @@ def stage_message_bytes(stage: _PipelineStageBase, which: str) -> int:
         if shape is not None and dtype is not None:
             total += shape.numel() * dtype.itemsize
     return total
+
+
+# --- what the stage seam reads from a torch PipelineStage ---------------------------------------
+
+
+def received_grads(stage: _PipelineStageBase, mb: int) -> tuple:
+    """The output gradients a stage received for microbatch ``mb`` (torch's receive buffers)."""
+    return stage._retrieve_recv_grads(mb)
+
+
+def received_activations(stage: _PipelineStageBase, mb: int) -> tuple:
+    """The activations a stage received for microbatch ``mb`` (torch's receive buffers)."""
+    return stage._retrieve_recv_activations(mb)
+
+
+def num_stage_inputs(stage: _PipelineStageBase) -> int:
+    """How many positional inputs the stage's forward takes (from torch's shape inference)."""
+    return len(stage._stage_meta.inputs)

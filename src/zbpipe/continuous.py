@@ -55,13 +55,12 @@ import torch
 import torch.distributed as dist
 
 from . import _compat as C
-from .backward import WeightGrad, backward_input
 from .continuous_stream import StreamFrontier
 from .continuous_versions import WeightVersions
 from .optim import PostValidatedStep, StepReport
 from .planning import Costs
 from .planning.continuous import MODES, continuous_parts, plan_continuous, version_bound
-from .saved import SavedTensors, param_storages
+from .stage_seam import EVERY_KEY, Engine, Split, StageSeam, choose_engine
 from .validation import (
     check_not_compiled,
     check_peers_agree,
@@ -128,6 +127,7 @@ class ScheduleContinuous(C.PipelineScheduleMulti):
         memory_limit: float | None = None,
         post_validate: dict[str, Any] | None = None,
         check_peers: bool = True,
+        split: Split = "auto",
     ) -> None:
         stages = check_schedule_args(type(self), stages, n_microbatches, costs)
         if mode not in MODES:
@@ -154,7 +154,12 @@ class ScheduleContinuous(C.PipelineScheduleMulti):
         self.mode = mode
         self.costs = costs if costs is not None else Costs()
         self.stage = stages[0]
-        check_not_compiled(type(self), stages)
+        #: the split-backward engine in use: "deferred" or "graph" (see zbpipe.stage_seam)
+        self.split: Engine = choose_engine(split, stages, type(self).__name__)
+        if self.split == "graph":
+            check_not_compiled(type(self), stages)
+        self.seam = StageSeam(stages, self.split)
+        self.seam.split_keys = EVERY_KEY  # a continuous plan splits every backward
         p, m = self.pp_group_size, n_microbatches
         self.parts = continuous_parts(p, m, self.costs, memory_limit, mode)
         if check_peers:
@@ -271,7 +276,11 @@ class ScheduleContinuous(C.PipelineScheduleMulti):
         self._sends.clear()
         self._validate()
         out = self._report(losses)
-        if self._stepped != self._given or self._pending_w or self.stage.fwd_cache:
+        if (
+            self._stepped != self._given
+            or self.seam.pending_weight_passes()
+            or self.stage.fwd_cache
+        ):
             raise RuntimeError(
                 f"zbpipe continuous: rank {self.rank} left work after flush "
                 f"({self._stepped} of {self._given} steps)"
@@ -333,9 +342,7 @@ class ScheduleContinuous(C.PipelineScheduleMulti):
         self._reported = 0
         self._w_done: dict[int, int] = {}
         self._grad_acc: dict[int, dict[str, torch.Tensor]] = {}
-        self._pending_w: dict[int, WeightGrad] = {}
-        # what each microbatch's forward saved (zbpipe.saved): released after B (activation-only) and W
-        self._saved: dict[int, SavedTensors] = {}
+        self.seam.clear()
         self._leaves: dict[int, dict[str, torch.Tensor]] = {}
         self._sends: list[dist.Work] = []
 
@@ -389,11 +396,10 @@ class ScheduleContinuous(C.PipelineScheduleMulti):
             st.args_recv_info[g] = _fresh(self._act_template)
             for w in [_post(op) for op in st.get_fwd_recv_ops(g)]:
                 w.wait()
-            args = st._retrieve_recv_activations(g)
+            args = C.received_activations(st, g)
             del st.args_recv_info[g]
         kwargs = self._kwargs.pop(g) or {}
-        saved = self._saved[g] = SavedTensors(skip=param_storages(st.submod.parameters()))
-        with saved.hooks():
+        with self.seam.forward(st, g):
             out = self._forward_compute(g, args, kwargs)
         out_tuple = tuple(out) if isinstance(out, (tuple, list)) else (out,)
         inputs = [*args, *kwargs.values()]
@@ -420,29 +426,22 @@ class ScheduleContinuous(C.PipelineScheduleMulti):
 
     def _backward_input(self, g: int) -> None:
         st = self.stage
-        stage_output, input_values = st.fwd_cache.pop(g)
-        if st.is_last:
-            outputs, output_grads = (self._losses.pop(g),), None
-        else:
+        if not st.is_last:
             st.grad_recv_info[g] = _fresh(self._grad_template)
             for w in [_post(op) for op in st.get_bwd_recv_ops(g)]:
                 w.wait()
-            outputs, output_grads = stage_output, st._retrieve_recv_grads(g)
+        params = None
+        if self._versions is not None:  # W computes the gradients of this microbatch's version
+            leaves = list(self._leaves[g].values())
+            params = lambda: leaves  # noqa: E731
+        self.seam.backward_input(st, g, self._losses.pop(g) if st.is_last else None, params)
+        if not st.is_last:
             del st.grad_recv_info[g]
-        if self._versions is not None:
-            params = list(self._leaves[g].values())
-        else:
-            params = [q for q in st.submod.parameters() if q.requires_grad]
-        grads, self._pending_w[g] = backward_input(
-            outputs, output_grads, input_values, params, saved=self._saved.get(g)
-        )
         if not st.is_first:
-            st.bwd_cache[g] = tuple(grads[: len(st._stage_meta.inputs)])
             self._sends += [_post(op) for op in st.get_bwd_send_ops(g)]
 
     def _backward_weight(self, g: int) -> None:
-        self._pending_w.pop(g).run()
-        self._saved.pop(g).release_all()
+        self.seam.backward_weight(self.stage, g)
         k = self._minibatch(g)
         if self._versions is not None:
             acc = self._grad_acc.setdefault(k, {})

@@ -6,30 +6,30 @@ computes the same plan, and this class
 
 1. lowers the plan to torch's action lists (F->F, B->I, W->W, BW->B) and lets torch insert the
    send/receive (and FSDP unshard/reshard, gradient-reduce) actions;
-2. runs the compute actions itself, so the input-gradient pass B and the weight-gradient pass W
-   go through :mod:`zbpipe.backward` (correct for the first stage, reused weights and custom
-   autograd Functions, where torch's own split is not), and every action is timed by a
-   :class:`~zbpipe.trace.Tracer` after its receive has completed.
+2. runs the compute actions itself through the stage seam (:mod:`zbpipe.stage_seam`), so the
+   input-gradient pass B and the weight-gradient pass W use zbpipe's engines (``split=``:
+   deferred Linear GEMMs, or the general graph split; both correct for the first stage, reused
+   weights and custom autograd Functions, where torch's own split is not), and every action is
+   timed by a :class:`~zbpipe.trace.Tracer` after its receive has completed. A W that directly
+   follows its own B runs fused, as one BW.
 
 Concrete schedules (:mod:`zbpipe.schedules`) only say which plan to build.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Any, Callable, ClassVar, Literal
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 
 from . import _compat as C
-from .backward import WeightGrad, backward_input
 from .inputs import FirstStageKeywords
 from .memory import SavedActivationMeter
 from .planning import Costs, Plan
+from .planning.fuse import fuse_adjacent_backward
 from .profile import CostProfiler, ProfileConfig
-from .saved import SavedTensors, param_storages
+from .stage_seam import Engine, Split, StageSeam, choose_engine
 from .trace import Tracer
 from .validation import (
     check_not_compiled,
@@ -78,6 +78,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         profile: ProfileConfig | None = None,
         trace: bool = True,
         check_peers: bool = True,
+        split: Split = "auto",
         **plan_options: Any,
     ) -> None:
         # costs="profile": plan for equal costs now, measure real ones on the first steps, re-plan
@@ -105,7 +106,9 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
             self.pp_group_size, n_microbatches, self.costs, **plan_options
         )
         check_plan_for_runtime(self.plan, stages)
-        if self.plan.uses_split_backward():
+        #: the split-backward engine in use: "deferred" or "graph" (see zbpipe.stage_seam)
+        self.split: Engine = choose_engine(split, stages, type(self).__name__)
+        if self.plan.uses_split_backward() and self.split == "graph":
             check_not_compiled(type(self), stages)
         if check_peers:
             fingerprint = config_fingerprint(
@@ -113,17 +116,14 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
             )
             summary = f"{type(self).__name__}(n_microbatches={n_microbatches}, stages={self._num_stages}, plan {fingerprint})"
             check_peers_agree(type(self), stages[0].group, self.rank, fingerprint, summary)
+        self.seam = StageSeam(stages, self.split)
         self._lower(self.plan)
         self.tracer = Tracer(rank=self.rank, enabled=trace or profiling, device=stages[0].device)
         self._profiler = (
             CostProfiler(profile or ProfileConfig(), keep_tracing=trace) if profiling else None
         )
-        self._stage_by_index = {s.stage_index: s for s in stages}
         # dict/TensorDict batches reach stage 0 by keyword (torch stages take only tensors positionally)
         self._batch_keywords = FirstStageKeywords(stages)
-        self._pending_w: dict[tuple[int, int], WeightGrad] = {}
-        self._saved: dict[tuple[int, int], SavedTensors] = {}
-        self._meter: SavedActivationMeter | None = None
         self._step_opts: tuple[bool, dict[str, Any] | None] = (True, None)
         #: microbatches whose loss was NaN/Inf in the last step (last-stage rank only)
         self.nonfinite_microbatches: list[int] = []
@@ -137,8 +137,12 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
 
     # ------------------------------------------------------------------ planning
     def _lower(self, plan: Plan) -> None:
-        self._split_backward = plan.uses_split_backward()
-        torch_order = plan_to_torch_actions(plan)
+        # Run a W that directly follows its own B as one fused BW: same place, less work.
+        executed = fuse_adjacent_backward(plan)
+        self.seam.split_keys = {
+            (a.stage, a.microbatch) for a in executed.order[self.rank] if a.kind == "B"
+        }
+        torch_order = plan_to_torch_actions(executed)
         self.pipeline_order = {r: list(acts) for r, acts in torch_order.items()}
         self._prepare_schedule_with_comms(torch_order)
 
@@ -149,7 +153,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         guarantees the ranks agree (``zbpipe.profile`` exchanges the fingerprint first).
         """
         check_plan_for_runtime(new_plan, self._stages)
-        if new_plan.uses_split_backward():
+        if new_plan.uses_split_backward() and self.split == "graph":
             check_not_compiled(type(self), self._stages)
         self._lower(new_plan)
         self.plan = new_plan
@@ -233,33 +237,17 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
             super()._step_microbatches(
                 arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs
             )
-            if self._pending_w:
+            if pending := self.seam.pending_weight_passes():
                 raise RuntimeError(
-                    f"zbpipe: weight passes never ran for (stage, microbatch) {sorted(self._pending_w)}"
+                    f"zbpipe: weight passes never ran for (stage, microbatch) {pending}"
                 )
         finally:
             # A failed step must not leak autograd graphs or saved activations into the next one.
-            self._pending_w.clear()
-            for saved in self._saved.values():
-                saved.release_all()
-            self._saved.clear()
+            self.seam.clear()
 
     def attach_meter(self, meter: SavedActivationMeter) -> None:
         """Count this rank's saved-activation bytes with ``meter`` (see :mod:`zbpipe.memory`)."""
-        self._meter = meter
-
-    def _hold_saved(self, stage: Any, mb: int) -> Any:
-        """Own what this forward saves (zbpipe.saved), so B and W can release it early."""
-        if not stage.has_backward or not (self._split_backward or self._meter is not None):
-            return contextlib.nullcontext()
-        saved = SavedTensors(observer=self._meter, skip=param_storages(stage.submod.parameters()))
-        self._saved[(stage.stage_index, mb)] = saved
-        return saved.hooks()
-
-    def _release_saved(self, s: int, mb: int) -> None:
-        saved = self._saved.pop((s, mb), None)
-        if saved is not None:
-            saved.release_all()
+        self.seam.meter = meter
 
     def _wait_recv(self, ops: dict, stage_idx: int, mb: int, what: str) -> None:
         key = (stage_idx, mb)
@@ -269,86 +257,53 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
             )
         C._wait_batch_p2p(ops.pop(key))
 
+    # Compute actions: wait for the receive torch posted, then let the stage seam do the work.
     def _run_forward(self, action: Any, ctx: Any) -> None:
         s, mb = action.stage_index, action.microbatch_index
-        stage = self._stage_by_index[s]
+        stage = self.seam.stages[s]
         self._assert_unsharded(stage)
-        if not stage.is_first and (s - 1) not in self._stage_by_index:
+        if not stage.is_first and (s - 1) not in self.seam.stages:
             self._wait_recv(self.fwd_recv_ops, s, mb, "F")
         return_outputs, loss_kwargs = self._step_opts
-        with self.tracer.span("F", s, mb), self._hold_saved(stage, mb):
+        with self.tracer.span("F", s, mb), self.seam.forward(stage, mb):
             output = stage.forward_one_chunk(
                 mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb], save_forward_output=return_outputs
             )
             self._maybe_compute_loss(stage, output, ctx.target_mbs, mb, loss_kwargs)
-        if (s + 1) in self._stage_by_index:  # V placement: the next stage is local, no send
-            self._stage_by_index[s + 1].set_local_fwd_input(output, mb)
+        self.seam.hand_forward(stage, output, mb)
 
-    def _backward_prologue(self, s: int, mb: int) -> Any:
-        stage = self._stage_by_index[s]
+    def _backward_stage(self, s: int, mb: int) -> Any:
+        stage = self.seam.stages[s]
         self._assert_unsharded(stage)
-        if not stage.is_last and (s + 1) not in self._stage_by_index:
+        if not stage.is_last and (s + 1) not in self.seam.stages:
             self._wait_recv(self.bwd_recv_ops, s, mb, "backward")
         return stage
 
-    def _backward_epilogue(self, stage: Any, mb: int) -> None:
-        prev = self._stage_by_index.get(stage.stage_index - 1)
-        if prev is not None:  # V placement: hand the input gradient to the local previous stage
-            prev.set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
-
     def _run_backward_input(self, action: Any, ctx: Any) -> None:
         s, mb = action.stage_index, action.microbatch_index
-        if not self._stage_by_index[
-            s
-        ].has_backward:  # eval(), or no loss_fn: forward only, like torch
+        if not self.seam.stages[s].has_backward:  # eval(), or no loss_fn: forward only, like torch
             return
-        stage = self._backward_prologue(s, mb)
+        stage = self._backward_stage(s, mb)
         with self.tracer.span("B", s, mb):
-            stage_output, input_values = stage.fwd_cache.pop(mb)
-            if stage.is_last:
-                outputs, output_grads = (self._maybe_get_loss(stage, mb),), None
-            else:
-                outputs, output_grads = stage_output, stage._retrieve_recv_grads(mb)
-            _prepare_fsdp(stage)
-            # Read the parameters after _prepare_fsdp: under FSDP2 it unshards the stage first, so
-            # these are the unsharded tensors the forward used (the graph's leaves).
-            params = [p for p in stage.submod.parameters() if p.requires_grad]
-            grads, weight_grad = backward_input(
-                outputs, output_grads, input_values, params, saved=self._saved.get((s, mb))
-            )
-            self._pending_w[(s, mb)] = weight_grad
-            num_args = len(stage._stage_meta.inputs)
-            stage.bwd_cache[mb] = tuple(grads[:num_args])
-            if stage.is_last and not stage.is_first:
-                # The outputs are only kept to be merged for the user: free their graph now.
-                for t in stage_output:
-                    if isinstance(t, torch.Tensor) and not t._is_view():
-                        t.detach_()
-        self._backward_epilogue(stage, mb)
+            self.seam.backward_input(stage, mb, self._maybe_get_loss(stage, mb))
 
     def _run_backward_weight(self, action: Any, ctx: Any) -> None:
         s, mb = action.stage_index, action.microbatch_index
-        stage = self._stage_by_index[s]
+        stage = self.seam.stages[s]
         if not stage.has_backward:
             return
         self._assert_unsharded(stage)
-        weight_grad = self._pending_w.pop((s, mb))
+        self.backward_counter[s] += 1  # torch counts W and BW alike
         with self.tracer.span("W", s, mb):
-            _prepare_fsdp(stage)
-            weight_grad.run()
-        self._release_saved(s, mb)
+            self.seam.backward_weight(stage, mb)
 
     def _run_full_backward(self, action: Any, ctx: Any) -> None:
         s, mb = action.stage_index, action.microbatch_index
-        stage = self._backward_prologue(s, mb)
+        stage = self._backward_stage(s, mb)
         self.backward_counter[s] += 1
         last = self.backward_counter[s] == self._n_microbatches
         with self.tracer.span("BW", s, mb):
-            stage.backward_one_chunk(
-                mb, loss=self._maybe_get_loss(stage, mb), full_backward=True, last_backward=last
-            )
-        self._release_saved(s, mb)
-        self._backward_epilogue(stage, mb)
+            self.seam.full_backward(stage, mb, self._maybe_get_loss(stage, mb), last)
 
 
 def _check_profile_args(cls: type, costs: Any, profile: Any) -> bool:
@@ -368,34 +323,3 @@ def _check_profile_args(cls: type, costs: Any, profile: Any) -> bool:
             f"{cls.__name__}: profile= only applies with costs='profile'; pass costs='profile' or drop it"
         )
     return False
-
-
-def _prepare_fsdp(stage: Any) -> None:
-    """Prepare an FSDP2 stage for one split backward pass (B or W) of one microbatch.
-
-    1. No gradient reduction inside a microbatch's B or W: the reduce-scatter of a stage follows
-       its LAST W (torch lowers a REDUCE_GRAD action after it, which calls FSDP's post-backward
-       once), not its last B. Mirrors what torch's stage does around its own backward. FSDP2's
-       own hooks stay harmless: its pre-backward hook (on the stage outputs, so it fires in B
-       only) queues a final callback that runs post_backward with sync off (accumulate only),
-       and W's ``autograd.grad`` calls start inside the graph, below every FSDP hook.
-    2. Every FSDP module of the stage is unsharded (a no-op when it already is). With
-       ``reshard_after_forward=True`` a block is resharded after each forward, and FSDP2 then
-       registers the *sharded* DTensor parameters on the module. B must collect the unsharded
-       parameters (the leaves of the forward's graph; FSDP2 keeps those objects across
-       reshards): collected from a resharded block they are DTensors no graph node leads to,
-       and W silently drops their gradients. W may also read a weight (a weight-norm's grad
-       does) whose storage a later microbatch's forward freed. FSDP2's pre-backward hook would
-       all-gather in B anyway; for W it is one extra all-gather when a forward resharded the
-       block in between, the price of ``reshard_after_forward=True`` with a split backward.
-       Every dp rank runs the same plan, so these collectives match across the dp group.
-    """
-    module = stage.submod
-    if not isinstance(module, FSDPModule):
-        return
-    module.set_is_last_backward(False)
-    module.set_reshard_after_backward(False)
-    module.set_requires_gradient_sync(False)
-    for sub in module.modules():
-        if isinstance(sub, FSDPModule):
-            sub.unshard()

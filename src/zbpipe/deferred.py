@@ -1,0 +1,276 @@
+"""Deferred weight gradients: the split backward that costs what a fused backward costs.
+
+The Zero Bubble authors' Megatron code, Megatron-DeepSpeed's ZB-H1, DeepSeek's DualPipe and
+TransformerEngine's delayed wgrad all split the backward the same way, and so does this engine:
+
+* **B** is one ordinary autograd pass over the stage (``torch.autograd.backward``, freeing the
+  graph as it goes). Every patched ``nn.Linear`` on the way computes its input gradient (and
+  its bias gradient, a cheap sum) and, instead of the weight gradient, queues
+  ``(weight, input, grad_output)`` in the :class:`WeightGradStore` of that (stage, microbatch).
+  Everything else (norms, embeddings, custom ``autograd.Function``\\ s, other modules' weights)
+  gets its gradient in B, as in a fused backward.
+* **W** runs the queued GEMMs ``grad_output^T @ input`` with no autograd graph and hands the
+  results to autograd's own ``AccumulateGrad`` in one call, so ``.grad`` accumulates exactly as
+  a fused backward would (layout contract, ``register_post_accumulate_grad_hook``, DTensor
+  placements), a Linear applied twice summing its two products first as autograd's input buffer
+  does.
+
+The weight-gradient GEMMs are most of a transformer's weight-gradient work, and computing them
+in W needs no second walk of the graph: B + W costs one fused backward plus one engine call.
+
+A Linear is patched by swapping its class for a subclass whose ``forward`` reads a
+:class:`StoreSlot` shared by the stage. The runtime fills the slot only around a zbpipe F or B
+of a microbatch that the plan splits; everywhere else (a plain ``loss.backward()``, ``eval()``,
+torch's own schedules, a fused BW) the slot is empty and the module is an ordinary Linear.
+Patching the module, not every op, keeps the cost to one Python check per Linear call.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .saved import Holder, Observer
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DeferredLinear",
+    "StoreSlot",
+    "WeightGradStore",
+    "patch_linears",
+    "unpatch_linears",
+    "weight_census",
+]
+
+
+class WeightGradStore:
+    """The weight-gradient GEMMs queued by one (stage, microbatch)'s B; :meth:`run` them once.
+
+    ``deferring`` is True only while zbpipe's B runs: a patched Linear's backward queues its
+    GEMM then, and computes it on the spot at any other time (a fused backward, a second
+    backward with ``create_graph=True``). ``observer`` (a :class:`zbpipe.memory`
+    meter) is told the bytes the queue keeps alive until W.
+    """
+
+    __slots__ = ("deferring", "_entries", "_observer")
+
+    def __init__(self, observer: Observer | None = None) -> None:
+        self.deferring = False
+        self._entries: list[tuple[Tensor, Holder, Holder, torch.dtype | None]] | None = []
+        self._observer = observer
+
+    @property
+    def done(self) -> bool:
+        return self._entries is None
+
+    @property
+    def num_gemms(self) -> int:
+        """GEMMs :meth:`run` will compute (one per Linear call of the microbatch)."""
+        return len(self._entries or ())
+
+    def put(self, weight: Tensor, x2d: Tensor, g2d: Tensor, dtype: torch.dtype | None) -> None:
+        """Queue ``weight``'s gradient ``g2d^T @ x2d`` (in ``dtype`` under autocast)."""
+        if self._entries is None:
+            raise RuntimeError("zbpipe: a weight gradient was queued after its W ran")
+        self._entries.append(
+            (weight, Holder(x2d, self._observer), Holder(g2d, self._observer), dtype)
+        )
+
+    def run(self) -> None:
+        """W: compute every queued GEMM and accumulate the results into the weights' ``.grad``."""
+        entries = self._entries
+        if entries is None:
+            raise RuntimeError(
+                "zbpipe: WeightGradStore.run() was called twice: the weight pass of a microbatch "
+                "runs once"
+            )
+        self._entries = None  # an exception below still leaves nothing queued
+        weights: list[Tensor] = []
+        sums: list[Tensor] = []
+        slot_of: dict[int, int] = {}
+        with torch.no_grad():
+            for weight, x, g, dtype in entries:
+                dw = _weight_grad(g.tensor, x.tensor, dtype, weight.dtype)
+                x.release()
+                g.release()
+                i = slot_of.setdefault(id(weight), len(weights))
+                if i == len(weights):
+                    weights.append(weight)
+                    sums.append(dw)
+                else:  # the same weight used twice: sum first, like autograd's input buffer
+                    sums[i] = sums[i] + dw
+        if weights:
+            # AccumulateGrad, not `p.grad += g`: the same accumulation, layout and hooks as a fused
+            # backward. A weight computed from a parameter (a parametrization) is not a leaf:
+            # this call then runs its small weight-only graph, which B left alive.
+            torch.autograd.backward(weights, sums)
+
+    def release(self) -> None:
+        """Drop whatever is still queued (a failed step) without computing it."""
+        for _, x, g, _ in self._entries or ():
+            x.release()
+            g.release()
+        self._entries = None
+
+
+class StoreSlot:
+    """Which :class:`WeightGradStore` a stage's patched Linears use right now (None: none)."""
+
+    __slots__ = ("store",)
+
+    def __init__(self) -> None:
+        self.store: WeightGradStore | None = None
+
+
+def _weight_grad(g2d: Tensor, x2d: Tensor, dtype: torch.dtype | None, out: torch.dtype) -> Tensor:
+    # The same GEMM autograd's AddmmBackward runs for a Linear's weight (mm_mat2_backward with a
+    # transposed weight, then TBackward): grad_output^T @ input, bitwise equal to a fused backward.
+    if dtype is not None:
+        return g2d.to(dtype).t().mm(x2d.to(dtype)).to(out)
+    return g2d.t().mm(x2d)
+
+
+class _LinearFunction(torch.autograd.Function):
+    """``F.linear`` whose weight gradient waits in a :class:`WeightGradStore` during B."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, store: WeightGradStore
+    ) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.store = store
+        device = x.device.type
+        # Autocast casts inside F.linear; the backward (which autograd runs without autocast)
+        # must compute in the same dtype, then cast back as autocast's _to_copy backward would.
+        ctx.dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b, _ = ctx.needs_input_grad
+        dtype = ctx.dtype
+        g2d = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_x = grad_w = grad_b = None
+        if need_x:
+            w = weight if dtype is None else weight.to(dtype)
+            grad_x = grad_out.matmul(w)
+            if grad_x.dtype != x.dtype:
+                grad_x = grad_x.to(x.dtype)
+        if need_b:
+            grad_b = g2d.sum(0) if dtype is None else g2d.sum(0).to(weight.dtype)
+        if need_w:
+            x2d = x.reshape(-1, x.shape[-1])
+            if ctx.store.deferring and not torch.is_grad_enabled():
+                ctx.store.put(weight, x2d, g2d, dtype)  # W computes it
+            else:  # a fused backward, or create_graph=True: an ordinary Linear
+                grad_w = _weight_grad(g2d, x2d, dtype, weight.dtype)
+        return grad_x, grad_w, grad_b, None
+
+
+class DeferredLinear(nn.Linear):
+    """An ``nn.Linear`` whose weight gradient W can compute later (see the module docstring).
+
+    Made by :func:`patch_linears` (which swaps the class of existing modules; parameters,
+    hooks and state dict are untouched); identical to ``nn.Linear`` while its slot is empty.
+    """
+
+    _zbpipe_slot: StoreSlot
+
+    def forward(self, input: Tensor) -> Tensor:
+        store = self._zbpipe_slot.store
+        if store is None:
+            return F.linear(input, self.weight, self.bias)
+        return _LinearFunction.apply(input, self.weight, self.bias, store)
+
+
+@functools.cache
+def _deferred_class(cls: type) -> type:
+    """``DeferredLinear`` for ``nn.Linear``; for another subclass that keeps Linear's forward
+    (FSDP2's ``FSDPLinear``, say), a subclass of it with the deferred forward."""
+    if cls is nn.Linear:
+        return DeferredLinear
+    return type(f"Deferred{cls.__name__}", (cls,), {"forward": DeferredLinear.forward})
+
+
+def _patchable(module: nn.Module) -> bool:
+    if "_zbpipe_unpatched" in module.__dict__:  # patched already
+        return True
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """``torch.compile(module)`` (an ``OptimizedModule``) or in-place ``module.compile()``."""
+    return (
+        type(module).__name__ == "OptimizedModule"
+        or getattr(module, "_compiled_call_impl", None) is not None
+    )
+
+
+def _linears(module: nn.Module) -> list[nn.Module]:
+    """Patchable Linears of ``module``, skipping compiled subtrees.
+
+    A compiled region is one opaque autograd node: its Linears' weight gradients are computed in
+    B with the rest of the region, whatever class they have.
+    """
+    if is_compiled(module):
+        return []
+    if _patchable(module):
+        return [module]
+    return [lin for child in module.children() for lin in _linears(child)]
+
+
+def patch_linears(module: nn.Module, slot: StoreSlot) -> int:
+    """Make every patchable Linear under ``module`` a deferred one reading ``slot``.
+
+    Patches ``nn.Linear`` and subclasses that keep its ``forward``; skips compiled subtrees.
+    Patching again (a second schedule on the same modules) points the Linears at the new slot.
+    Returns the number of Linears patched.
+    """
+    found = _linears(module)
+    for lin in found:
+        if "_zbpipe_unpatched" not in lin.__dict__:
+            lin._zbpipe_unpatched = type(lin)  # type: ignore[assignment]
+            lin.__class__ = _deferred_class(type(lin))
+        lin._zbpipe_slot = slot  # type: ignore[assignment]
+    return len(found)
+
+
+def unpatch_linears(module: nn.Module) -> int:
+    """Give every Linear :func:`patch_linears` patched under ``module`` its class back."""
+    n = 0
+    for sub in module.modules():
+        original = sub.__dict__.pop("_zbpipe_unpatched", None)
+        if original is not None:
+            sub.__class__ = original
+            sub.__dict__.pop("_zbpipe_slot", None)
+            n += 1
+    return n
+
+
+def weight_census(module: nn.Module) -> tuple[int, int]:
+    """(elements of patchable Linear weights, elements of other matrix-like weights).
+
+    "Other" counts parameters with two or more dimensions outside patchable Linears and outside
+    ``nn.Embedding`` (an embedding's gradient is a scatter of rows, not a GEMM): the weight
+    work the deferred engine leaves in B. ``split="auto"`` compares the two.
+    """
+    in_linears = {id(p) for lin in _linears(module) for p in lin.parameters()}
+    in_embeddings = {
+        id(p) for m in module.modules() if isinstance(m, nn.Embedding) for p in m.parameters()
+    }
+    linear = other = 0
+    for p in module.parameters():
+        if not p.requires_grad:
+            continue
+        if id(p) in in_linears:
+            linear += p.numel() if p.dim() >= 2 else 0
+        elif p.dim() >= 2 and id(p) not in in_embeddings:
+            other += p.numel()
+    return linear, other

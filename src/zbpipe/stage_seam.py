@@ -1,0 +1,272 @@
+"""The stage seam: everything one compute action does to a torch ``PipelineStage``.
+
+Both runtimes (:mod:`zbpipe.runtime` for planned schedules, :mod:`zbpipe.continuous` for the
+flush-free one) wait for their receives and post their sends themselves, then call this seam for
+the compute, so F, B (with either engine), W and BW are written once:
+
+* **F**: :meth:`StageSeam.forward` wraps the stage's forward. It owns what the forward saves
+  (:mod:`zbpipe.saved`) when the graph engine or a memory meter needs it, and, with the deferred
+  engine, opens the microbatch's :class:`~zbpipe.deferred.WeightGradStore` for the stage's
+  Linears. :meth:`~StageSeam.hand_forward` passes the output to a local next stage (V
+  placement: no send).
+* **B**: :meth:`StageSeam.backward_input` takes the stage output and its gradient (or the
+  loss), runs the engine's input pass, fills the stage's ``bwd_cache`` for the send, frees what
+  only B needed, and hands the input gradient to a local previous stage.
+* **W**: :meth:`StageSeam.backward_weight` runs the pending weight pass, then frees what it held.
+* **BW**: :meth:`StageSeam.full_backward`, torch's fused backward.
+
+Two engines (:mod:`zbpipe.deferred`, :mod:`zbpipe.backward`; docs/backward.md says when each is
+right): ``"deferred"`` makes B one ordinary autograd pass in which Linears queue their weight
+GEMMs for W; ``"graph"`` asks autograd for the input edges in B and re-enters the graph per
+weight region in W. Keys are ``(stage_index, microbatch)``, the microbatch being whatever index
+the stage's caches use (the step's for planned schedules, a global one for continuous).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Container, Iterator, Sequence
+from typing import Any, Literal
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+from . import _compat as C
+from .backward import WeightGrad, backward_full, backward_input
+from .deferred import StoreSlot, WeightGradStore, patch_linears, weight_census
+from .saved import Observer, SavedTensors, param_storages
+
+logger = logging.getLogger(__name__)
+
+Engine = Literal["deferred", "graph"]
+Split = Literal["auto", "deferred", "graph"]
+SPLITS: tuple[str, ...] = ("auto", "deferred", "graph")
+Key = tuple[int, int]
+
+
+class _EveryKey:
+    """``split_keys`` of a runtime whose every backward is split (the continuous schedule)."""
+
+    def __contains__(self, key: object) -> bool:
+        return True
+
+
+EVERY_KEY: Container[Key] = _EveryKey()
+
+
+def choose_engine(split: str, stages: Sequence[Any], owner: str) -> Engine:
+    """The engine for ``split``: ``"auto"`` is deferred unless most weight work is not in Linears.
+
+    ``auto`` counts weight elements (:func:`zbpipe.deferred.weight_census`): where matrix-like
+    weights outside ``nn.Linear`` (convolutions, custom matmuls) outnumber the Linears', the
+    deferred engine would leave most weight-gradient work in B, so the graph engine is chosen
+    and a log line says why.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"{owner}: split must be one of {SPLITS}, got {split!r}")
+    if split != "auto":
+        return split  # type: ignore[return-value]
+    linear = other = 0
+    for st in stages:
+        a, b = weight_census(st.submod)
+        linear, other = linear + a, other + b
+    if other > linear:
+        logger.info(
+            "zbpipe %s: split='auto' chose the graph engine: %d weight elements are outside "
+            "nn.Linear against %d inside, so deferring Linear GEMMs would leave most weight "
+            "work in B; pass split='deferred' to override",
+            owner,
+            other,
+            linear,
+        )
+        return "graph"
+    return "deferred"
+
+
+class StageSeam:
+    """Runs F, B, W and BW of this rank's stages with one backward engine.
+
+    ``split_keys``: the ``(stage, microbatch)`` keys whose backward the plan splits into B and
+    W (the others run a fused BW, which needs neither a store nor early release).
+    """
+
+    def __init__(self, stages: Sequence[Any], engine: Engine) -> None:
+        self.engine: Engine = engine
+        self.stages = {st.stage_index: st for st in stages}
+        self.split_keys: Container[Key] = ()
+        self.meter: Observer | None = None
+        self._pending: dict[Key, WeightGrad | WeightGradStore] = {}
+        self._saved: dict[Key, SavedTensors] = {}
+        self._stores: dict[Key, WeightGradStore] = {}
+        self._slots: dict[int, StoreSlot] = {}
+        if engine == "deferred":
+            for st in stages:
+                slot = self._slots[st.stage_index] = StoreSlot()
+                n = patch_linears(st.submod, slot)
+                logger.debug("zbpipe: stage %d: %d Linears defer their W", st.stage_index, n)
+
+    # ------------------------------------------------------------------ F
+    @contextlib.contextmanager
+    def forward(self, stage: Any, mb: int) -> Iterator[None]:
+        """Around the forward of ``stage`` on microbatch ``mb`` (and its loss, on the last stage)."""
+        key = (stage.stage_index, mb)
+        split = key in self.split_keys and stage.has_backward
+        with contextlib.ExitStack() as scope:
+            if stage.has_backward and (
+                (split and self.engine == "graph") or self.meter is not None
+            ):
+                skip = param_storages(stage.submod.parameters())
+                saved = self._saved[key] = SavedTensors(observer=self.meter, skip=skip)
+                scope.enter_context(saved.hooks())
+            if split and self.engine == "deferred":
+                store = self._stores[key] = WeightGradStore(observer=self.meter)
+                scope.enter_context(self._slot_holding(stage, store))
+            yield
+
+    def hand_forward(self, stage: Any, output: Any, mb: int) -> None:
+        """V placement: the next stage is on this rank, so it gets the output without a send."""
+        nxt = self.stages.get(stage.stage_index + 1)
+        if nxt is not None:
+            nxt.set_local_fwd_input(output, mb)
+
+    # ------------------------------------------------------------------ B
+    def backward_input(
+        self,
+        stage: Any,
+        mb: int,
+        loss: torch.Tensor | None,
+        params: Callable[[], list[torch.Tensor]] | None = None,
+    ) -> None:
+        """B of ``stage`` on ``mb``: input gradients into ``bwd_cache``, the weight pass pending.
+
+        ``loss``: the microbatch's loss on the last stage (else the received output gradients
+        are used). ``params``: the weights W computes (default: the stage module's parameters,
+        read after FSDP unsharded them); the graph engine needs them, the deferred one queues
+        whatever weights its Linears used.
+        """
+        key = (stage.stage_index, mb)
+        stage_output, input_values = stage.fwd_cache.pop(mb)
+        if stage.is_last:
+            outputs, output_grads = (loss,), None
+        else:
+            outputs, output_grads = stage_output, C.received_grads(stage, mb)
+        _prepare_fsdp(stage, unshard=True)
+        saved = self._saved.get(key)
+        if self.engine == "deferred":
+            store = self._stores.pop(key)
+            # Activation checkpointing recomputes forwards inside this pass: they must reach the
+            # same store (and the same autograd.Function) as the original forward did.
+            with self._slot_holding(stage, store):
+                store.deferring = True
+                try:
+                    grads = backward_full(outputs, output_grads, input_values)
+                finally:
+                    store.deferring = False
+            self._pending[key] = store
+            if saved is not None:  # B freed the graph; only the store's tensors remain
+                saved.release_all()
+        else:
+            weights = params() if params is not None else _trainable(stage)
+            grads, self._pending[key] = backward_input(
+                outputs, output_grads, input_values, weights, saved=saved
+            )
+        if not stage.is_first:
+            stage.bwd_cache[mb] = tuple(grads[: C.num_stage_inputs(stage)])
+        if stage.is_last and not stage.is_first:
+            # The outputs are only kept to be merged for the user: free their graph now.
+            for t in stage_output:
+                if isinstance(t, torch.Tensor) and not t._is_view():
+                    t.detach_()
+        self._hand_backward(stage, mb)
+
+    # ------------------------------------------------------------------ W
+    def backward_weight(self, stage: Any, mb: int) -> None:
+        """W of ``stage`` on ``mb``: accumulate the weight gradients B left pending."""
+        key = (stage.stage_index, mb)
+        # The graph engine re-enters the graph (a weight-norm's gradient reads the weight); the
+        # deferred one reads only queued activations, so a resharded FSDP block stays sharded.
+        _prepare_fsdp(stage, unshard=self.engine == "graph")
+        self._pending.pop(key).run()
+        self.release(key)
+
+    # ------------------------------------------------------------------ BW
+    def full_backward(
+        self, stage: Any, mb: int, loss: torch.Tensor | None, last_backward: bool
+    ) -> None:
+        """BW, torch's fused backward of ``stage`` on ``mb`` (weights accumulate at once)."""
+        stage.backward_one_chunk(mb, loss=loss, full_backward=True, last_backward=last_backward)
+        self.release((stage.stage_index, mb))
+        self._hand_backward(stage, mb)
+
+    # ------------------------------------------------------------------ bookkeeping
+    def release(self, key: Key) -> None:
+        """Free what the forward of ``key`` saved (after its last backward pass)."""
+        saved = self._saved.pop(key, None)
+        if saved is not None:
+            saved.release_all()
+
+    def pending_weight_passes(self) -> list[Key]:
+        return sorted(self._pending)
+
+    def clear(self) -> None:
+        """Drop every pending pass and saved tensor (a step ended, or failed midway)."""
+        for pending in self._pending.values():
+            if isinstance(pending, WeightGradStore):
+                pending.release()
+        for store in self._stores.values():
+            store.release()
+        self._pending.clear()
+        self._stores.clear()
+        for saved in self._saved.values():
+            saved.release_all()
+        self._saved.clear()
+
+    def _hand_backward(self, stage: Any, mb: int) -> None:
+        prev = self.stages.get(stage.stage_index - 1)
+        if prev is not None:  # V placement: hand the input gradient to the local previous stage
+            prev.set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
+
+    @contextlib.contextmanager
+    def _slot_holding(self, stage: Any, store: WeightGradStore) -> Iterator[None]:
+        slot = self._slots[stage.stage_index]
+        slot.store = store
+        try:
+            yield
+        finally:
+            slot.store = None
+
+
+def _trainable(stage: Any) -> list[torch.Tensor]:
+    return [p for p in stage.submod.parameters() if p.requires_grad]
+
+
+def _prepare_fsdp(stage: Any, unshard: bool) -> None:
+    """Prepare an FSDP2 stage for one split backward pass (B or W) of one microbatch.
+
+    1. No gradient reduction inside a microbatch's B or W: the reduce-scatter of a stage follows
+       its LAST W (torch lowers a REDUCE_GRAD action after it, which calls FSDP's post-backward
+       once), not its last B. Mirrors what torch's stage does around its own backward. FSDP2's
+       own hooks stay harmless: its pre-backward hook (on the stage outputs, so it fires in B
+       only) queues a final callback that runs post_backward with sync off (accumulate only).
+    2. With ``unshard``, every FSDP module of the stage is unsharded (a no-op when it already
+       is). With ``reshard_after_forward=True`` a block is resharded after each forward, and
+       FSDP2 then registers the *sharded* DTensor parameters on the module. The graph engine's
+       B must collect the unsharded parameters (the leaves of the forward's graph; FSDP2 keeps
+       those objects across reshards): collected from a resharded block they are DTensors no
+       graph node leads to, and W silently drops their gradients. Its W may also read a weight
+       (a weight-norm's grad does) whose storage a later microbatch's forward freed: one
+       all-gather per W, the price of ``reshard_after_forward=True`` with the graph engine.
+       The deferred engine's W reads no weight (its GEMMs take activations and gradients),
+       so it does not unshard. Every dp rank runs the same plan, so collectives match.
+    """
+    module = stage.submod
+    if not isinstance(module, FSDPModule):
+        return
+    module.set_is_last_backward(False)
+    module.set_reshard_after_backward(False)
+    module.set_requires_gradient_sync(False)
+    if unshard:
+        for sub in module.modules():
+            if isinstance(sub, FSDPModule):
+                sub.unshard()
