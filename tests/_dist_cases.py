@@ -73,20 +73,36 @@ def grads_cases(rank, world, cases):
     return [grads_match_reference(rank, world, s, m, o) for s, m, o in cases]
 
 
+def _torch_1f1b_grads(rank, world, m, mods, ids, tgt):
+    """torch's own Schedule1F1B on this rank's stage: the reference zbpipe did not write."""
+    from torch.distributed.pipelining import Schedule1F1B
+
+    stage = PipelineStage(mods[rank], rank, world, torch.device("cpu"))
+    sched = Schedule1F1B(stage, m, loss_fn=lm_loss)
+    sched.step(*((ids,) if rank == 0 else ()), target=tgt if rank == world - 1 else None)
+    return [p.grad.clone() for p in mods[rank].parameters()]
+
+
 def bitwise_equal_to_1f1b(rank, world, m):
-    """ZBH1(exact=True) gives gradients bitwise equal to 1F1B's on the same model and data."""
+    """ZBH1(exact=True) gives gradients bitwise equal to 1F1B's on the same model and data: both
+    zbpipe's Schedule1F1BMulti and torch's own Schedule1F1B."""
     num_stages = world
+    cfg = TinyGPTConfig(tricky=False)
     out = {}
     for name, opts in (("Schedule1F1BMulti", {}), ("ScheduleZBH1", {"exact": True})):
-        mods = build_stages(TinyGPTConfig(tricky=False), num_stages, seed=3)
-        ids, tgt = synthetic_batch(TinyGPTConfig(tricky=False), batch=2 * m, step=3)
+        mods = build_stages(cfg, num_stages, seed=3)
+        ids, tgt = synthetic_batch(cfg, batch=2 * m, step=3)
         mine, _, _ = run_pipeline_step(
             rank, world, getattr(zbpipe, name), m, mods, ids, tgt, **opts
         )
         out[name] = [p.grad.clone() for s in mine for p in mods[s].parameters()]
-    diffs = [torch.equal(a, b) for a, b in zip(out["Schedule1F1BMulti"], out["ScheduleZBH1"])]
-    assert all(diffs), f"rank {rank}: {diffs.count(False)} of {len(diffs)} grads differ from 1F1B"
-    return len(diffs)
+    mods = build_stages(cfg, num_stages, seed=3)
+    ids, tgt = synthetic_batch(cfg, batch=2 * m, step=3)
+    out["torch Schedule1F1B"] = _torch_1f1b_grads(rank, world, m, mods, ids, tgt)
+    for ref in ("Schedule1F1BMulti", "torch Schedule1F1B"):
+        same = [torch.equal(a, b) for a, b in zip(out[ref], out["ScheduleZBH1"], strict=True)]
+        assert all(same), f"rank {rank}: {same.count(False)} of {len(same)} grads differ from {ref}"
+    return len(out["ScheduleZBH1"])
 
 
 def construction_errors(rank, world):
