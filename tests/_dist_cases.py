@@ -339,3 +339,49 @@ def nonfinite_loss_reported(rank, world):
     sched = ScheduleZBH1([stage], 4, loss_fn=loss_fn)
     sched.step(*((ids,) if rank == 0 else ()), target=tgt if rank == world - 1 else None)
     return sched.nonfinite_microbatches
+
+
+def _v_chunk(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+
+
+def _mean_loss(out, target):
+    return out.mean()  # saves no tensor, so only the chunks' activations are counted
+
+
+def v_saved_peak_within_budget(rank, world, m, modes):
+    """Per memory mode: (peak saved bytes on this rank, budget in bytes, simulated peak in bytes).
+
+    Uniform chunks, so the plan's unit (one chunk's forward, ``Costs.mem_f = 1``) is measured
+    here on a standalone forward of one microbatch, independently of any schedule.
+    """
+    from zbpipe.memory import SavedActivationMeter
+    from zbpipe.planning import simulate
+    from zbpipe.saved import SavedTensors, param_storages
+
+    rows = 8
+    probe, unit = _v_chunk(0), SavedActivationMeter()
+    with SavedTensors(observer=unit, skip=param_storages(probe.parameters())).hooks():
+        probe(torch.randn(rows, 64, requires_grad=True))
+    chunk_bytes = unit.peak_bytes
+    out = {}
+    n_stages = 2 * world
+    mine = (rank, n_stages - 1 - rank)
+    x = torch.randn(m * rows, 64)
+    for mode in modes:
+        stages = [PipelineStage(_v_chunk(s), s, n_stages, torch.device("cpu")) for s in mine]
+        sched = zbpipe.ScheduleZBV(stages, m, loss_fn=_mean_loss, memory=mode)
+        meter = SavedActivationMeter()
+        sched.attach_meter(meter)
+        meter.begin_step()
+        sched.step(*((x,) if rank == 0 else ()), target=x if rank == 0 else None)
+        sim = simulate(sched.plan, zbpipe.Costs())  # default memory: F allocates 1, W frees it
+        out[mode] = (
+            meter.end_step().peak_bytes,
+            sched.plan.meta["memory_budget"] * chunk_bytes,
+            sim.peak_memory[rank] * chunk_bytes,
+        )
+    # Stage 0's saved inputs are views of the one batch tensor x; the meter counts a storage
+    # whole, once, so the rank holding stage 0 may show up to x's bytes more than the plan's units.
+    return out, x.untyped_storage().nbytes() if rank == 0 else 0
