@@ -9,7 +9,8 @@ records one case where they are slower, so the README cannot drift back to promi
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from zbpipe.planning import Costs, simulate
 from zbpipe.planning.auto import plan_zb1p, plan_zb2p
