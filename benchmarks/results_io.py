@@ -1,0 +1,56 @@
+"""Write a benchmark's result to benchmarks/results/<name>.json with where and when it was measured.
+
+Every number quoted in README.md and docs/*.md must appear in one of these files
+(tests/test_docs_numbers.py checks it). A script calls ``write_result("my_bench", data)``: the
+file gets ``data`` plus a ``meta`` block (machine, torch version, date, command line), so a reader
+can tell a number from a quiet GPU machine from one taken on a shared 2-core box.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> str:
+    """CPU count, platform and accelerator, in words (no host name)."""
+    words = f"{os.cpu_count()} CPUs, {platform.machine()}, {platform.system()}"
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            words += f", {torch.cuda.get_device_name(0)}"
+    except ImportError:
+        pass
+    return words
+
+
+def meta() -> dict[str, str]:
+    try:
+        import torch
+
+        torch_version = torch.__version__
+    except ImportError:  # the simulator scripts need no torch
+        torch_version = "not installed (simulator only)"
+    return {
+        "machine": machine(),
+        "torch": torch_version,
+        "python": platform.python_version(),
+        "date": datetime.date.today().isoformat(),
+        "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+    }
+
+
+def write_result(name: str, data: dict[str, Any], path: str | Path | None = None) -> Path:
+    """Write ``data`` and a ``meta`` block to ``benchmarks/results/<name>.json`` (or ``path``)."""
+    out = Path(path) if path is not None else RESULTS / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta(), **data}, indent=1) + "\n")
+    return out

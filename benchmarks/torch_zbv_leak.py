@@ -1,0 +1,121 @@
+"""Minimal reproduction: torch's ScheduleZBVZeroBubble keeps saved tensors alive across steps.
+
+Run: ``PYTHONPATH=src python benchmarks/torch_zbv_leak.py [--steps 6]`` (2 gloo ranks, about a
+minute on 2 shared cores); prints a table and writes benchmarks/results/torch_zbv_leak.json.
+
+2 ranks, V placement, 4 chunks of Linear(256)-GELU-Linear(256), 64 rows per microbatch, m = 4.
+Each step is measured two ways:
+  * ``SavedActivationMeter`` (begin_step / end_step): the step's own peak of saved bytes, and the
+    bytes it saved that are still alive after the step and a ``gc.collect()`` (per-step growth);
+  * an independent count: a weak reference to every tensor saved during the step (wrapped around
+    ``zbpipe.saved.SavedTensors._pack``, which both the meter's torch hook and zbpipe's runtime use),
+    counted alive after the step and ``gc.collect()``.
+The two must agree on who leaks. Memory only: nothing here is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import weakref
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+HIDDEN, ROWS, M = 256, 64, 4
+
+
+def _chunk(seed: int):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, HIDDEN))
+
+
+def _loss(out, target):
+    return ((out - target) ** 2).mean()
+
+
+def measure(rank: int, world: int, schedule: str, steps: int) -> list[dict]:
+    """Per step on this rank: meter peak / retained / carried bytes and alive saved tensors."""
+    import torch
+    from torch.distributed.pipelining import PipelineStage, ScheduleZBVZeroBubble
+
+    import zbpipe
+    from zbpipe.memory import SavedActivationMeter
+    from zbpipe.saved import SavedTensors, storage_ptr
+
+    saved_refs: list[weakref.ref] = []
+    pack = SavedTensors._pack
+
+    def counting_pack(self, t):
+        if storage_ptr(t) not in self._skip:  # parameters live on by design: not activations
+            saved_refs.append(weakref.ref(t))
+        return pack(self, t)
+
+    SavedTensors._pack = counting_pack  # this process only
+    n_stages = 2 * world
+    mine = (rank, n_stages - 1 - rank)
+    stages = [PipelineStage(_chunk(s), s, n_stages, torch.device("cpu")) for s in mine]
+    meter = SavedActivationMeter()
+    if schedule == "torch:ZBVZeroBubble":
+        for st in stages:
+            meter.attach(st)
+        sched = ScheduleZBVZeroBubble(stages, M, loss_fn=_loss)
+    else:
+        memory = {"ZBV": "zb", "ZBVHalf": "half", "ZBVMin": "min"}[schedule]
+        sched = zbpipe.ScheduleZBV(stages, M, loss_fn=_loss, memory=memory)
+        sched.attach_meter(meter)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(M * ROWS, HIDDEN, generator=gen)
+    y = torch.randn(M * ROWS, HIDDEN, generator=gen)
+    rows = []
+    for _ in range(steps):
+        saved_refs.clear()
+        meter.begin_step()
+        sched.step(*((x,) if rank == 0 else ()), target=y if rank == 0 else None)
+        gc.collect()
+        s = meter.end_step()
+        alive = [r() for r in saved_refs]
+        alive = [t for t in alive if t is not None]
+        rows.append(
+            {
+                "peak_bytes": s.peak_bytes,
+                "retained_bytes": s.retained_bytes,
+                "carried_bytes": s.carried_bytes,
+                "saved_tensors": len(saved_refs),
+                "alive_tensors": len(alive),
+                "alive_bytes": sum(t.untyped_storage().nbytes() for t in alive),
+            }
+        )
+    SavedTensors._pack = pack
+    return rows
+
+
+def main() -> None:
+    from results_io import write_result
+
+    from zbpipe.testing import run_ranks
+
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--steps", type=int, default=6)
+    args = ap.parse_args()
+    mib = 2**20
+    out = {}
+    for schedule in ("torch:ZBVZeroBubble", "ZBV"):
+        per_rank = run_ranks(measure, 2, schedule, args.steps, timeout=600)
+        out[schedule] = {f"rank{r}": rows for r, rows in enumerate(per_rank)}
+        for r, rows in enumerate(per_rank):
+            peaks = " ".join(f"{x['peak_bytes'] / mib:.2f}" for x in rows)
+            grow = " ".join(f"{x['retained_bytes'] / mib:.2f}" for x in rows)
+            alive = " ".join(str(x["alive_tensors"]) for x in rows)
+            print(f"{schedule:20s} rank {r}: peak MiB/step {peaks} | retained MiB/step {grow}")
+            print(f"{'':20s}         alive saved tensors after each step: {alive}")
+    config = {"hidden": HIDDEN, "rows": ROWS, "microbatches": M, "ranks": 2, "steps": args.steps}
+    print(f"wrote {write_result('torch_zbv_leak', {'config': config, 'results': out})}")
+
+
+if __name__ == "__main__":
+    main()
