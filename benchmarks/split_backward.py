@@ -1,282 +1,258 @@
-"""Cost of the split backward (B + W) against the fused backward, zbpipe's and torch's split.
+"""What splitting the backward costs: B + W of each engine against one fused backward.
 
-A stage is a stack of Linear+GELU layers. For each hidden size and for a middle stage (input
-requires grad) and stage 0 (it does not), one repetition times, on fresh forwards:
-  fused    torch.autograd.backward                      (B_full)
-  zbpipe   backward_input, then WeightGrad.run           (B, W)
-  torch    stage_backward_input, stage_backward_weight   (I, W) on a middle stage; on stage 0
-           what torch's PipelineStage does there: I is skipped and W is a full stage_backward
-           (stage_backward_input/weight alone leave stage 0's parameters without gradients)
-The three are interleaved within each repetition; medians (and min/max) over repetitions.
+Zero bubble only pays if B + W costs what the fused backward costs. For each stage below, every
+repetition runs, on fresh forwards of the same module and data, interleaved in a rotating order:
 
-    PYTHONPATH=src python benchmarks/split_backward.py [--reps 15] [--clock cpu|wall] [--out PATH]
+  fused     torch.autograd.backward (the stage's ordinary backward)
+  deferred  zbpipe's deferred engine: B = one autograd pass in which Linears queue their weight
+            GEMMs, W = WeightGradStore.run (zbpipe.deferred)
+  graph     zbpipe's graph engine: B = autograd.grad to the inputs, W = WeightGrad.run
+            (zbpipe.backward)
+  torch     torch's stage_backward_input / stage_backward_weight (a middle stage only: on stage
+            0 torch skips I and runs a whole backward in W)
 
-``--overhead`` instead measures W's engine overhead where matmuls are tiny (what dominates on a
-GPU): W and B against the fused backward, and the ``autograd.grad`` calls W makes, on residual
-stacks of 16-wide layers (a chain: x + gelu(lin(x)); and gated: x + down(silu(gate(x)) * up(x)),
-whose gate/up projections W batches into one call) and on a TinyGPT transformer-block stage.
+Stages: Linear+GELU stacks (hidden 256 and 1024; 32 and 512 rows; a middle stage, whose input
+needs a gradient, and stage 0, whose input does not) and Llama-style blocks (RMSNorm, causal
+SDPA, SwiGLU; benchmarks/llama_blocks.py). Reported: medians (min, max) of (B + W) / fused over
+repetitions, each pass's time, and the largest gradient difference from the fused backward.
+
+On CPU the clock is the thread's CPU time (one intra-op thread: the compute a pass costs, not
+time another process took the core). On CUDA each pass reports device time (CUDA events) and host
+time (the Python and launch cost, which a fast GPU cannot hide when it exceeds the kernels).
+
+    PYTHONPATH=src python benchmarks/split_backward.py [--reps 15] [--quick]
+    PYTHONPATH=src python benchmarks/split_backward.py --device cuda --dtype bfloat16
+
+Writes benchmarks/results/split_backward[_cuda].json; docs/benchmarks.md records what we saw.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.pipelining._backward import (
-    stage_backward,
-    stage_backward_input,
-    stage_backward_weight,
-)
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-from zbpipe.backward import backward_input
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-CONFIGS = [(256, 4096), (1024, 1024)]  # (hidden, rows): one layer's matmul takes several ms
+from llama_blocks import build_chunks  # noqa: E402
+from results_io import write_result  # noqa: E402
+
+from zbpipe.backward import backward_full, backward_input  # noqa: E402
+from zbpipe.deferred import StoreSlot, WeightGradStore, patch_linears  # noqa: E402
+
+ENGINES = ("fused", "deferred", "graph", "torch")
 
 
-def _stack(hidden: int, layers: int) -> nn.Module:
+def linear_stack(hidden: int, layers: int = 4) -> nn.Module:
     mods: list[nn.Module] = []
     for _ in range(layers):
         mods += [nn.Linear(hidden, hidden), nn.GELU()]
     return nn.Sequential(*mods)
 
 
-def _forward(m: nn.Module, x0: torch.Tensor, first: bool):
-    x = x0.detach().clone().requires_grad_(not first)
-    return m(x), x
-
-
-# Thread CPU time is the default clock: with one intra-op thread it is the compute a pass costs,
-# and it does not count time the core was taken by another process (this 2-core machine is shared).
-CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
-
-
-def _timer(clock):
-    def timed(fn) -> float:
-        t = clock()
-        fn()
-        return clock() - t
-
-    return timed
-
-
-def _one_rep(m, x0, g, first, clock) -> dict[str, float]:
-    _time = _timer(clock)
-    params = list(m.parameters())
-    r: dict[str, float] = {}
-    m.zero_grad(set_to_none=True)
-    out, x = _forward(m, x0, first)
-    r["fused"] = _time(lambda: torch.autograd.backward([out], [g]))
-    del out, x
-
-    m.zero_grad(set_to_none=True)
-    out, x = _forward(m, x0, first)
-    holder = {}
-    r["zb_B"] = _time(lambda: holder.setdefault("w", backward_input([out], [g], [x], params)[1]))
-    r["zb_W"] = _time(holder["w"].run)
-    del out, x, holder
-
-    m.zero_grad(set_to_none=True)
-    out, x = _forward(m, x0, first)
-    holder = {}
-    if (
-        first
-    ):  # torch/distributed/pipelining/stage.py: backward_one_chunk / backward_weight_one_chunk
-        r["torch_I"] = _time(lambda: None)
-        r["torch_W"] = _time(lambda: stage_backward([out], [g], [x]))
-    else:
-        r["torch_I"] = _time(
-            lambda: holder.setdefault("pg", stage_backward_input([out], [g], [x], iter(params))[1])
-        )
-        r["torch_W"] = _time(lambda: stage_backward_weight(iter(params), holder["pg"]))
-    del out, x, holder
-    return r
-
-
-def _check_equal(m: nn.Module, x0: torch.Tensor, g: torch.Tensor, first: bool) -> None:
-    """The timed zbpipe path computes the fused gradients (bitwise: no weight reuse here)."""
-    params = list(m.parameters())
-    m.zero_grad(set_to_none=True)
-    out, x = _forward(m, x0, first)
-    torch.autograd.backward([out], [g])
-    ref = [p.grad for p in params]
-    m.zero_grad(set_to_none=True)
-    out, x = _forward(m, x0, first)
-    backward_input([out], [g], [x], params)[1].run()
-    if not all(torch.equal(p.grad, r) for p, r in zip(params, ref)):
-        raise RuntimeError("zbpipe's split gradients differ from the fused backward")
-    m.zero_grad(set_to_none=True)
-
-
-def run(reps: int, layers: int, warmup: int, clock) -> list[dict]:
-    rows = []
-    for hidden, rows_n in CONFIGS:
-        torch.manual_seed(0)
-        m = _stack(hidden, layers)
-        x0 = torch.randn(rows_n, hidden)
-        g = torch.randn(rows_n, hidden)
+def cases(quick: bool, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    """(name, module factory, input shape, first) for every stage measured."""
+    out = []
+    linear = [(256, 32), (1024, 32)] if quick else [(256, 32), (256, 512), (1024, 32), (1024, 512)]
+    for hidden, rows in linear:
         for first in (False, True):
-            _check_equal(m, x0, g, first)
-            for _ in range(warmup):
-                _one_rep(m, x0, g, first, clock)
-            samples = [_one_rep(m, x0, g, first, clock) for _ in range(reps)]
-            ratio_zb = [(s["zb_B"] + s["zb_W"]) / s["fused"] for s in samples]
-            ratio_t = [(s["torch_I"] + s["torch_W"]) / s["fused"] for s in samples]
-            med = {k: statistics.median(s[k] for s in samples) * 1e3 for k in samples[0]}
-            rows.append(
+            out.append(
                 {
-                    "hidden": hidden,
-                    "rows": rows_n,
-                    "layers": layers,
-                    "stage": "stage0" if first else "middle",
-                    "reps": reps,
-                    "median_ms": med,
-                    "zbpipe_ratio": _stats(ratio_zb),
-                    "torch_ratio": _stats(ratio_t),
-                    "zbpipe_B_share": med["zb_B"] / (med["zb_B"] + med["zb_W"]),
-                    "torch_I_share": med["torch_I"] / (med["torch_I"] + med["torch_W"]),
+                    "name": f"linear h{hidden} rows{rows} {'stage0' if first else 'middle'}",
+                    "make": lambda h=hidden: linear_stack(h),
+                    "shape": (rows, hidden),
+                    "first": first,
                 }
             )
-    return rows
-
-
-def _stats(xs: list[float]) -> dict[str, float]:
-    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs)}
-
-
-def _print(rows: list[dict]) -> None:
-    head = (
-        f"{'hidden':>6} {'rows':>5} {'stage':>6} | {'fused':>7} {'zb B':>7} {'zb W':>7} "
-        f"{'zb ratio':>18} {'B share':>7} | {'torch I':>7} {'torch W':>7} {'torch ratio':>18} "
-        f"{'I share':>7}"
+    llama = (
+        [(256, 128, 2)]
+        if device.type == "cpu"
+        else [(h, min(h, 4096), 2) for h in (1024, 2048, 4096)]
     )
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        t = r["median_ms"]
-        zr, tr = r["zbpipe_ratio"], r["torch_ratio"]
-        print(
-            f"{r['hidden']:>6} {r['rows']:>5} {r['stage']:>6} | {t['fused']:7.2f} {t['zb_B']:7.2f} "
-            f"{t['zb_W']:7.2f} {zr['median']:6.3f} [{zr['min']:.2f},{zr['max']:.2f}] "
-            f"{r['zbpipe_B_share']:7.2f} | {t['torch_I']:7.2f} {t['torch_W']:7.2f} "
-            f"{tr['median']:6.3f} [{tr['min']:.2f},{tr['max']:.2f}] {r['torch_I_share']:7.2f}"
+    if quick:
+        llama = [(128, 32, 1)]
+    for hidden, seq, blocks in llama:
+        out.append(
+            {
+                "name": f"llama h{hidden} seq{seq} x{blocks}",
+                "make": lambda h=hidden, b=blocks: build_chunks(
+                    h, b, 1, seed=0, dtype=dtype, device=device
+                )[0],
+                "shape": (1, seq, hidden),
+                "first": False,
+            }
         )
-    print("times: median ms; ratio = (B+W)/B_full median [min,max]; share = B/(B+W)")
+    return out
 
 
-class _Residual(nn.Module):
-    def __init__(self, hidden: int, layers: int, gated: bool) -> None:
-        super().__init__()
-        n = 3 if gated else 1
-        self.lins = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(n * layers))
-        self.gated = gated
+class Clock:
+    """Times one pass: CPU time on CPU; device and host time on CUDA."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        f = nn.functional
-        if not self.gated:
-            for lin in self.lins:
-                x = x + f.gelu(lin(x))
-            return x
-        for i in range(0, len(self.lins), 3):
-            gate, up, down = self.lins[i : i + 3]
-            x = x + down(f.silu(gate(x)) * up(x))
-        return x
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
 
-
-def _overhead_cases():
-    from zbpipe.testing.models import TinyGPTConfig, build_stages
-
-    for layers in (8, 32, 64):
-        yield f"chain L={layers}", _Residual(16, layers, False), (8, 16)
-    for layers in (8, 32):
-        yield f"gated L={layers}", _Residual(16, layers, True), (8, 16)
-    cfg = TinyGPTConfig(hidden=256, seq=64, heads=4, blocks_per_stage=4)
-    yield "gpt h256 4 blocks", build_stages(cfg, 2)[1], (4, 64, 256)
+    def __call__(self, fn: Callable[[], object]) -> tuple[float, float]:
+        if not self.cuda:
+            t = time.thread_time()
+            fn()
+            cpu = time.thread_time() - t
+            return cpu, cpu
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        h = time.perf_counter()
+        start.record()
+        fn()
+        end.record()
+        host = time.perf_counter() - h
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3, host
 
 
-def run_overhead(reps: int, warmup: int, clock) -> list[dict]:
-    """Median B, W and fused times (ms) and W's autograd.grad calls, per case."""
-    _time = _timer(clock)
-    real_grad = torch.autograd.grad
-    rows = []
-    for name, m, shape in _overhead_cases():
-        params = list(m.parameters())
-        samples, calls = [], 0
-        for rep in range(warmup + reps):
-            x = torch.randn(shape, requires_grad=True)
-            out = m(x)
-            g = torch.randn_like(out)
-            r = {"fused": _time(lambda: torch.autograd.backward([out], [g]))}
-            m.zero_grad(set_to_none=True)
-            out = m(x)
-            holder = {}
-            r["B"] = _time(
-                lambda: holder.setdefault("w", backward_input([out], [g], [x], params)[1])
+def one_rep(
+    m: nn.Module,
+    slot: StoreSlot,
+    x0: torch.Tensor,
+    g: torch.Tensor,
+    first: bool,
+    engines: tuple[str, ...],
+    clock: Clock,
+) -> tuple[dict, dict]:
+    """Each engine once on a fresh forward: {pass: seconds} (device) and the gradients."""
+    times: dict[str, tuple[float, float]] = {}
+    grads: dict[str, list[torch.Tensor]] = {}
+    params = list(m.parameters())
+    for engine in engines:
+        m.zero_grad(set_to_none=True)
+        x = x0.detach().clone().requires_grad_(not first)
+        store = WeightGradStore()
+        slot.store = store if engine == "deferred" else None
+        out = m(x)
+        slot.store = None
+        if engine == "fused":
+            times["fused"] = clock(lambda: torch.autograd.backward([out], [g]))
+        elif engine == "deferred":
+
+            def b() -> None:
+                store.deferring = True
+                backward_full([out], [g], [x])
+                store.deferring = False
+
+            times["deferred B"] = clock(b)
+            times["deferred W"] = clock(store.run)
+        elif engine == "graph":
+            pending = {}
+            times["graph B"] = clock(
+                lambda: pending.setdefault("w", backward_input([out], [g], [x], params)[1])
             )
-            counted = [0]
+            times["graph W"] = clock(pending["w"].run)
+        elif engine == "torch":
+            groups = {}
+            times["torch B"] = clock(
+                lambda: groups.setdefault(
+                    "g", stage_backward_input([out], [g], [x], iter(params))[1]
+                )
+            )
+            times["torch W"] = clock(lambda: stage_backward_weight(iter(params), groups["g"]))
+        del out
+        grads[engine] = [p.grad.detach().clone() for p in params if p.grad is not None]
+    return times, grads
 
-            def counting(*a, **k):
-                counted[0] += 1
-                return real_grad(*a, **k)
 
-            torch.autograd.grad = counting
-            try:
-                r["W"] = _time(holder["w"].run)
-            finally:
-                torch.autograd.grad = real_grad
-            calls = counted[0]
-            m.zero_grad(set_to_none=True)
-            del out, holder
-            if rep >= warmup:
-                samples.append(r)
-        med = {k: statistics.median(s[k] for s in samples) * 1e3 for k in samples[0]}
-        rows.append({"case": name, "median_ms": med, "w_calls": calls, "reps": reps})
-        print(
-            f"{name:>18} | fused {med['fused']:7.2f} | B {med['B']:7.2f} | W {med['W']:7.2f} | "
-            f"W/fused {med['W'] / med['fused']:5.2f} | W calls {calls}"
-        )
-    return rows
+def measure(case: dict, reps: int, warmup: int, device: torch.device, dtype: torch.dtype) -> dict:
+    torch.manual_seed(0)
+    m = case["make"]().to(device=device, dtype=dtype)
+    slot = StoreSlot()
+    patch_linears(m, slot)
+    x0 = torch.randn(case["shape"], device=device, dtype=dtype)
+    with torch.no_grad():
+        g = torch.randn_like(m(x0))
+    engines = ENGINES if not case["first"] else ENGINES[:3]
+    clock = Clock(device)
+    samples: dict[str, list[tuple[float, float]]] = {}
+    worst = {e: 0.0 for e in engines[1:]}
+    for rep in range(warmup + reps):
+        k = rep % len(engines)
+        times, grads = one_rep(m, slot, x0, g, case["first"], engines[k:] + engines[:k], clock)
+        for e in engines[1:]:
+            assert len(grads[e]) == len(grads["fused"]), f"{case['name']}: {e} lost a gradient"
+            scale = max(r.abs().max().item() for r in grads["fused"])
+            diff = max((a - r).abs().max().item() for a, r in zip(grads[e], grads["fused"]))
+            worst[e] = max(worst[e], diff / scale)
+        if rep >= warmup:
+            for name, t in times.items():
+                samples.setdefault(name, []).append(t)
+    row: dict = {"name": case["name"], "passes_s": {}, "host_s": {}, "ratio": {}}
+    for name, ts in samples.items():
+        row["passes_s"][name] = statistics.median(t[0] for t in ts)
+        row["host_s"][name] = statistics.median(t[1] for t in ts)
+    fused = [t[0] for t in samples["fused"]]
+    for e in engines[1:]:
+        r = [b[0] + w[0] for b, w in zip(samples[f"{e} B"], samples[f"{e} W"])]
+        ratios = [s / f for s, f in zip(r, fused)]
+        row["ratio"][e] = {
+            "median": statistics.median(ratios),
+            "min": min(ratios),
+            "max": max(ratios),
+        }
+    row["max_rel_grad_diff"] = worst
+    return row
+
+
+def print_rows(rows: list[dict], cuda: bool) -> None:
+    print(
+        f"{'stage':34} {'engine':9} {'(B+W)/fused median (min-max)':30} {'B ms':>8} {'W ms':>8}"
+        + (f" {'B host ms':>10}" if cuda else "")
+        + f" {'grad diff':>10}"
+    )
+    for row in rows:
+        fused = row["passes_s"]["fused"] * 1e3
+        print(f"{row['name']:34} {'fused':9} {'':30} {fused:8.3f}")
+        for e, r in row["ratio"].items():
+            b, w = row["passes_s"][f"{e} B"] * 1e3, row["passes_s"][f"{e} W"] * 1e3
+            spread = f"{r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f})"
+            host = f" {row['host_s'][f'{e} B'] * 1e3:10.3f}" if cuda else ""
+            print(
+                f"{'':34} {e:9} {spread:30} {b:8.3f} {w:8.3f}{host} {row['max_rel_grad_diff'][e]:10.1e}"
+            )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument(
-        "--out", default=None, help="default: benchmarks/results/split_backward[_overhead].json"
+        "--quick", action="store_true", help="small sizes, 2 repetitions (a smoke test)"
     )
-    ap.add_argument("--overhead", action="store_true", help="measure W's engine overhead (above)")
+    ap.add_argument("--out", default=None, help="result name (default split_backward[_cuda])")
     args = ap.parse_args()
-    if args.threads != 1 and args.clock == "cpu":
-        raise ValueError("--clock cpu measures one thread: use --threads 1 or --clock wall")
     torch.set_num_threads(args.threads)
-    if args.overhead:
-        rows = run_overhead(args.reps, args.warmup, CLOCKS[args.clock])
-    else:
-        rows = run(args.reps, args.layers, args.warmup, CLOCKS[args.clock])
-        _print(rows)
-    suffix = "_overhead" if args.overhead else ""
-    out = Path(args.out or f"benchmarks/results/split_backward{suffix}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "torch": torch.__version__,
-                "threads": args.threads,
-                "clock": args.clock,
-                "rows": rows,
-            },
-            indent=2,
-        )
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    reps = 2 if args.quick else args.reps
+    rows = [measure(c, reps, args.warmup, device, dtype) for c in cases(args.quick, device, dtype)]
+    print_rows(rows, device.type == "cuda")
+    config = {
+        "reps": reps,
+        "warmup": args.warmup,
+        "threads": args.threads,
+        "device": args.device,
+        "dtype": args.dtype,
+        "quick": args.quick,
+    }
+    name = args.out or (
+        "split_backward" if device.type == "cpu" else f"split_backward_{device.type}"
     )
-    print(f"wrote {out}")
+    if not args.quick:
+        write_result(name, {"config": config, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ Tested against torch 2.13.
 
 from __future__ import annotations
 
+import torch  # noqa: F401  (annotations)
+
 from torch.distributed.pipelining.schedules import (  # noqa: F401  (re-exported)
     PipelineScheduleMulti,
     _Action,
@@ -58,3 +60,8 @@ def received_activations(stage: _PipelineStageBase, mb: int) -> tuple:
 def num_stage_inputs(stage: _PipelineStageBase) -> int:
     """How many positional inputs the stage's forward takes (from torch's shape inference)."""
     return len(stage._stage_meta.inputs)
+
+
+def has_post_accumulate_grad_hooks(t: "torch.Tensor") -> bool:
+    """Whether ``register_post_accumulate_grad_hook`` put a hook on the leaf ``t``."""
+    return getattr(t, "_post_accumulate_grad_hooks", None) is not None

@@ -459,6 +459,11 @@ def _sum(parts: list[Tensor]) -> Tensor:
 _storage = storage_ptr
 
 
+def accumulate_fresh(p: torch.Tensor, grad: Tensor) -> None:
+    """Accumulate ``grad``, a tensor nothing else references, into ``p.grad`` like autograd."""
+    _accumulate(p, [grad], set())
+
+
 def _accumulate(p: torch.nn.Parameter, parts: list[Tensor], known_storages: set[int]) -> None:
     """Accumulate like AccumulateGrad (torch/csrc/autograd/functions/accumulate_grad.h).
 

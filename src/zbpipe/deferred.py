@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ._compat import has_post_accumulate_grad_hooks
+from .backward import accumulate_fresh
 from .saved import Holder, Observer
 
 logger = logging.getLogger(__name__)
@@ -58,12 +60,13 @@ class WeightGradStore:
     meter) is told the bytes the queue keeps alive until W.
     """
 
-    __slots__ = ("deferring", "_entries", "_observer")
+    __slots__ = ("deferring", "_entries", "_observer", "_held")
 
     def __init__(self, observer: Observer | None = None) -> None:
         self.deferring = False
-        self._entries: list[tuple[Tensor, Holder, Holder, torch.dtype | None]] | None = []
+        self._entries: list[tuple[Tensor, Tensor, Tensor, torch.dtype | None]] | None = []
         self._observer = observer
+        self._held: list[Holder] = []  # the observer's view of the queued tensors
 
     @property
     def done(self) -> bool:
@@ -78,9 +81,9 @@ class WeightGradStore:
         """Queue ``weight``'s gradient ``g2d^T @ x2d`` (in ``dtype`` under autocast)."""
         if self._entries is None:
             raise RuntimeError("zbpipe: a weight gradient was queued after its W ran")
-        self._entries.append(
-            (weight, Holder(x2d, self._observer), Holder(g2d, self._observer), dtype)
-        )
+        self._entries.append((weight, x2d, g2d, dtype))
+        if self._observer is not None:
+            self._held += (Holder(x2d, self._observer), Holder(g2d, self._observer))
 
     def run(self) -> None:
         """W: compute every queued GEMM and accumulate the results into the weights' ``.grad``."""
@@ -91,32 +94,55 @@ class WeightGradStore:
                 "runs once"
             )
         self._entries = None  # an exception below still leaves nothing queued
-        weights: list[Tensor] = []
-        sums: list[Tensor] = []
-        slot_of: dict[int, int] = {}
+        # One sum per weight, in queue order (a Linear applied twice: summed first, as autograd's
+        # input buffer sums the two before AccumulateGrad).
+        sums: dict[int, list] = {}
         with torch.no_grad():
             for weight, x, g, dtype in entries:
-                dw = _weight_grad(g.tensor, x.tensor, dtype, weight.dtype)
-                x.release()
-                g.release()
-                i = slot_of.setdefault(id(weight), len(weights))
-                if i == len(weights):
-                    weights.append(weight)
-                    sums.append(dw)
-                else:  # the same weight used twice: sum first, like autograd's input buffer
-                    sums[i] = sums[i] + dw
-        if weights:
-            # AccumulateGrad, not `p.grad += g`: the same accumulation, layout and hooks as a fused
-            # backward. A weight computed from a parameter (a parametrization) is not a leaf:
-            # this call then runs its small weight-only graph, which B left alive.
-            torch.autograd.backward(weights, sums)
+                dw = _weight_grad(g, x, dtype, weight.dtype)
+                pair = sums.get(id(weight))
+                if pair is None:
+                    sums[id(weight)] = [weight, dw]
+                else:
+                    pair[1] = pair[1] + dw
+            del entries
+            self._release_held()
+            # A leaf without post-accumulate hooks takes its sum as AccumulateGrad would (the
+            # fresh tensor is stolen when it has the weight's layout, else copied into it; later
+            # sums add in place): same bits, no engine call, and no copy, which handing the
+            # engine a tensor Python still references would force. Weights with hooks, and
+            # weights computed from a parameter (a parametrization: not leaves, their small
+            # weight-only graph still alive after B), go through autograd itself, in one call.
+            later = []
+            for weight, dw in sums.values():
+                if weight.grad_fn is None and not has_post_accumulate_grad_hooks(weight):
+                    _accumulate(weight, dw)
+                else:
+                    later.append((weight, dw))
+        if later:
+            torch.autograd.backward([w for w, _ in later], [dw for _, dw in later])
 
     def release(self) -> None:
         """Drop whatever is still queued (a failed step) without computing it."""
-        for _, x, g, _ in self._entries or ():
-            x.release()
-            g.release()
         self._entries = None
+        self._release_held()
+
+    def _release_held(self) -> None:
+        for h in self._held:
+            h.release()
+        self._held.clear()
+
+
+def _accumulate(weight: Tensor, dw: Tensor) -> None:
+    """AccumulateGrad's rule for a fresh gradient nothing else references."""
+    grad = weight.grad
+    if grad is None:
+        if type(dw) is Tensor and dw.stride() == weight.stride():
+            weight.grad = dw  # stolen, as autograd steals a fresh tensor of the right layout
+        else:
+            accumulate_fresh(weight, dw)  # the layout contract, tensor subclasses
+    else:
+        grad += dw
 
 
 class StoreSlot:
