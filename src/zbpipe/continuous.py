@@ -93,7 +93,7 @@ def _fresh(infos: tuple) -> tuple:
     return tuple(out)
 
 
-class ScheduleContinuous(C.PipelineScheduleMulti):
+class ScheduleContinuous(C.PipelineScheduleMultiBase):
     """Flush-free pipeline schedule: mini-batches flow across optimizer steps without a barrier.
 
     ``stages``: this rank's one ``PipelineStage`` (loop placement: stage ``r`` on rank ``r``).
@@ -437,7 +437,7 @@ class ScheduleContinuous(C.PipelineScheduleMulti):
             outputs, output_grads, input_values, params, saved=self._saved.get(g)
         )
         if not st.is_first:
-            st.bwd_cache[g] = tuple(grads[: len(st._stage_meta.inputs)])
+            st.bwd_cache[g] = tuple(grads[: len(C.stage_metas(st, "inputs"))])
             self._sends += [_post(op) for op in st.get_bwd_send_ops(g)]
 
     def _backward_weight(self, g: int) -> None:

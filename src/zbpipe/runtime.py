@@ -318,7 +318,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
                 outputs, output_grads, input_values, params, saved=self._saved.get((s, mb))
             )
             self._pending_w[(s, mb)] = weight_grad
-            num_args = len(stage._stage_meta.inputs)
+            num_args = len(C.stage_metas(stage, "inputs"))
             stage.bwd_cache[mb] = tuple(grads[:num_args])
             if stage.is_last and not stage.is_first:
                 # The outputs are only kept to be merged for the user: free their graph now.
