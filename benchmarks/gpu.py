@@ -108,10 +108,15 @@ QUICK: dict[str, Any] = {
 
 
 # ---------------------------------------------------------------- process group and schedules
-def init_one_rank_group() -> None:
-    """A one-process group: a pipeline stage needs a group even when every stage is local."""
+def init_one_rank_group(device: torch.device) -> None:
+    """A one-process group: a pipeline stage needs a group even when every stage is local.
+
+    On CUDA, NCCL for CUDA tensors (should torch's stage set-up communicate at all) and gloo for
+    the CPU-side object collectives zbpipe's construction checks use.
+    """
     if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def accepts(cls: type, option: str) -> bool:
@@ -500,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         torch.set_num_threads(1)  # the CPU run is a smoke test: keep it off the other cores
     dtype = getattr(torch, cfg.dtype)
-    init_one_rank_group()
+    init_one_rank_group(device)
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"zbpipe GPU benchmark on {machine}, torch {torch.__version__}, {cfg.dtype}")
     t0 = time.perf_counter()
