@@ -14,8 +14,9 @@ instead of messages, every kernel on the one device.
     places on one rank: every zbpipe schedule against torch's Schedule1F1B,
     ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and a plain
     loop over microbatches. Per schedule: step time (ratio to torch's Schedule1F1B, paired per
-    repetition), host time spent inside ``step()``, peak CUDA memory, the fp32 gradient error
-    against the plain loop (a separate fp32 step), whether a step ran under
+    repetition), host time spent inside ``step()``, the step's own peak CUDA memory (above
+    the weights every run keeps resident), the fp32 gradient error against the plain loop (a
+    separate fp32 step), whether a step ran under
     ``torch.cuda.set_sync_debug_mode("error")`` without a host-device synchronisation, and the
     tracer's timeline (CUDA events) of the last step.
 
@@ -242,27 +243,35 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def one_step(run: Run, x, t, device) -> dict[str, float]:
+def one_step(run: Run, x, t, device, keep_grads: bool = False) -> dict[str, float]:
     for mod in run.modules:
         mod.zero_grad(set_to_none=True)
     if run.tracer is not None:
         run.tracer.clear()
     for v in run.host_pass.values():
         v.clear()
+    sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    sync(device)
+        resident = torch.cuda.memory_allocated(device)  # every run's weights, the batch
     t0 = time.perf_counter()
     run.step(x, t)
     host = time.perf_counter() - t0  # host time inside step(): returns before the GPU is done
     sync(device)
     wall = time.perf_counter() - t0
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    # The step's own peak (activations, gradients, workspaces), not the other runs' weights.
+    peak = torch.cuda.max_memory_allocated(device) - resident if device.type == "cuda" else None
+    if not keep_grads:  # only one run's gradients alive at a time
+        for mod in run.modules:
+            mod.zero_grad(set_to_none=True)
     return {"step_s": wall, "host_s": host, "peak_bytes": peak}
 
 
 def sync_free_step(run: Run, x, t, device) -> str:
-    """Run one step under ``set_sync_debug_mode("error")``: "none" or the synchronising call."""
+    """Run one step under ``set_sync_debug_mode("error")``: "none" or the synchronising call.
+
+    Run last for each schedule: an error leaves the schedule mid-step, unfit to be timed.
+    """
     if device.type != "cuda":
         return "n/a (cpu)"
     for mod in run.modules:
@@ -277,6 +286,8 @@ def sync_free_step(run: Run, x, t, device) -> str:
     finally:
         torch.cuda.set_sync_debug_mode("default")
         sync(device)
+        for mod in run.modules:
+            mod.zero_grad(set_to_none=True)
 
 
 def grads(mods: list[torch.nn.Module]) -> list[torch.Tensor]:
@@ -328,7 +339,7 @@ def pipelines(cfg: Config, dtype: torch.dtype, device: torch.device) -> dict[str
         try:
             runs[name] = build()
             one_step(runs[name], x, t, device)  # warm-up: shape inference, allocator, kernels
-            results[name] = {"sync_in_step": sync_free_step(runs[name], x, t, device)}
+            results[name] = {}
         except Exception as e:  # noqa: BLE001  (a failing schedule is a row, not a crash)
             runs.pop(name, None)
             results[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
@@ -346,6 +357,7 @@ def pipelines(cfg: Config, dtype: torch.dtype, device: torch.device) -> dict[str
             peak_bytes=max((r["peak_bytes"] or 0) for r in s) or None,
             timeline=timeline(runs[name].tracer),
         )
+        results[name]["sync_in_step"] = sync_free_step(runs[name], x, t, device)
     if BASELINE in runs:
         for name in names:
             results[name]["ratio_to_torch_1f1b"] = paired_ratios(
@@ -365,7 +377,7 @@ def _fp32_errors(cfg: Config, device, builders_fp32, out: dict) -> None:
         if "error" in out.get(name, {}):
             continue
         run = build()
-        one_step(run, x, t, device)
+        one_step(run, x, t, device, keep_grads=True)
         g = grads(run.modules)
         if ref is None:  # the plain loop is built first
             ref = g
@@ -409,14 +421,18 @@ def split_backward(cfg: Config, dtype: torch.dtype, device: torch.device) -> dic
                     device_s[name][ev.kind].append(ev.end - ev.start)
                 for kind, v in run.host_pass.items():
                     host_s[name][kind].extend(v)
+        one_step(runs["fused"], x, t, device, keep_grads=True)
         ref = grads(runs["fused"].modules)
         row: dict[str, Any] = {"seq": seq}
         for name in names:
+            one_step(runs[name], x, t, device, keep_grads=True)
             row[name] = {
                 "device_s": {k: statistics.median(v) for k, v in device_s[name].items()},
                 "host_s": {k: statistics.median(v) for k, v in host_s[name].items()},
                 "grad_rel_diff_vs_fused": relative_error(grads(runs[name].modules), ref),
             }
+            for mod in runs[name].modules:
+                mod.zero_grad(set_to_none=True)
         out[str(hidden)] = row
         del runs
         if device.type == "cuda":
@@ -451,7 +467,7 @@ def print_split_table(res: dict[str, Any]) -> None:
 
 def print_pipeline_table(res: dict[str, Any]) -> None:
     print("\n(b) one-rank pipelines: medians over repetitions")
-    head = f"{'schedule':<36} {'step ms':>9} {'vs torch 1F1B':>22} {'host ms':>8} {'peak MiB':>9} {'fp32 err':>8} {'bubble':>7}  sync in step()"
+    head = f"{'schedule':<36} {'step ms':>9} {'vs torch 1F1B':>22} {'host ms':>8} {'step MiB':>9} {'fp32 err':>8} {'bubble':>7}  sync in step()"
     print(head)
     for name, r in res.items():
         if "error" in r:
