@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import inspect
 import json
 import os
@@ -121,8 +122,21 @@ def init_one_rank_group(device: torch.device) -> None:
 
 
 def accepts(cls: type, option: str) -> bool:
-    """Whether a schedule's constructor takes ``option`` (the split= option is recent)."""
-    return option in inspect.signature(cls.__init__).parameters
+    """Whether a schedule's constructor takes ``option`` (the split= option is recent).
+
+    Follows ``**kwargs`` up the class hierarchy: ``ScheduleZBH1.__init__(*args, exact, **kwargs)``
+    hands ``split=`` on to the base class that declares it.
+    """
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        params = inspect.signature(init).parameters
+        if option in params:
+            return True
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            return False
+    return False
 
 
 def zbpipe_stage_count(cls: type) -> int:
@@ -290,6 +304,13 @@ def sync_free_step(run: Run, x, t, device) -> str:
             mod.zero_grad(set_to_none=True)
 
 
+def free_memory(device: torch.device) -> None:
+    """Collect dropped runs (schedules and stages refer to each other) and return their memory."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def grads(mods: list[torch.nn.Module]) -> list[torch.Tensor]:
     return [p.grad.detach().float() for m in mods for p in m.parameters()]
 
@@ -364,6 +385,7 @@ def pipelines(cfg: Config, dtype: torch.dtype, device: torch.device) -> dict[str
                 results[name]["step_s"], results[BASELINE]["step_s"]
             )
     runs.clear()
+    free_memory(device)  # the bf16 copies go before the fp32 ones come
     _fp32_errors(cfg, device, builders_fp32=all_runs(cfg, torch.float32, device), out=results)
     return results
 
@@ -383,8 +405,7 @@ def _fp32_errors(cfg: Config, device, builders_fp32, out: dict) -> None:
             ref = g
         out[name]["fp32_grad_rel_error"] = relative_error(g, ref)
         del run, g
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        free_memory(device)
 
 
 def split_backward(cfg: Config, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
@@ -435,8 +456,7 @@ def split_backward(cfg: Config, dtype: torch.dtype, device: torch.device) -> dic
                 mod.zero_grad(set_to_none=True)
         out[str(hidden)] = row
         del runs
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        free_memory(device)
     return out
 
 

@@ -17,6 +17,7 @@ def test_train_gpu_runs_every_stage_on_one_rank_on_cpu(tmp_path):
     args = ["--device", "cpu", "--schedule", "ZBV", "--trace", str(trace), *TINY.split()]
     proc = subprocess.run(
         [sys.executable, "recipes/train_gpu.py", *args],
+        check=False,
         cwd=ROOT,
         capture_output=True,
         text=True,
