@@ -205,7 +205,13 @@ def build_torch(cls_name: str, chunks: list, m: int, device) -> Run:
     for st in stages:
         attach_stage_tracer(st, tracer)
     host = time_host_per_pass(tracer)
+    from zbpipe._compat import with_local_stage_init
+
     cls = getattr(pp, cls_name)
+    if n > 1:
+        # torch 2.11's own stage set-up sends to every neighbour stage, its own rank included,
+        # and fails one-rank: zbpipe's fix of that set-up (compute untouched; no-op on >= 2.13).
+        cls = with_local_stage_init(cls)
     sched = cls(stages[0] if n == 1 else stages, m, loss_fn=mse_loss)
     return Run(f"torch:{cls_name}", lambda x, t: sched.step(x, target=t), chunks, tracer, host)
 

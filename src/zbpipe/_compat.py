@@ -171,6 +171,19 @@ def _shimmed(base: type) -> type:
     return type(base.__name__, (*mixins, base), {"__module__": __name__})
 
 
+def with_local_stage_init(cls: type) -> type:
+    """torch's multi-stage schedule ``cls``, able to initialise stages that share a rank.
+
+    ``cls`` itself where torch can (>= 2.13); on torch 2.11 a subclass whose stage
+    initialisation skips the sends to its own rank, so torch's own schedules can run as a
+    one-rank pipeline too (benchmarks/gpu.py compares them with zbpipe's there). Their compute
+    is untouched.
+    """
+    if not TORCH_SENDS_TO_LOCAL_NEIGHBOURS:
+        return cls
+    return type(cls.__name__, (_LocalNeighbourInit, cls), {"__module__": cls.__module__})
+
+
 #: The bases zbpipe's schedules inherit: torch's classes, plus the shims above where needed.
 _PipelineScheduleRuntime = _shimmed(_TorchPipelineScheduleRuntime)
 PipelineScheduleMultiBase = _shimmed(PipelineScheduleMulti)
