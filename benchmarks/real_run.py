@@ -1,14 +1,16 @@
 """Real multi-process runs: zbpipe's schedules against torch's built-ins on the same model.
 
-Two gloo processes, one thread each. Every schedule trains its own copy of the same tiny GPT
-(the model is fixed: 1-stage-per-rank schedules get 2 blocks per stage, V/interleaved ones 1
-block per chunk). Repetitions are interleaved (each repetition runs every schedule once, in a
+N gloo processes (``--ranks``: 2, 4 or 8), one thread each. Every schedule trains its own copy
+of the same tiny GPT (the model is fixed: ``--blocks``, by default 2 x ranks, split into one stage
+per rank for 1-stage-per-rank schedules and into 2 chunks per rank for V/interleaved ones). Repetitions are interleaved (each repetition runs every schedule once, in a
 rotating order) so machine noise hits all alike. Reported per schedule: step time (max over
 ranks) with its ratio to torch's Schedule1F1B paired per repetition (min/median/max), the bubble
 rate measured from traced compute intervals, and the peak bytes of saved activations per rank.
 
-Run:  PYTHONPATH=src python benchmarks/real_run.py [--reps 10] [--microbatches 4] [--hidden 512]
-Writes benchmarks/results/real_run.json; docs/benchmarks.md records what we saw.
+Run:  PYTHONPATH=src python benchmarks/real_run.py [--ranks 2] [--reps 10] [--microbatches 4] [--hidden 512]
+Writes benchmarks/results/real_run.json (2 ranks) or real_run_<N>ranks.json; docs/benchmarks.md
+records what we saw. Each rank needs a core of its own: measure 4 and 8 ranks only on a machine
+with at least that many cores (on fewer, the ratios measure the OS scheduler, not the schedules).
 """
 
 from __future__ import annotations
@@ -34,13 +36,19 @@ SCHEDULES = (
 
 @dataclass(frozen=True, kw_only=True)
 class Config:
+    ranks: int = 2
+    """pipeline ranks (gloo processes, one thread each)"""
     reps: int = 10
     microbatches: int = 4
     microbatch_size: int = 4
     hidden: int = 512
     seq: int = 128
-    blocks: int = 4
+    blocks: int = 0
+    """transformer blocks in the whole model; 0 means 2 x ranks (one block per V chunk)"""
     schedules: tuple[str, ...] = SCHEDULES
+
+
+INT_FIELDS = ("ranks", "reps", "microbatches", "microbatch_size", "hidden", "seq", "blocks")
 
 
 def _build(name: str, rank: int, world: int, cfg: Config) -> tuple[Any, list, Any, Any]:
@@ -63,6 +71,10 @@ def _build(name: str, rank: int, world: int, cfg: Config) -> tuple[Any, list, An
     mcfg = TinyGPTConfig(
         vocab=256, hidden=cfg.hidden, seq=cfg.seq, heads=4, blocks_per_stage=cfg.blocks // n_stages
     )
+    if cfg.blocks % n_stages:
+        raise ValueError(
+            f"--blocks {cfg.blocks} must be a multiple of {n_stages} stages for {name}"
+        )
     modules = build_stages(mcfg, n_stages, seed=0)
     placement = (
         v_placement(world)
@@ -162,28 +174,31 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     defaults = Config()
-    for f in ("reps", "microbatches", "microbatch_size", "hidden", "seq", "blocks"):
+    for f in INT_FIELDS:
         ap.add_argument(f"--{f.replace('_', '-')}", type=int, default=getattr(defaults, f))
     ap.add_argument("--schedules", default=",".join(SCHEDULES))
-    ap.add_argument("--out", default="benchmarks/results/real_run.json")
+    ap.add_argument("--out", help="default: benchmarks/results/real_run[_<N>ranks].json")
     args = ap.parse_args()
-    cfg = Config(
-        **{
-            f: getattr(args, f)
-            for f in ("reps", "microbatches", "microbatch_size", "hidden", "seq", "blocks")
-        },
-        schedules=tuple(args.schedules.split(",")),
+    if args.ranks not in (2, 4, 8):
+        ap.error("--ranks must be 2, 4 or 8")
+    fields = {f: getattr(args, f) for f in INT_FIELDS}
+    fields["blocks"] = fields["blocks"] or 2 * args.ranks
+    cfg = Config(**fields, schedules=tuple(args.schedules.split(",")))
+    out_path = args.out or (
+        "benchmarks/results/real_run.json"
+        if cfg.ranks == 2
+        else f"benchmarks/results/real_run_{cfg.ranks}ranks.json"
     )
     t0 = time.perf_counter()
-    res = run_ranks(_rank_main, 2, cfg, timeout=3600)[0]
+    res = run_ranks(_rank_main, cfg.ranks, cfg, timeout=3600)[0]
     print(
-        f"2 ranks, m={cfg.microbatches}, microbatch {cfg.microbatch_size}x{cfg.seq} tokens, hidden {cfg.hidden}, "
+        f"{cfg.ranks} ranks, m={cfg.microbatches}, microbatch {cfg.microbatch_size}x{cfg.seq} tokens, hidden {cfg.hidden}, "
         f"{cfg.blocks} blocks, {cfg.reps} interleaved reps ({time.perf_counter() - t0:.0f} s)"
     )
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="real runs, 2 gloo ranks")
+    table = Table(title=f"real runs, {cfg.ranks} gloo ranks")
     for col in (
         "schedule",
         "median step",
@@ -203,8 +218,8 @@ def main() -> None:
             "/".join(f"{b / 2**20:.1f}" for b in r["peak_saved_bytes_per_rank"]),
         )
     Console().print(table)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
+    os.makedirs(os.path.dirname(out_path), exist_ok=True)
+    with open(out_path, "w") as f:
         json.dump({"config": asdict(cfg), "results": res}, f, indent=1)
 
 

@@ -1,15 +1,19 @@
-"""Multi-node GPU pipeline training with a zbpipe schedule (NCCL), launched by torchrun.
+"""GPU pipeline training with a zbpipe schedule: under torchrun (NCCL), or on a single GPU.
 
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $MASTER:29500 \\
         recipes/train_gpu.py --schedule ZBV          # see recipes/torchrun_gpu.sh
+    python recipes/train_gpu.py --schedule ZBV       # one GPU: every stage on one rank
+    python recipes/train_gpu.py --device cpu --steps 2 --hidden 32 --seq 16 --vocab 64 \\
+        --heads 2 --microbatches 4 --microbatch-size 2   # the CPU smoke test (CI)
 
-Every process is one pipeline rank (the whole world is one pipeline: world size = pipeline
-ranks). Each builds the model from the same seed, keeps the stages its schedule places on it
-(ZBH1/ZBAuto: one stage per rank; ZBV: stages r and 2p-1-r), moves them to ``cuda:LOCAL_RANK``
-and steps. The rank holding the last stage logs the loss. Replace ``build_stages`` and the
-synthetic batches with your model and data loader; keep the stage count ``world * stages_per_rank``.
-
-Not run in zbpipe's CI (no GPU there); ``--help`` works anywhere.
+Under torchrun every process is one pipeline rank (the whole world is one pipeline: world size =
+pipeline ranks). Each builds the model from the same seed, keeps the stages its schedule places
+on it (ZBH1/ZBAuto: one stage per rank; ZBV: stages r and 2p-1-r), moves them to
+``cuda:LOCAL_RANK`` and steps. Started without torchrun, the script is a one-rank pipeline: all
+of the schedule's stages (ZBV: two chunks) on one device, handing activations and gradients
+over locally (two processes cannot share one GPU for a pipeline: NCCL refuses a duplicate GPU).
+The rank holding the last stage logs the loss. Replace ``build_stages`` and the synthetic
+batches with your model and data loader; keep the stage count ``world * stages_per_rank``.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import argparse
 import os
 import time
 from datetime import timedelta
+from typing import Any
 
 SCHEDULES = ("ZBV", "ZBH1", "ZBAuto")
 
@@ -30,6 +35,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="ZBV",
         help="ZBV: 2 chunks per rank, near-zero bubble at 1F1B memory; ZBH1: 1 stage per rank, "
         "1F1B memory; ZBAuto: 1 stage per rank, twice 1F1B memory, near-zero bubble",
+    )
+    p.add_argument(
+        "--device",
+        default="cuda",
+        help="without torchrun only: cuda, cuda:N or cpu (cpu: a smoke test of the script)",
     )
     p.add_argument("--steps", type=int, default=100, help="optimizer steps")
     p.add_argument(
@@ -77,15 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     import zbpipe
     from zbpipe.testing.models import TinyGPTConfig, build_stages, lm_loss, synthetic_batch
 
-    if "LOCAL_RANK" not in os.environ:
-        raise SystemExit(
-            "train_gpu.py is launched by torchrun (see recipes/torchrun_gpu.sh), one process per GPU"
-        )
-    local_rank = int(os.environ["LOCAL_RANK"])
-    device = torch.device(f"cuda:{local_rank}")
-    torch.cuda.set_device(device)
-    # device_id binds the communicator to this GPU eagerly (no guessing of the device at first use).
-    dist.init_process_group("nccl", timeout=timedelta(seconds=args.timeout_s), device_id=device)
+    device = init_group(args)
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         cls = zbpipe.get_schedule_class(args.schedule)
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         options = {"costs": "profile"} if args.profile_costs else {}
         sched = cls(stages, n_microbatches=args.microbatches, loss_fn=lm_loss, **options)
         params = [p for s in mine for p in modules[s].parameters()]
-        opt = torch.optim.AdamW(params, lr=args.lr, fused=True)
+        opt = torch.optim.AdamW(params, lr=args.lr, fused=device.type == "cuda")
         has_first, has_last = 0 in mine, num_stages - 1 in mine
         if rank == 0:
             print(
@@ -120,13 +122,13 @@ def main(argv: list[str] | None = None) -> int:
             ids, tgt = ids.to(device, non_blocking=True), tgt.to(device, non_blocking=True)
             opt.zero_grad(set_to_none=True)
             losses: list = []
-            torch.cuda.synchronize(device)
+            synchronize(device)
             t0 = time.perf_counter()
             sched.step(
                 *((ids,) if has_first else ()), target=tgt if has_last else None, losses=losses
             )
             opt.step()
-            torch.cuda.synchronize(device)
+            synchronize(device)
             if has_last:
                 loss = torch.stack(losses).mean().item()
                 print(
@@ -143,6 +145,41 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def init_group(args: argparse.Namespace) -> Any:
+    """Join the job's process group; return this rank's device.
+
+    Under torchrun: NCCL, ``cuda:LOCAL_RANK``. Otherwise a one-rank group on ``--device``
+    (a pipeline stage needs a group even when every stage is local): gloo for the CPU-side
+    object collectives, and NCCL for CUDA tensors should torch's stage set-up send any.
+    """
+    import torch
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=args.timeout_s)
+    if "LOCAL_RANK" in os.environ:
+        device = torch.device(f"cuda:{int(os.environ['LOCAL_RANK'])}")
+        torch.cuda.set_device(device)
+        # device_id binds the communicator to this GPU eagerly (no guessing at first use).
+        dist.init_process_group("nccl", timeout=timeout, device_id=device)
+        return device
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("no CUDA device here: pass --device cpu for a smoke test")
+        torch.cuda.set_device(device)
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return device
+
+
+def synchronize(device: Any) -> None:
+    """Wait for the device (step times measure the work, not the launches)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 if __name__ == "__main__":

@@ -317,9 +317,10 @@ def test_accumulation_with_weight_reuse_matches_fused():
     for w in reversed(b):  # any order of W gives the same sum up to rounding
         w.run()
     for rp, p in zip(ref.parameters(), params, strict=True):
-        # Summing six fp32 terms (two uses x three microbatches) in the reverse order: an element
-        # near 0.07 built from terms near 1 can move by a few ulps of 1 (2.4e-7 seen).
-        torch.testing.assert_close(p.grad, rp.grad, rtol=RTOL, atol=1e-6)
+        # Reversed order: a sum of 6 fp32 products per element, reassociated, with cancellation;
+        # how far that moves depends on the BLAS (torch 2.11's CUDA build on the CPU: 2.4e-7
+        # on an element near 0.07). The fp32 tolerance of the pipeline tests, not bitwise's.
+        torch.testing.assert_close(p.grad, rp.grad, rtol=1e-5, atol=1e-6)
 
 
 class _Keep(torch.autograd.Function):

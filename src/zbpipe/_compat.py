@@ -7,15 +7,19 @@ Tested against torch 2.13.
 
 from __future__ import annotations
 
-import torch  # noqa: F401  (annotations)
+import inspect
+from typing import Any
 
 from torch.distributed.pipelining.schedules import (  # noqa: F401  (re-exported)
     PipelineScheduleMulti,
     _Action,
+    _batch_p2p,
     _ComputationType,
     _PipelineContext,
-    _PipelineScheduleRuntime,
     _wait_batch_p2p,
+)
+from torch.distributed.pipelining.schedules import (
+    _PipelineScheduleRuntime as _TorchPipelineScheduleRuntime,
 )
 from torch.distributed.pipelining.stage import PipelineStage, _PipelineStageBase  # noqa: F401
 
@@ -32,10 +36,11 @@ TORCH_TO_KIND = {v: k for k, v in KIND_TO_TORCH.items()}
 def stage_message_bytes(stage: _PipelineStageBase, which: str) -> int:
     """Bytes of one microbatch's activations a stage receives (``"inputs"``) or sends (``"outputs"``).
 
-    Read from the tensor metadata torch infers on the first step (``_stage_meta``, private);
-    0 before that. Used by :mod:`zbpipe.profile` to time messages of the real size.
+    Read from the tensor metadata torch infers on the first step (private: see
+    :func:`stage_metas`); 0 before that. Used by :mod:`zbpipe.profile` to time messages of the
+    real size.
     """
-    metas = getattr(getattr(stage, "_stage_meta", None), which, None) or ()
+    metas = stage_metas(stage, which)
     total = 0
     for meta in metas:
         shape, dtype = getattr(meta, "shape", None), getattr(meta, "dtype", None)
@@ -59,9 +64,147 @@ def received_activations(stage: _PipelineStageBase, mb: int) -> tuple:
 
 def num_stage_inputs(stage: _PipelineStageBase) -> int:
     """How many positional inputs the stage's forward takes (from torch's shape inference)."""
-    return len(stage._stage_meta.inputs)
+    return len(stage_metas(stage, "inputs"))
 
 
-def has_post_accumulate_grad_hooks(t: "torch.Tensor") -> bool:
+def has_post_accumulate_grad_hooks(t: Any) -> bool:
     """Whether ``register_post_accumulate_grad_hook`` put a hook on the leaf ``t``."""
     return getattr(t, "_post_accumulate_grad_hooks", None) is not None
+# =====================================================================================
+# torch 2.11 - 2.15 differences (issue 14). One shim per difference, detected by feature.
+# Call sites: runtime.py and continuous.py inherit the base classes below; runtime.py and
+# continuous.py read input metadata through stage_metas.
+# =====================================================================================
+
+#: torch >= 2.13 threads ``loss_kwargs`` from ``step()`` to the loss function; 2.11 has none
+#: (``step(**kwargs)`` would hand it to the model as a keyword).
+TORCH_HAS_LOSS_KWARGS = (
+    "loss_kwargs" in inspect.signature(_TorchPipelineScheduleRuntime._step_microbatches).parameters
+)
+#: torch >= 2.13 warms up point-to-point links with a vote that skips stages on the same rank;
+#: 2.11 sends a dummy tensor to every neighbour stage, its own rank included, which gloo (and
+#: a one-rank pipeline) cannot do: V placement, where stages p-1 and p share a rank, fails.
+TORCH_SENDS_TO_LOCAL_NEIGHBOURS = not hasattr(PipelineScheduleMulti, "_initialize_pp_stages")
+
+
+def stage_metas(stage: Any, which: str) -> tuple:
+    """A stage's inferred tensor metadata, ``which`` = ``"inputs"`` or ``"outputs"``.
+
+    torch >= 2.13 keeps it in ``stage._stage_meta.inputs/.outputs``; 2.11 in
+    ``stage.inputs_meta`` and ``stage._outputs_meta``. Empty before the first step.
+    """
+    meta = getattr(stage, "_stage_meta", None)
+    if meta is not None:
+        return tuple(getattr(meta, which, None) or ())
+    legacy = {"inputs": "inputs_meta", "outputs": "_outputs_meta"}[which]
+    return tuple(getattr(stage, legacy, None) or ())
+
+
+class _LocalNeighbourInit:
+    """torch 2.11's ``PipelineScheduleMulti._initialize_stages`` without sends to its own rank.
+
+    The only change from torch's body: the first, link-warming batch of point-to-point ops
+    leaves out neighbours on this rank (they exchange shapes through return values, as
+    torch's shape inference already does for them).
+    """
+
+    def _initialize_stages(self, args: Any, kwargs: Any, target: Any = None) -> None:
+        if not self._stages_forward_initialized:
+            ops = [
+                op
+                for stage in self._stages
+                for op in stage._get_init_p2p_neighbors_ops()
+                if op.group_peer != stage.group_rank
+            ]
+            if ops:
+                _wait_batch_p2p(_batch_p2p(ops))
+            next_stage_args: tuple = ()
+            for stage in self._stages:
+                stage_args = args if stage.is_first else next_stage_args
+                next_stage_args = stage._prepare_forward_infra(
+                    self._n_microbatches, stage_args, kwargs
+                )
+            self._stages_forward_initialized = True
+        if self._has_backward and not self._stages_backward_initialized:
+            for stage in self._stages:
+                stage._prepare_backward_infra(self._n_microbatches)
+            self._stages_backward_initialized = True
+
+
+class _LossKwargs:
+    """``loss_kwargs`` on a torch whose schedules have none (2.11): ``step()`` keeps them and
+    the loss is computed with them; torch's own methods are called with the arguments they take.
+    """
+
+    _compat_loss_kwargs: dict[str, Any] | None = None
+
+    def step(
+        self,
+        *args: Any,
+        target: Any = None,
+        losses: list | None = None,
+        return_outputs: bool = True,
+        loss_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        self._compat_loss_kwargs = loss_kwargs
+        try:
+            return super().step(  # type: ignore[misc]
+                *args, target=target, losses=losses, return_outputs=return_outputs, **kwargs
+            )
+        finally:
+            self._compat_loss_kwargs = None
+
+    def _step_microbatches(
+        self,
+        arg_mbs: list | None = None,
+        kwarg_mbs: list | None = None,
+        target_mbs: list | None = None,
+        losses: list | None = None,
+        return_outputs: bool = True,
+        loss_kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        return super()._step_microbatches(  # type: ignore[misc]
+            arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs
+        )
+
+    def _maybe_compute_loss(
+        self, stage: Any, output: Any, target_mbs: Any, mb_index: int, loss_kwargs: Any = None
+    ) -> None:
+        loss_kwargs = loss_kwargs or self._compat_loss_kwargs
+        if not loss_kwargs:
+            return super()._maybe_compute_loss(stage, output, target_mbs, mb_index)  # type: ignore[misc]
+        if stage.is_last and self._loss_fn is not None:  # torch 2.11's body, with the keywords
+            loss = self._loss_fn(output, target_mbs[mb_index], **loss_kwargs)
+            self._internal_losses.append(loss)
+        return None
+
+
+def _shimmed(base: type) -> type:
+    """``base`` with the mixins this torch needs (``base`` itself on torch >= 2.13)."""
+    mixins = []
+    if not TORCH_HAS_LOSS_KWARGS:
+        mixins.append(_LossKwargs)
+    if TORCH_SENDS_TO_LOCAL_NEIGHBOURS:
+        mixins.append(_LocalNeighbourInit)
+    if not mixins:
+        return base
+    return type(base.__name__, (*mixins, base), {"__module__": __name__})
+
+
+def with_local_stage_init(cls: type) -> type:
+    """torch's multi-stage schedule ``cls``, able to initialise stages that share a rank.
+
+    ``cls`` itself where torch can (>= 2.13); on torch 2.11 a subclass whose stage
+    initialisation skips the sends to its own rank, so torch's own schedules can run as a
+    one-rank pipeline too (benchmarks/gpu.py compares them with zbpipe's there). Their compute
+    is untouched.
+    """
+    if not TORCH_SENDS_TO_LOCAL_NEIGHBOURS:
+        return cls
+    return type(cls.__name__, (_LocalNeighbourInit, cls), {"__module__": cls.__module__})
+
+
+#: The bases zbpipe's schedules inherit: torch's classes, plus the shims above where needed.
+_PipelineScheduleRuntime = _shimmed(_TorchPipelineScheduleRuntime)
+PipelineScheduleMultiBase = _shimmed(PipelineScheduleMulti)

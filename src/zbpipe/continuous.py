@@ -92,7 +92,7 @@ def _fresh(infos: tuple) -> tuple:
     return tuple(out)
 
 
-class ScheduleContinuous(C.PipelineScheduleMulti):
+class ScheduleContinuous(C.PipelineScheduleMultiBase):
     """Flush-free pipeline schedule: mini-batches flow across optimizer steps without a barrier.
 
     ``stages``: this rank's one ``PipelineStage`` (loop placement: stage ``r`` on rank ``r``).

@@ -26,6 +26,7 @@ import torch
 from . import _compat as C
 from .inputs import FirstStageKeywords
 from .memory import SavedActivationMeter
+from .nonfinite import NonfiniteLosses
 from .planning import Costs, Plan
 from .planning.fuse import fuse_adjacent_backward
 from .profile import CostProfiler, ProfileConfig
@@ -125,8 +126,8 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         # dict/TensorDict batches reach stage 0 by keyword (torch stages take only tensors positionally)
         self._batch_keywords = FirstStageKeywords(stages)
         self._step_opts: tuple[bool, dict[str, Any] | None] = (True, None)
-        #: microbatches whose loss was NaN/Inf in the last step (last-stage rank only)
-        self.nonfinite_microbatches: list[int] = []
+        # NaN/Inf losses of the last step, checked on the device and resolved when read
+        self._nonfinite = NonfiniteLosses(self.rank)
         for kind, fn in (
             (C.FORWARD, self._run_forward),
             (C.BACKWARD_INPUT, self._run_backward_input),
@@ -211,16 +212,16 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         super()._update_losses(stages, losses)
 
     def _report_nonfinite_losses(self, losses: list) -> None:
-        bad = [
-            i
-            for i, l in enumerate(losses)
-            if isinstance(l, torch.Tensor) and not torch.isfinite(l).all()
-        ]
-        self.nonfinite_microbatches = bad
-        if bad:
-            logger.warning(
-                "zbpipe: non-finite loss in microbatch(es) %s on rank %d", bad, self.rank
-            )
+        # No host-device sync inside step(): the flags stay on the device until read.
+        self._nonfinite.record(losses)
+
+    @property
+    def nonfinite_microbatches(self) -> list[int]:
+        """Microbatches whose loss was NaN/Inf in the last step (last-stage rank only).
+
+        On an accelerator, reading this waits for the last step's losses (and logs the warning).
+        """
+        return self._nonfinite.resolve()
 
     def _step_microbatches(
         self,

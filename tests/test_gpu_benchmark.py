@@ -1,0 +1,65 @@
+"""benchmarks/gpu.py runs end to end on the CPU (its smoke test; the real run needs a CUDA GPU).
+
+No timing is asserted: only that both tables are produced for every engine and schedule, and that
+every schedule's fp32 gradients match the plain loop's.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.timeout(900)
+def test_gpu_benchmark_runs_on_cpu_quick(tmp_path):
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/gpu.py", "--device", "cpu", "--quick", "--out", str(out)],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=850,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "(a) split backward" in proc.stdout and "(b) one-rank pipelines" in proc.stdout
+    res = json.loads(out.read_text())
+    (row,) = res["split_backward"].values()
+    assert "fused" in row and len(row) >= 3  # seq, fused, and at least one split engine
+    pipes = res["pipelines"]
+    assert "plain loop" in pipes and "torch:Schedule1F1B" in pipes
+    assert any(name.startswith("ZBV") for name in pipes)
+    for name, r in pipes.items():
+        assert "error" not in r, f"{name}: {r.get('error')}"
+        # fp32 on the CPU, same ops per microbatch: only summation order may differ.
+        assert r["fp32_grad_rel_error"] < 1e-5, name
+
+
+def _load_gpu_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_benchmark", ROOT / "benchmarks/gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_split_option_is_found_through_kwargs_of_subclasses():
+    gpu = _load_gpu_script()
+
+    class Base:
+        def __init__(self, stages, n, *, split="auto", **plan_options): ...
+
+    class Sub(Base):
+        def __init__(self, *args, exact=False, **kwargs): ...
+
+    class Closed:
+        def __init__(self, stages, n, **kwargs): ...
+
+    assert gpu.accepts(Sub, "split") and gpu.accepts(Base, "split")
+    assert not gpu.accepts(Closed, "split")
