@@ -415,53 +415,26 @@ def _fp32_errors(cfg: Config, device, builders_fp32, out: dict) -> None:
 
 
 def split_backward(cfg: Config, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
-    """Table (a): one-stage one-rank pipelines, fused BW against B + W per engine."""
-    import zbpipe
+    """Table (a): B + W of each engine against the fused backward on one Llama-style stage.
 
-    split_engines = ENGINES if accepts(zbpipe.ScheduleZBH1, "split") else ("builtin",)
-    m = cfg.split_microbatches
+    The measurement of benchmarks/split_backward.py (each engine called directly on fresh
+    forwards, interleaved): a one-stage pipeline would not show it, since the runtime fuses a W
+    that directly follows its own B into one BW.
+    """
+    import split_backward as split_bench
+
     out: dict[str, Any] = {}
     for hidden in cfg.split_hidden:
         seq = min(hidden, cfg.max_seq)
-        x, t = make_batch(hidden, seq, m, dtype, device)
-
-        def one_chunk(hidden: int = hidden) -> list:
-            return build_chunks(hidden, cfg.split_blocks, 1, seed=0, dtype=dtype, device=device)
-
-        runs = {
-            "fused": build_zbpipe("fused", zbpipe.Schedule1F1BMulti, {}, one_chunk(), m, device)
+        case = {
+            "name": f"llama h{hidden} seq{seq} x{cfg.split_blocks}",
+            "make": lambda h=hidden: build_chunks(
+                h, cfg.split_blocks, 1, seed=0, dtype=dtype, device=device
+            )[0],
+            "shape": (1, seq, hidden),
+            "first": False,
         }
-        for e in split_engines:
-            opts = {} if e == "builtin" else {"split": e}
-            runs[e] = build_zbpipe(e, zbpipe.ScheduleZBH1, opts, one_chunk(), m, device)
-        for run in runs.values():
-            one_step(run, x, t, device)
-        device_s: dict[str, dict[str, list[float]]] = {n: defaultdict(list) for n in runs}
-        host_s: dict[str, dict[str, list[float]]] = {n: defaultdict(list) for n in runs}
-        names = list(runs)
-        for rep in range(cfg.reps):
-            k = rep % len(names)
-            for name in names[k:] + names[:k]:
-                run = runs[name]
-                one_step(run, x, t, device)
-                for ev in run.tracer.events:
-                    device_s[name][ev.kind].append(ev.end - ev.start)
-                for kind, v in run.host_pass.items():
-                    host_s[name][kind].extend(v)
-        one_step(runs["fused"], x, t, device, keep_grads=True)
-        ref = grads(runs["fused"].modules)
-        row: dict[str, Any] = {"seq": seq}
-        for name in names:
-            one_step(runs[name], x, t, device, keep_grads=True)
-            row[name] = {
-                "device_s": {k: statistics.median(v) for k, v in device_s[name].items()},
-                "host_s": {k: statistics.median(v) for k, v in host_s[name].items()},
-                "grad_rel_diff_vs_fused": relative_error(grads(runs[name].modules), ref),
-            }
-            for mod in runs[name].modules:
-                mod.zero_grad(set_to_none=True)
-        out[str(hidden)] = row
-        del runs
+        out[str(hidden)] = split_bench.measure(case, cfg.reps, 1, device, dtype)
         free_memory(device)
     return out
 
@@ -471,24 +444,11 @@ def _ms(s: float | None) -> str:
     return "-" if s is None else f"{s * 1e3:.2f}"
 
 
-def print_split_table(res: dict[str, Any]) -> None:
-    print("\n(a) split backward, one stage: per-pass medians, ms (device | host)")
-    print(
-        f"{'hidden':>6} {'engine':>9} {'F':>15} {'B or BW':>15} {'W':>15} {'(B+W)/BW':>9} {'grad diff':>9}"
-    )
-    for hidden, row in res.items():
-        fused = row["fused"]["device_s"].get("BW")
-        for name, r in row.items():
-            if name == "seq":
-                continue
-            d, h = r["device_s"], r["host_s"]
-            back = "BW" if name == "fused" else "B"
-            ratio = (d.get("B", 0) + d.get("W", 0)) / fused if name != "fused" and fused else 1.0
-            cells = [f"{_ms(d.get(k))} | {_ms(h.get(k))}" for k in ("F", back, "W")]
-            print(
-                f"{hidden:>6} {name:>9} {cells[0]:>15} {cells[1]:>15} {cells[2]:>15} "
-                f"{ratio:>9.3f} {r['grad_rel_diff_vs_fused']:>9.1e}"
-            )
+def print_split_table(res: dict[str, Any], cuda: bool) -> None:
+    import split_backward as split_bench
+
+    print("\n(a) split backward, one stage: (B + W) / fused per engine")
+    split_bench.print_rows(list(res.values()), cuda)
 
 
 def print_pipeline_table(res: dict[str, Any]) -> None:
@@ -552,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"zbpipe GPU benchmark on {machine}, torch {torch.__version__}, {cfg.dtype}")
     t0 = time.perf_counter()
     split = split_backward(cfg, dtype, device)
-    print_split_table(split)
+    print_split_table(split, device.type == "cuda")
     pipes = pipelines(cfg, dtype, device)
     print_pipeline_table(pipes)
     print(f"\n({time.perf_counter() - t0:.0f} s)")
