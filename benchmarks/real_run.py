@@ -45,10 +45,39 @@ class Config:
     seq: int = 128
     blocks: int = 0
     """transformer blocks in the whole model; 0 means 2 x ranks (one block per V chunk)"""
+    meter: int = 1
+    """1: count saved activations (a pack hook on every saved tensor); 0: time without it"""
+    model: str = "gpt"
+    """"gpt": the tiny GPT (blocks = transformer blocks); "mlp": Linear(hidden)+ReLU layers
+    (blocks = layers; microbatch_size = rows), loss the mean square error"""
     schedules: tuple[str, ...] = SCHEDULES
 
 
-INT_FIELDS = ("ranks", "reps", "microbatches", "microbatch_size", "hidden", "seq", "blocks")
+INT_FIELDS = (
+    "ranks",
+    "reps",
+    "microbatches",
+    "microbatch_size",
+    "hidden",
+    "seq",
+    "blocks",
+    "meter",
+)
+
+
+def _mlp_stages(hidden: int, layers: int, n_stages: int) -> list:
+    """``layers`` Linear+ReLU layers split into ``n_stages`` equal chunks (same weights for any split)."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    mods = [nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU()) for _ in range(layers)]
+    per = layers // n_stages
+    return [nn.Sequential(*mods[i * per : (i + 1) * per]) for i in range(n_stages)]
+
+
+def _mse(out: Any, target: Any) -> Any:
+    return (out - target).pow(2).mean()
 
 
 def _build(name: str, rank: int, world: int, cfg: Config) -> tuple[Any, list, Any, Any]:
@@ -66,16 +95,25 @@ def _build(name: str, rank: int, world: int, cfg: Config) -> tuple[Any, list, An
     from zbpipe.testing.models import TinyGPTConfig, build_stages, lm_loss
     from zbpipe.trace import Tracer, attach_stage_tracer
 
+    name, _, split = name.partition("@")  # "ZBV@graph": zbpipe's ZBV with the graph engine
+    options = {"split": split} if split else {}
     two_chunks = name not in ("torch:1F1B", "ZBH1")
     n_stages = 2 * world if two_chunks else world
-    mcfg = TinyGPTConfig(
-        vocab=256, hidden=cfg.hidden, seq=cfg.seq, heads=4, blocks_per_stage=cfg.blocks // n_stages
-    )
     if cfg.blocks % n_stages:
         raise ValueError(
             f"--blocks {cfg.blocks} must be a multiple of {n_stages} stages for {name}"
         )
-    modules = build_stages(mcfg, n_stages, seed=0)
+    if cfg.model == "mlp":
+        modules, loss_fn = _mlp_stages(cfg.hidden, cfg.blocks, n_stages), _mse
+    else:
+        mcfg = TinyGPTConfig(
+            vocab=256,
+            hidden=cfg.hidden,
+            seq=cfg.seq,
+            heads=4,
+            blocks_per_stage=cfg.blocks // n_stages,
+        )
+        modules, loss_fn = build_stages(mcfg, n_stages, seed=0), lm_loss
     placement = (
         v_placement(world)
         if name in ("torch:ZBVZeroBubble", "ZBV", "ZBVHalf", "ZBVMin")
@@ -89,22 +127,23 @@ def _build(name: str, rank: int, world: int, cfg: Config) -> tuple[Any, list, An
         tracer = Tracer(rank=rank)
         for st in stages:
             attach_stage_tracer(st, tracer)
-            meter.attach(st)
+            if cfg.meter:
+                meter.attach(st)
         cls = {
             "torch:1F1B": Schedule1F1B,
             "torch:Interleaved1F1B": ScheduleInterleaved1F1B,
             "torch:ZBVZeroBubble": ScheduleZBVZeroBubble,
         }[name]
-        sched = cls(stages[0] if cls is Schedule1F1B else stages, m, loss_fn=lm_loss)
-    elif name == "ZBH1":
-        sched = ScheduleZBH1(stages, m, loss_fn=lm_loss)
-        tracer = sched.tracer
-        sched.attach_meter(meter)
+        sched = cls(stages[0] if cls is Schedule1F1B else stages, m, loss_fn=loss_fn)
     else:
-        memory = {"ZBV": "zb", "ZBVHalf": "half", "ZBVMin": "min"}[name]
-        sched = ScheduleZBV(stages, m, loss_fn=lm_loss, memory=memory)
+        if name == "ZBH1":
+            sched = ScheduleZBH1(stages, m, loss_fn=loss_fn, **options)
+        else:
+            memory = {"ZBV": "zb", "ZBVHalf": "half", "ZBVMin": "min"}[name]
+            sched = ScheduleZBV(stages, m, loss_fn=loss_fn, memory=memory, **options)
         tracer = sched.tracer
-        sched.attach_meter(meter)
+        if cfg.meter:
+            sched.attach_meter(meter)
     return sched, stages, tracer, meter
 
 
@@ -116,8 +155,13 @@ def _rank_main(rank: int, world: int, cfg: Config) -> dict | None:
     from zbpipe.trace import Trace
 
     runs = {name: _build(name, rank, world, cfg) for name in cfg.schedules}
-    mcfg = TinyGPTConfig(vocab=256, hidden=cfg.hidden, seq=cfg.seq)
-    ids, tgt = synthetic_batch(mcfg, cfg.microbatches * cfg.microbatch_size, 0)
+    if cfg.model == "mlp":
+        torch.manual_seed(1)
+        ids = torch.randn(cfg.microbatches * cfg.microbatch_size, cfg.hidden)
+        tgt = torch.randn_like(ids)
+    else:
+        mcfg = TinyGPTConfig(vocab=256, hidden=cfg.hidden, seq=cfg.seq)
+        ids, tgt = synthetic_batch(mcfg, cfg.microbatches * cfg.microbatch_size, 0)
 
     def one_step(name: str) -> tuple[float, list, int]:
         sched, stages, tracer, meter = runs[name]
@@ -176,14 +220,17 @@ def main() -> None:
     defaults = Config()
     for f in INT_FIELDS:
         ap.add_argument(f"--{f.replace('_', '-')}", type=int, default=getattr(defaults, f))
-    ap.add_argument("--schedules", default=",".join(SCHEDULES))
+    ap.add_argument(
+        "--schedules", default=",".join(SCHEDULES), help="names; ZBH1@graph etc. picks the engine"
+    )
+    ap.add_argument("--model", choices=("gpt", "mlp"), default="gpt")
     ap.add_argument("--out", help="default: benchmarks/results/real_run[_<N>ranks].json")
     args = ap.parse_args()
     if args.ranks not in (2, 4, 8):
         ap.error("--ranks must be 2, 4 or 8")
     fields = {f: getattr(args, f) for f in INT_FIELDS}
     fields["blocks"] = fields["blocks"] or 2 * args.ranks
-    cfg = Config(**fields, schedules=tuple(args.schedules.split(",")))
+    cfg = Config(**fields, model=args.model, schedules=tuple(args.schedules.split(",")))
     out_path = args.out or (
         "benchmarks/results/real_run.json"
         if cfg.ranks == 2

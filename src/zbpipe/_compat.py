@@ -12,6 +12,7 @@ from typing import Any
 
 from torch.distributed.pipelining.schedules import (  # noqa: F401  (re-exported)
     PipelineScheduleMulti,
+    PipelineScheduleSingle,
     _Action,
     _batch_p2p,
     _ComputationType,
@@ -70,6 +71,8 @@ def num_stage_inputs(stage: _PipelineStageBase) -> int:
 def has_post_accumulate_grad_hooks(t: Any) -> bool:
     """Whether ``register_post_accumulate_grad_hook`` put a hook on the leaf ``t``."""
     return getattr(t, "_post_accumulate_grad_hooks", None) is not None
+
+
 # =====================================================================================
 # torch 2.11 - 2.15 differences (issue 14). One shim per difference, detected by feature.
 # Call sites: runtime.py and continuous.py inherit the base classes below; runtime.py and
@@ -208,3 +211,44 @@ def with_local_stage_init(cls: type) -> type:
 #: The bases zbpipe's schedules inherit: torch's classes, plus the shims above where needed.
 _PipelineScheduleRuntime = _shimmed(_TorchPipelineScheduleRuntime)
 PipelineScheduleMultiBase = _shimmed(PipelineScheduleMulti)
+
+
+# =====================================================================================
+# Every private (underscore) torch name zbpipe touches, with what zbpipe relies on.
+# tests/test_compat_names.py checks each against the installed torch: a rename or a changed
+# signature fails there, naming this table, instead of deep inside a pipeline step.
+# (owner, name, parameters zbpipe passes by name/position, or None for an attribute)
+# =====================================================================================
+PRIVATE_API: tuple[tuple[type, str, tuple[str, ...] | None], ...] = (
+    # methods zbpipe's runtimes call or override on torch's schedule classes
+    (
+        _TorchPipelineScheduleRuntime,
+        "_step_microbatches",
+        ("arg_mbs", "kwarg_mbs", "target_mbs", "losses"),
+    ),
+    (_TorchPipelineScheduleRuntime, "_prepare_schedule_with_comms", ("actions",)),
+    (_TorchPipelineScheduleRuntime, "_assert_unsharded", ("stage",)),
+    (PipelineScheduleMulti, "_initialize_stages", ("args", "kwargs")),
+    (PipelineScheduleMulti, "_maybe_compute_loss", ("stage", "output", "target_mbs", "mb_index")),
+    (PipelineScheduleMulti, "_maybe_get_loss", ("stage", "mb_index")),
+    (PipelineScheduleMulti, "_update_losses", ("stages", "losses")),
+    (PipelineScheduleMulti, "_split_inputs", ("args", "kwargs")),
+    (PipelineScheduleSingle, "_get_pipeline_order", ()),
+    # methods zbpipe calls on torch's stages
+    (_PipelineStageBase, "_retrieve_recv_grads", ("bwd_chunk_id",)),
+    (_PipelineStageBase, "_retrieve_recv_activations", ("fwd_chunk_id",)),
+    (_PipelineStageBase, "_create_grad_send_info", ("args_recv_info",)),
+    (PipelineStage, "_prepare_forward_infra", ("num_microbatches", "args", "kwargs")),
+    # module-level helpers
+    (None, "_wait_batch_p2p", ("work",)),
+    (None, "_batch_p2p", ("p2p_ops",)),
+)
+#: instance attributes zbpipe reads on torch's schedules (set in their __init__)
+PRIVATE_SCHEDULE_ATTRIBUTES = (
+    "_n_microbatches",
+    "_num_stages",
+    "_stages",
+    "_loss_fn",
+    "_has_backward",
+    "_internal_losses",
+)
