@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from zbpipe.planning.auto import plan_zb1p, plan_zb2p  # noqa: E402
 from zbpipe.planning.costs import Costs  # noqa: E402
 from zbpipe.planning.onef1b import plan_1f1b  # noqa: E402
-from zbpipe.planning.simulate import simulate  # noqa: E402
+from zbpipe.planning.simulator import simulate  # noqa: E402
 from zbpipe.planning.zbh1 import plan_zbh1  # noqa: E402
 from zbpipe.planning.zbh2 import plan_zbh2  # noqa: E402
 

@@ -13,7 +13,7 @@ import pathlib
 from zbpipe.planning.costs import Costs
 from zbpipe.planning.onef1b import plan_1f1b
 from zbpipe.planning.registry import plan
-from zbpipe.planning.simulate import simulate
+from zbpipe.planning.simulator import simulate
 from zbpipe.planning.zbv import plan_zbv
 
 COMMAND = "PYTHONPATH=src python benchmarks/zbv_sim_table.py"

@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 from zbpipe.planning.auto import onef1b_peak, plan_zb1p, plan_zb2p
 from zbpipe.planning.costs import Costs
 from zbpipe.planning.onef1b import plan_1f1b
-from zbpipe.planning.simulate import simulate
+from zbpipe.planning.simulator import simulate
 from zbpipe.planning.zbh1 import plan_zbh1
 from zbpipe.planning.zbh2 import plan_zbh2
 

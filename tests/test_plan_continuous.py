@@ -3,7 +3,7 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from zbpipe.planning.continuous import (
+from zbpipe.planning.continuous_plan import (
     MODES,
     check_continuous,
     continuous_parts,
@@ -14,7 +14,7 @@ from zbpipe.planning.core import Action, PlanError, loop_placement, make_plan
 from zbpipe.planning.costs import Costs
 from zbpipe.planning.metrics import bubble_rate
 from zbpipe.planning.onef1b import plan_1f1b
-from zbpipe.planning.simulate import simulate
+from zbpipe.planning.simulator import simulate
 from zbpipe.planning.zbh1 import plan_zbh1
 
 

@@ -9,7 +9,7 @@ from zbpipe.planning.core import Action, PlanError, loop_placement, make_plan
 from zbpipe.planning.costs import Costs
 from zbpipe.planning.improve import improve
 from zbpipe.planning.onef1b import plan_1f1b
-from zbpipe.planning.simulate import simulate
+from zbpipe.planning.simulator import simulate
 from zbpipe.planning.zbh1 import plan_zbh1
 from zbpipe.planning.zbv import plan_zbv
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from zbpipe.planning.costs import Costs
 from zbpipe.planning.onef1b import plan_1f1b
-from zbpipe.planning.simulate import simulate
+from zbpipe.planning.simulator import simulate
 from zbpipe.planning.zbv import plan_zbv
 
 

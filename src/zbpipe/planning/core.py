@@ -16,9 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Mapping, Sequence
 
-Kind = Literal["F", "B", "W", "BW"]
+#: The compute actions a plan is made of (the module docstring says what each one is).
 KINDS: tuple[str, ...] = ("F", "B", "W", "BW")
-Placement = Literal["loop", "v"]
+#: The letter torch's pipelining uses for each kind (``_ComputationType`` values, CSV cells).
+TORCH_LETTERS: dict[str, str] = {"F": "F", "B": "I", "W": "W", "BW": "B"}
+#: How stages are laid out on ranks: ``"loop"`` (stage s on rank s % p) or ``"v"``
+#: (rank r holds stages r and 2p - 1 - r). ``Plan.placement`` is the stage-to-rank map itself.
+Layout = Literal["loop", "v"]
 
 
 @dataclass(frozen=True, order=True)
@@ -62,7 +66,8 @@ def v_placement(num_ranks: int) -> dict[int, int]:
 
 @dataclass(frozen=True)
 class Plan:
-    """For each rank, the ordered compute actions it runs; plus the stage-to-rank placement.
+    """For each rank, the ordered compute actions it runs; plus the stage-to-rank placement
+    (``placement``, a dict) and its shape (``layout``, ``"loop"`` or ``"v"``).
 
     ``order`` has no ``None`` padding: idle time exists only in the simulator's timed output.
     """
@@ -72,7 +77,7 @@ class Plan:
     n_microbatches: int
     placement: Mapping[int, int]
     order: Mapping[int, tuple[Action, ...]]
-    style: Placement = "loop"
+    layout: Layout = "loop"
     meta: Mapping[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -165,7 +170,7 @@ def make_plan(
     n_microbatches: int,
     placement: Mapping[int, int],
     order: Mapping[int, Sequence[Action]],
-    style: Placement = "loop",
+    layout: Layout = "loop",
     **meta: object,
 ) -> Plan:
     """Build and statically validate a plan (generators call this)."""
@@ -175,7 +180,7 @@ def make_plan(
         n_microbatches=n_microbatches,
         placement=placement,
         order={r: tuple(acts) for r, acts in order.items()},
-        style=style,
+        layout=layout,
         meta=meta,
     )
     p.validate()

@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass, fields
 from typing import Sequence, Union
 
+from .rules import EPS
+
 Number = Union[int, float]
 PerStage = Union[Number, Sequence[Number]]
 
@@ -117,7 +119,7 @@ class Costs:
         for s in range(num_stages):
             c = self.stage(s)
             total = c.mem_f + c.mem_b + c.mem_w
-            if abs(total) > 1e-9 * max(1.0, abs(c.mem_f)):
+            if abs(total) > EPS * max(1.0, abs(c.mem_f)):
                 raise ValueError(
                     f"Costs for stage {s}: mem_f + mem_b + mem_w = {total}, must be 0 "
                     "(everything a forward allocates is freed by its backward)"

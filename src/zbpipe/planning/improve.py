@@ -26,10 +26,9 @@ from typing import Iterator
 
 from .core import Action, Plan
 from .costs import Costs
+from .rules import EPS, needs, peak_memory, producers
 
 log = logging.getLogger(__name__)
-
-_EPS = 1e-9
 
 
 @dataclass(frozen=True)
@@ -56,13 +55,14 @@ class _Model:
                 ids[a] = len(self.actions)
                 self.actions.append(a)
                 self.rank.append(r)
+        self.sc = sc
+        made_by = producers(self.actions)
         self.dur = [sc[a.stage].time(a.kind) for a in self.actions]
-        self.mem = [sc[a.stage].mem(a.kind) for a in self.actions]
         self.deps: list[tuple[tuple[int, float], ...]] = []
         self.same_rank_deps: list[set[int]] = [set() for _ in self.actions]
         for i, a in enumerate(self.actions):
             deps = []
-            for d in _producers(a, last, ids):
+            for d in (ids[made_by[v]] for v in needs(a, last)):
                 delay = 0.0 if self.rank[d] == self.rank[i] else sc[self.actions[d].stage].comm
                 deps.append((d, delay))
                 if self.rank[d] == self.rank[i]:
@@ -136,24 +136,7 @@ class _Model:
         return _Eval(start, end, (round(span, 9), round(makespan, 9), round(feed, 6)))
 
     def peak(self, seq: list[int]) -> float:
-        mem = peak = 0.0
-        for a in seq:
-            mem += self.mem[a]
-            peak = max(peak, mem)
-        return peak
-
-
-def _producers(a: Action, last: int, ids: dict[Action, int]) -> list[int]:
-    """Ids of the actions whose results ``a`` waits for (the simulator's dependency rules)."""
-    if a.kind == "F":
-        return [ids[Action(a.stage - 1, "F", a.microbatch)]] if a.stage > 0 else []
-    if a.kind == "W":
-        return [ids[Action(a.stage, "B", a.microbatch)]]
-    out = [ids[Action(a.stage, "F", a.microbatch)]]
-    if a.stage < last:
-        nxt = Action(a.stage + 1, "B", a.microbatch)
-        out.append(ids[nxt] if nxt in ids else ids[Action(a.stage + 1, "BW", a.microbatch)])
-    return out
+        return peak_memory([self.actions[a] for a in seq], self.sc)
 
 
 def _moved(seq: list[int], src: int, dst: int) -> list[int]:
@@ -187,10 +170,10 @@ def _critical_arcs(model: _Model, order: list[list[int]], ev: _Eval) -> list[tup
         s = ev.start[a]
         nxt = -1
         for d, delay in model.deps[a]:
-            if abs(ev.end[d] + delay - s) <= _EPS:
+            if abs(ev.end[d] + delay - s) <= EPS:
                 nxt = d
                 break
-        if nxt < 0 and i > 0 and abs(ev.end[order[q][i - 1]] - s) <= _EPS:
+        if nxt < 0 and i > 0 and abs(ev.end[order[q][i - 1]] - s) <= EPS:
             arcs.append((q, i))
             nxt = order[q][i - 1]
         if nxt < 0:
@@ -217,13 +200,13 @@ def _candidate_moves(
         for i in range(1, len(seq)):
             a, prev = seq[i], seq[i - 1]
             gap = ev.start[a] - ev.end[prev]
-            if gap > _EPS:
+            if gap > EPS:
                 spots.append((-gap, r, i, "gap"))
             elif model.actions[a].kind != "W" and prev not in model.same_rank_deps[a]:
                 # a ready F or B waiting behind another action: try running it first
                 ready = max((ev.end[d] + delay for d, delay in model.deps[a]), default=0.0)
                 delay = ev.start[a] - max(ready, ev.start[prev])
-                if delay > _EPS:
+                if delay > EPS:
                     spots.append((-delay, r, i - 1, "late"))
     spots.sort()
     for _, r, i, what in spots[:per_round]:
@@ -292,7 +275,7 @@ def improve(
             if src == dst or not 0 <= dst < len(seq) or not _can_move(model, seq, src, dst):
                 continue
             new_seq = _moved(seq, src, dst)
-            if model.peak(new_seq) > limits[r] + _EPS:
+            if model.peak(new_seq) > limits[r] + EPS:
                 continue
             sig = (r, *new_seq)
             if sig in tried:

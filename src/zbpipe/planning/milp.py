@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from .core import Action, Plan, make_plan
 from .costs import Costs
+from .rules import forced_before
 
 log = logging.getLogger(__name__)
 
@@ -51,16 +52,6 @@ class RefineResult:
     solver_log: str
 
 
-def _forced_before(a: Action, b: Action) -> bool:
-    """True if ``a`` must precede ``b`` on their (shared) stage regardless of the schedule."""
-    rank = {"F": 0, "B": 1, "W": 2}
-    if a.microbatch == b.microbatch:
-        return rank[a.kind] < rank[b.kind]
-    if a.kind == b.kind:
-        return a.microbatch < b.microbatch
-    return False
-
-
 def refine(
     plan: Plan,
     costs: Costs | None = None,
@@ -72,7 +63,7 @@ def refine(
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import lil_matrix
 
-    from .simulate import simulate
+    from .simulator import simulate
 
     costs = costs or Costs()
     p, m = plan.num_ranks, plan.n_microbatches
@@ -92,7 +83,7 @@ def refine(
         mine = [a for a in acts if a.stage == s]
         for i, a in enumerate(mine):
             for b in mine[i + 1 :]:
-                if not (_forced_before(a, b) or _forced_before(b, a)):
+                if not (forced_before(a, b) or forced_before(b, a)):
                     pairs.append((a, b))
     yidx = {pr: n_t + 1 + k for k, pr in enumerate(pairs)}
     nv = n_t + 1 + len(pairs)
@@ -104,9 +95,9 @@ def refine(
 
     def before(a: Action, b: Action) -> tuple[dict[int, float], float]:
         """``[a before b]`` as (coeffs, const): a y, 1 - y, or a constant."""
-        if _forced_before(a, b):
+        if forced_before(a, b):
             return {}, 1.0
-        if _forced_before(b, a):
+        if forced_before(b, a):
             return {}, 0.0
         if (a, b) in yidx:
             return {yidx[(a, b)]: 1.0}, 0.0

@@ -13,7 +13,7 @@ from typing import Callable
 from .core import Plan
 from .costs import Costs
 from .auto import plan_zb1p, plan_zb2p
-from .continuous import plan_continuous
+from .continuous_plan import plan_continuous
 from .onef1b import plan_1f1b
 from .zbh1 import plan_zbh1
 from .zbh2 import plan_zbh2

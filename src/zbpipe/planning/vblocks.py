@@ -27,10 +27,10 @@ from typing import Iterator
 
 from .core import Action, PlanError, make_plan, v_placement
 from .costs import Costs, StageCosts
-from .simulate import simulate
+from .simulator import simulate
+from .rules import EPS, peak_memory, within
 from .vshape import GreedyResult
 
-_EPS = 1e-9
 _STRETCH_STEP = 0.05
 _MAX_STRETCH_STEPS = 13  # periods up to 1.6x a rank's work per microbatch
 
@@ -45,7 +45,7 @@ def _place(
         ok = True
         for s, d in busy:
             # the two intervals on a circle of length period overlap iff either starts inside the other
-            if (s - a) % period < dur - _EPS or (a - s) % period < d - _EPS:
+            if (s - a) % period < dur - EPS or (a - s) % period < d - EPS:
                 ok = False
                 break
         if ok:
@@ -140,7 +140,7 @@ def block_candidates(
             if offsets is None:
                 continue  # passes do not fit the period's gaps: try a longer one
             steady = min(m, int(max(offsets.values()) // period) + 3)
-            if _peak(block_order(p, steady, offsets, period), real) <= budget + _EPS:
+            if within(_peak(block_order(p, steady, offsets, period), real), budget):
                 break
         else:
             continue
@@ -181,21 +181,15 @@ def _with_lengths(real: list[StageCosts], ratio: tuple[int, int, int]) -> list[S
 
 
 def _peak(order: dict[int, list[Action]], stage_costs: list[StageCosts]) -> float:
-    """Highest activation memory of any rank running ``order`` (a prefix sum: ranks run in sequence)."""
-    top = 0.0
-    for acts in order.values():
-        mem = 0.0
-        for a in acts:
-            mem += stage_costs[a.stage].mem(a.kind)
-            top = max(top, mem)
-    return top
+    """Highest activation memory of any rank running ``order``."""
+    return max((peak_memory(acts, stage_costs) for acts in order.values()), default=0.0)
 
 
 def _run(
     p: int, m: int, order: dict[int, list[Action]], costs: Costs, budget: float
 ) -> GreedyResult | None:
     """Execute a fixed order with the real costs (the squeeze); None if it exceeds ``budget``."""
-    plan = make_plan("block", p, m, v_placement(p), order, style="v")
+    plan = make_plan("block", p, m, v_placement(p), order, layout="v")
     try:
         r = simulate(plan, costs, memory_limit=budget)
     except PlanError:

@@ -26,12 +26,11 @@ from dataclasses import dataclass
 
 from .core import Action
 from .costs import StageCosts
-
-_EPS = 1e-9
+from .rules import EPS
 
 
 @dataclass(frozen=True)
-class Strategy:
+class VShapeStrategy:
     """Tie-break knobs of the greedy V scheduler (each combination gives one candidate plan)."""
 
     chunk0_lead: int | None = None
@@ -84,7 +83,7 @@ def greedy_v(
     n_microbatches: int,
     stage_costs: list[StageCosts],
     budget: float,
-    strategy: Strategy,
+    strategy: VShapeStrategy,
 ) -> GreedyResult:
     """Build per-rank orders for a V placement by event-driven greedy list scheduling."""
     p, m = num_ranks, n_microbatches
@@ -122,14 +121,14 @@ def greedy_v(
 
     def f_fits(r: int, s: int) -> bool:
         fp = _future_peak_after_f(stage_costs[s])
-        if reserved[r] + fp > budget + _EPS:
+        if reserved[r] + fp > budget + EPS:
             return False
         c0, c1 = chunks[r]
         if s == c0:
             # Deadlock freedom: the microbatches stuck between this rank's two chunks must leave
             # room for one chunk-1 forward, whatever else is in flight (that drains on its own).
             waiting = next_f[c0] - next_f[c1] + 1
-            if waiting * fp + _future_peak_after_f(stage_costs[c1]) > budget + _EPS:
+            if waiting * fp + _future_peak_after_f(stage_costs[c1]) > budget + EPS:
                 return False
             lead = strategy.chunk0_lead
             if lead is not None and waiting > lead + strategy.lead_slope * (p - 1 - r):
@@ -181,7 +180,7 @@ def greedy_v(
     def any_f_ready(r: int, t: float) -> bool:
         for s in chunks[r]:
             a = f_arrival(s)
-            if a is not None and a <= t + _EPS and f_fits(r, s):
+            if a is not None and a <= t + EPS and f_fits(r, s):
                 return True
         return False
 
@@ -192,7 +191,7 @@ def greedy_v(
         # B: the earliest arrived; ties to the later stage (deeper in the backward chain)
         best_b = None
         for s in (c1, c0):
-            if b_ready[s] and b_ready[s][0][0] <= t + _EPS:
+            if b_ready[s] and b_ready[s][0][0] <= t + EPS:
                 key = (b_ready[s][0][1], -s)
                 if best_b is None or key < best_b[0]:
                     best_b = (key, s)
@@ -209,13 +208,8 @@ def greedy_v(
                 continue
             if not f_fits(r, s):
                 continue  # only this rank's own B/W can unblock it
-            if a <= t + _EPS:
-                if (
-                    s == c0
-                    and has_w
-                    and strategy.w_before_f
-                    and mem[r] + _EPS >= max(peak[r], _EPS)
-                ):
+            if a <= t + EPS:
+                if s == c0 and has_w and strategy.w_before_f and mem[r] + EPS >= max(peak[r], EPS):
                     break
                 run(r, Action(s, "F", next_f[s]), t)
                 return t
@@ -227,7 +221,7 @@ def greedy_v(
             soon = min(arrivals, default=None)
             s, mb = w_queue[r][w_head[r]]
             w_time = stage_costs[s].w
-            if soon is None or soon - t >= strategy.w_wait * w_time - _EPS:
+            if soon is None or soon - t >= strategy.w_wait * w_time - EPS:
                 w_head[r] += 1
                 run(r, Action(s, "W", mb), t)
                 return t
@@ -400,12 +394,12 @@ def execute_fb_order(
         if eager_w and pending_w[r]:
             pop_w(r)
             continue
-        if a.kind == "F" and mem[r] + c.mem_f > budget + _EPS:
+        if a.kind == "F" and mem[r] + c.mem_f > budget + EPS:
             if not pending_w[r]:
                 return None
             pop_w(r)
             continue
-        if start > time[r] + _EPS and pending_w[r]:
+        if start > time[r] + EPS and pending_w[r]:
             pop_w(r)  # fill the gap before the next F/B arrives
             continue
         run(r, a, start)

@@ -32,9 +32,17 @@ from typing import Literal
 from .core import Plan, PlanError, make_plan, v_placement
 from .costs import Costs, StageCosts
 from .improve import improve
-from .simulate import simulate
+from .simulator import simulate
 from .vblocks import block_candidates
-from .vshape import GreedyResult, Strategy, execute_fb_order, greedy_v, min_budget, zbv_fb_order
+from .rules import EPS, within
+from .vshape import (
+    GreedyResult,
+    VShapeStrategy,
+    execute_fb_order,
+    greedy_v,
+    min_budget,
+    zbv_fb_order,
+)
 
 log = logging.getLogger(__name__)
 
@@ -59,17 +67,17 @@ def default_budget(num_ranks: int, stage_costs: list[StageCosts], memory: Memory
     return factor * stage0_unit(stage_costs)
 
 
-def _strategies(num_ranks: int, memory: MemoryMode) -> list[Strategy]:
+def _strategies(num_ranks: int, memory: MemoryMode) -> list[VShapeStrategy]:
     leads: list[int | None] = [None, 1, 2, 3, 4]
     if num_ranks > 4:
         leads += [num_ranks // 2, num_ranks]
     out = []
     for lead in leads:
         for f_first in (False, True):
-            out.append(Strategy(chunk0_lead=lead, f_first=f_first))
+            out.append(VShapeStrategy(chunk0_lead=lead, f_first=f_first))
     if memory == "zb":
-        out.append(Strategy(chunk0_lead=1, lead_slope=2))
-        out.append(Strategy(w_wait=0.5))
+        out.append(VShapeStrategy(chunk0_lead=1, lead_slope=2))
+        out.append(VShapeStrategy(w_wait=0.5))
     return out
 
 
@@ -117,7 +125,7 @@ def plan_zbv(
     floor = min_budget(sc, p)
     if memory_limit is not None:
         budget = float(memory_limit)
-        if budget < floor - 1e-9:
+        if budget < floor - EPS:
             raise ValueError(
                 f"memory_limit={memory_limit} is too small for a V plan with these costs: a rank must hold "
                 f"one microbatch of each of its two stages; use memory_limit >= {floor:g}"
@@ -136,7 +144,7 @@ def plan_zbv(
     # the best candidate of each family: building blocks, and the rest (ZB-V order, greedy)
     best: dict[bool, tuple[tuple[float, float, int], str, GreedyResult]] = {}
     for i, (label, res) in enumerate(_candidates(p, m, costs, sc, budget, memory)):
-        if max(res.peak_memory.values()) > budget + 1e-9:
+        if not within(max(res.peak_memory.values()), budget):
             continue
         key = (round(res.longest_span, 9), round(res.makespan, 9), i)
         family = label.startswith("block")
@@ -158,7 +166,7 @@ def plan_zbv(
             m,
             v_placement(p),
             res.order,
-            style="v",
+            layout="v",
             memory=memory,
             memory_budget=budget,
             strategy=label,

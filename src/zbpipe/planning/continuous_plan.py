@@ -51,17 +51,17 @@ import math
 from dataclasses import dataclass
 from typing import Literal, Mapping, Sequence
 
-from .auto import STRATEGIES, Strategy, list_schedule, onef1b_peak
+from .auto import STRATEGIES, AutoStrategy, list_schedule, onef1b_peak
 from .core import Action, Plan, PlanError, loop_placement, make_plan
 from .costs import Costs, StageCosts
-from .simulate import simulate
+from .rules import EPS, check_sizes, fits
+from .simulator import simulate
 from .zbh1 import zbh1_rank_order
 
 log = logging.getLogger(__name__)
 
 Mode = Literal["sync", "2bw", "stash"]
 MODES: tuple[str, ...] = ("sync", "2bw", "stash")
-_EPS = 1e-9
 _PROBE = 4  # mini-batches joined to compare candidate periods (warm-up and drain paid once)
 
 Orders = dict[int, tuple[Action, ...]]
@@ -129,14 +129,6 @@ def _stream_parts(p: int, m: int, warmups: Sequence[int]) -> tuple[Orders, Order
     return warmup, period, drain
 
 
-def _peak(order: Sequence[Action], sc: list[StageCosts]) -> float:
-    mem = peak = 0.0
-    for a in order:
-        mem += sc[a.stage].mem(a.kind)
-        peak = max(peak, mem)
-    return peak
-
-
 def _sync_segments(p: int, m: int, sc: list[StageCosts], limit: float) -> list[tuple[str, dict]]:
     """Candidate one-mini-batch orders: the heuristic's, ZB-H2's warm-up caps, ZB-H1, W-after-B."""
     cands: list[tuple[str, dict]] = [
@@ -145,14 +137,14 @@ def _sync_segments(p: int, m: int, sc: list[StageCosts], limit: float) -> list[t
     ]
     caps = tuple(2 * (p - r) - 1 for r in range(p))
     strategies = list(STRATEGIES) + [
-        Strategy(max_inflight=caps),
-        Strategy(max_inflight=caps, keep_ahead=False),
+        AutoStrategy(max_inflight=caps),
+        AutoStrategy(max_inflight=caps, keep_ahead=False),
     ]
     for i, strategy in enumerate(strategies):
         res = list_schedule(p, m, sc, limit, strategy)
         if res is not None:
-            cands.append((f"heuristic{i}", res[0]))
-    return [(name, o) for name, o in cands if all(_peak(a, sc) <= limit + _EPS for a in o.values())]
+            cands.append((f"heuristic{i}", res.orders))
+    return [(name, o) for name, o in cands if fits(o, sc, limit)]
 
 
 def continuous_parts(
@@ -167,15 +159,14 @@ def continuous_parts(
     Deterministic and independent of the number of mini-batches: ``plan_continuous`` only joins.
     """
     p, m = num_ranks, n_microbatches
-    if p < 1 or m < 1:
-        raise ValueError(f"num_ranks and n_microbatches must be >= 1, got {p}, {m}")
+    check_sizes(p, m)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     costs = costs or Costs()
     sc = costs.per_stage(p)
     base = onef1b_peak(p, m, costs)
     limit = 2 * base if memory_limit is None else float(memory_limit)
-    if limit < base - _EPS:
+    if limit < base - EPS:
         raise ValueError(
             f"Continuous: memory_limit {limit:g} is below 1F1B's peak {base:g}; a continuous plan "
             f"needs at least that much. Raise memory_limit to {base:g} or more"
@@ -194,7 +185,7 @@ def continuous_parts(
             span = max(iv[-1].end - iv[0].start for iv in r.timeline.values() if iv)
             if ref is None:  # w-after-b comes first: the bound every candidate must meet
                 ref = (span, r.makespan)
-            elif span > ref[0] + _EPS or r.makespan > ref[1] + _EPS:
+            elif span > ref[0] + EPS or r.makespan > ref[1] + EPS:
                 continue
             parts = _split_segment(seg, m)
             scored.append((round(probe(parts), 9), i, name, parts))
@@ -211,7 +202,7 @@ def continuous_parts(
             joined = ContinuousParts(
                 *parts, minibatch_size=m, mode=mode, memory_limit=limit, source=""
             ).join(2)
-            if any(_peak(a, sc) > limit + _EPS for a in joined.values()):
+            if not fits(joined, sc, limit):
                 continue
             scored.append((round(probe(parts), 9), i, f"stream-warmup-x{d:g}", parts))
     if not scored:
