@@ -34,7 +34,7 @@ import heapq
 import itertools
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from .core import Action, Plan, PlanError, loop_placement, make_plan
@@ -49,8 +49,9 @@ log = logging.getLogger(__name__)
 class AutoStrategy:
     """The heuristic's binary hyperparameters (Section 3.1); every combination is tried."""
 
-    f_may_delay_b: bool = True
-    """Run a ready F even if the pending B arrives before it ends (fills the warm-up tail)."""
+    f_may_delay_b: bool | tuple[bool, ...] = True
+    """Run a ready F even if the pending B arrives before it ends (fills the warm-up tail); a
+    tuple decides per stage."""
     w_fills_small_gaps: bool = False
     """Insert a W into an idle gap shorter than T_W (delays the next F/B a little)."""
     keep_ahead: bool = True
@@ -66,6 +67,7 @@ class ListSchedule(NamedTuple):
     makespan: float
     span: float
     """The longest rank span (first start to last end of one rank): the bubble rate's denominator."""
+    rank_spans: tuple[float, ...]
 
 
 @dataclass
@@ -155,7 +157,10 @@ class _ListScheduler:
             return "F"
         if r.b_left and r.tb <= t and r.b_mem_ok:
             return "B"
-        if f_ready and (strat.f_may_delay_b or not r.b_left or not r.b_exact or r.tb >= t + c.f):
+        may_delay = strat.f_may_delay_b
+        if not isinstance(may_delay, bool):
+            may_delay = may_delay[s]
+        if f_ready and (may_delay or not r.b_left or not r.b_exact or r.tb >= t + c.f):
             return "F"
         if not r.w_left:
             return None
@@ -215,8 +220,8 @@ class _ListScheduler:
             heapq.heappush(heap, (x.t, x.idle, s))
         if any(x.nw < self.m for x in self.st):
             return None
-        span = max(self.st[s].t - self.first[s] for s in range(p))
-        return ListSchedule(self.orders, self.makespan, span)
+        spans = tuple(self.st[s].t - self.first[s] for s in range(p))
+        return ListSchedule(self.orders, self.makespan, max(spans), spans)
 
 
 def list_schedule(
@@ -266,11 +271,49 @@ class Candidate(NamedTuple):
 
 def _heuristic_candidates(p: int, m: int, sc: list[StageCosts], limit: float) -> list[Candidate]:
     out = []
+    best: tuple[AutoStrategy, ListSchedule] | None = None
     for strategy in STRATEGIES:
         res = list_schedule(p, m, sc, limit, strategy)
         if res is not None:
             out.append(Candidate(res.span, res.makespan, f"heuristic:{strategy}", res.orders))
+            if best is None or _key(res) < _key(best[1]):
+                best = (strategy, res)
+    if best is not None:
+        out.extend(_per_stage_delays(p, m, sc, limit, *best))
     return out
+
+
+def _key(res: ListSchedule) -> tuple[float, float]:
+    return (round(res.span, 9), round(res.makespan, 9))
+
+
+def _per_stage_delays(
+    p: int, m: int, sc: list[StageCosts], limit: float, base: AutoStrategy, res: ListSchedule
+) -> list[Candidate]:
+    """Decide ``f_may_delay_b`` per stage, starting from the best uniform strategy.
+
+    Whether a rank's last warm-up F may delay its first B is a trade: the F fills the rank's
+    own idle gap, the delay reaches every upstream rank. The longest rank span is the bubble
+    rate's denominator, so flip the flag of the rank that has it, keep the flip if the result
+    is better, and go on with the new longest rank (each rank at most once: <= p passes).
+    """
+    if not isinstance(base.f_may_delay_b, bool):
+        return []
+    flags = [base.f_may_delay_b] * p
+    tried: set[int] = set()
+    out: list[Candidate] = []
+    while True:
+        rank = max(range(p), key=lambda r: (round(res.rank_spans[r], 9), -r))
+        if rank in tried:
+            return out
+        tried.add(rank)
+        flags[rank] = not flags[rank]
+        strategy = replace(base, f_may_delay_b=tuple(flags))
+        new = list_schedule(p, m, sc, limit, strategy)
+        if new is None or _key(new) >= _key(res):
+            return out
+        res = new
+        out.append(Candidate(res.span, res.makespan, f"heuristic:{strategy}", res.orders))
 
 
 def _baseline_candidates(
