@@ -4,7 +4,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from zbpipe.planning.auto import (
     STRATEGIES,

@@ -1,7 +1,8 @@
-"""Continuous (flush-free) plans: sync rule, weight-version bounds, periods, and the bubble they save."""
+"""Continuous (flush-free) plans: sync rule, weight-version bounds, periods, the bubble saved."""
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from zbpipe.planning.continuous_plan import (
     MODES,

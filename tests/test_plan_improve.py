@@ -1,9 +1,10 @@
-"""improve(): local search never makes a plan worse or invalid, and finds the optimum of a tiny case."""
+"""improve(): local search never makes a plan worse or invalid; finds a tiny case's optimum."""
 
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from zbpipe.planning.core import Action, PlanError, loop_placement, make_plan
 from zbpipe.planning.costs import Costs

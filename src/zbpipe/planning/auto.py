@@ -66,7 +66,7 @@ class ListSchedule(NamedTuple):
     orders: dict[int, list[Action]]
     makespan: float
     span: float
-    """The longest rank span (first start to last end of one rank): the bubble rate's denominator."""
+    """The longest rank span (one rank's first start to last end): the bubble rate's denominator."""
     rank_spans: tuple[float, ...]
 
 

@@ -13,8 +13,9 @@ simulator are tested by hypothesis over thousands of cases without a process gro
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Mapping, Sequence
+from typing import Literal
 
 #: The compute actions a plan is made of (the module docstring says what each one is).
 KINDS: tuple[str, ...] = ("F", "B", "W", "BW")
@@ -149,7 +150,8 @@ def validate_structure(plan: Plan) -> None:
             if kinds not in ({"F", "BW"}, {"F", "B", "W"}):
                 missing = "F and BW, or F, B and W"
                 raise PlanError(
-                    f"plan {plan.name}: stage {s} microbatch {mb} has {sorted(kinds)}; needs {missing}"
+                    f"plan {plan.name}: stage {s} microbatch {mb} has {sorted(kinds)}; "
+                    f"needs {missing}"
                 )
 
 
@@ -157,7 +159,10 @@ def format_grid(plan: Plan, width: int | None = None) -> str:
     """Draw the plan as a rank-by-step grid (no timing: column k is each rank's k-th action)."""
     cells = {r: [str(a) for a in acts] for r, acts in plan.order.items()}
     w = width or max((len(c) for cs in cells.values() for c in cs), default=3)
-    head = f"{plan.name}: {plan.num_ranks} ranks, {plan.num_stages} stages, {plan.n_microbatches} microbatches"
+    head = (
+        f"{plan.name}: {plan.num_ranks} ranks, {plan.num_stages} stages, "
+        f"{plan.n_microbatches} microbatches"
+    )
     lines = [head]
     for r in range(plan.num_ranks):
         lines.append(f"rank {r:>2} | " + " ".join(c.rjust(w) for c in cells[r]))

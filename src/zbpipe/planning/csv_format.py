@@ -24,7 +24,7 @@ import csv
 import io
 import re
 
-from .core import TORCH_LETTERS, Action, Plan, PlanError, make_plan, v_placement
+from .core import TORCH_LETTERS, Action, Layout, Plan, PlanError, make_plan, v_placement
 
 _KIND_OF_LETTER = {letter: kind for kind, letter in TORCH_LETTERS.items()}
 _NON_COMPUTE = ("UNSHARD", "RESHARD", "REDUCE_GRAD", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
@@ -92,12 +92,13 @@ def plan_from_csv(text: str, name: str = "csv", n_microbatches: int | None = Non
         for a in actions:
             if placement.setdefault(a.stage, r) != r:
                 raise PlanError(
-                    f"plan_from_csv: stage {a.stage} appears on rank {placement[a.stage]} and on rank {r}; "
+                    f"plan_from_csv: stage {a.stage} appears on rank {placement[a.stage]} "
+                    f"and on rank {r}; "
                     "a stage must live on one rank"
                 )
     if not placement:
         raise PlanError("plan_from_csv: the CSV has no compute actions")
     num_ranks = len(rows)
     m = n_microbatches or 1 + max(a.microbatch for acts in order.values() for a in acts)
-    layout = "v" if placement == v_placement(num_ranks) else "loop"
+    layout: Layout = "v" if placement == v_placement(num_ranks) else "loop"
     return make_plan(name, num_ranks, m, placement, order, layout=layout)

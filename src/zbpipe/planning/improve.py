@@ -1,4 +1,4 @@
-"""Local search over a valid plan: reorder actions within a rank while the simulated plan gets shorter.
+"""Local search over a valid plan: reorder a rank's actions while the simulated plan gets shorter.
 
 Any family's plan can be polished (pure Python, no torch). The objective is the bubble rate's
 denominator, the longest rank span, then the makespan: the bubble rate only gets lower and the
@@ -21,12 +21,12 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Iterator
 
 from .core import Action, Plan
 from .costs import Costs
-from .rules import EPS, needs, peak_memory, producers
+from .rules import EPS, needs, peak_memory, producers, within
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class _Model:
     def evaluate(
         self, order: list[list[int]], base: _Eval | None = None, since: float = 0.0
     ) -> _Eval | None:
-        """Simulate ``order`` (a worklist over ranks, each action looked at O(1) times); None on deadlock.
+        """Simulate ``order`` (a worklist over ranks, each action seen O(1) times); None: deadlock.
 
         Incremental: with ``base`` (the simulation of an order that differs only in actions that
         started at or after ``since`` there), every action that started before ``since`` keeps its
@@ -147,7 +147,7 @@ def _moved(seq: list[int], src: int, dst: int) -> list[int]:
 
 
 def _can_move(model: _Model, seq: list[int], src: int, dst: int) -> bool:
-    """Moving keeps same-rank dependency order: nothing jumped over depends on, or feeds, the mover."""
+    """A move keeps same-rank dependency order: nothing jumped over depends on or feeds it."""
     a = seq[src]
     if dst < src:
         return not any(x in model.same_rank_deps[a] for x in seq[dst:src])
@@ -229,6 +229,53 @@ def _candidate_moves(
                 yield (r, i, i + 2)  # or a W steps back past two
 
 
+class _Budget:
+    """Simulations spent, against a count and/or a wall-clock deadline."""
+
+    def __init__(self, deadline: float | None, max_evals: int | None) -> None:
+        self.deadline, self.max_evals, self.evals = deadline, max_evals, 1
+
+    def left(self) -> bool:
+        if self.max_evals is not None and self.evals >= self.max_evals:
+            return False
+        return self.deadline is None or time.perf_counter() < self.deadline
+
+
+def _search(
+    model: _Model, order: list[list[int]], ev: _Eval, limits: list[float], budget: _Budget
+) -> tuple[list[list[int]], _Eval, int]:
+    """First-improvement local search; returns the final order, its evaluation, moves accepted."""
+    accepted, per_round = 0, 8
+    tried: set[tuple[int, ...]] = set()
+    while budget.left():
+        improved = False
+        for r, src, dst in _candidate_moves(model, order, ev, per_round):
+            if not budget.left():
+                break
+            seq = order[r]
+            if src == dst or not 0 <= dst < len(seq) or not _can_move(model, seq, src, dst):
+                continue
+            new_seq = _moved(seq, src, dst)
+            sig = (r, *new_seq)
+            if not within(model.peak(new_seq), limits[r]) or sig in tried:
+                continue
+            tried.add(sig)
+            trial = order[:r] + [new_seq] + order[r + 1 :]
+            new_ev = model.evaluate(trial, ev, ev.start[seq[min(src, dst)]])
+            budget.evals += 1
+            if new_ev is not None and new_ev.key < ev.key:
+                order, ev, improved = trial, new_ev, True
+                accepted += 1
+                tried.clear()
+                per_round = 8
+                break
+        if not improved:
+            if per_round >= 64:
+                break  # local optimum for every move we know
+            per_round *= 4  # look further down the list of wasted spots before giving up
+    return order, ev, accepted
+
+
 def improve(
     plan: Plan,
     costs: Costs | None = None,
@@ -257,43 +304,9 @@ def improve(
         )
     limits = [memory_limit if memory_limit is not None else model.peak(seq) for seq in order]
     first_key = ev.key[:2]
-    evals, accepted = 1, 0
-    per_round = 8
-    tried: set[tuple[int, ...]] = set()
-
-    def budget_left() -> bool:
-        if max_evals is not None and evals >= max_evals:
-            return False
-        return deadline is None or time.perf_counter() < deadline
-
-    while budget_left():
-        improved = False
-        for r, src, dst in _candidate_moves(model, order, ev, per_round):
-            if not budget_left():
-                break
-            seq = order[r]
-            if src == dst or not 0 <= dst < len(seq) or not _can_move(model, seq, src, dst):
-                continue
-            new_seq = _moved(seq, src, dst)
-            if model.peak(new_seq) > limits[r] + EPS:
-                continue
-            sig = (r, *new_seq)
-            if sig in tried:
-                continue
-            tried.add(sig)
-            trial = order[:r] + [new_seq] + order[r + 1 :]
-            new_ev = model.evaluate(trial, ev, ev.start[seq[min(src, dst)]])
-            evals += 1
-            if new_ev is not None and new_ev.key < ev.key:
-                order, ev, improved = trial, new_ev, True
-                accepted += 1
-                tried.clear()
-                per_round = 8
-                break
-        if not improved:
-            if per_round >= 64:
-                break  # local optimum for every move we know
-            per_round *= 4  # look further down the list of wasted spots before giving up
+    budget = _Budget(deadline, max_evals)
+    order, ev, accepted = _search(model, order, ev, limits, budget)
+    evals = budget.evals
     if ev.key[:2] >= first_key:
         return plan  # tie-break progress alone is no reason to change the plan
     log.debug(

@@ -19,8 +19,8 @@ each action is looked at O(1) times, and p=32, m=256 takes a fraction of a secon
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from .core import Action, Plan, PlanError
 from .costs import Costs, StageCosts
@@ -45,7 +45,7 @@ class SimResult:
     makespan: float
     """First start to last end over all ranks (what throughput comparisons use)."""
     bubble_rate: float
-    """``1 - sum(busy) / (num_ranks * longest rank span)`` (the paper's definition, docs/architecture.md)."""
+    """``1 - sum(busy) / (num_ranks * longest rank span)``: the paper's definition."""
     peak_memory: dict[int, float]
     """Per rank, the peak activation memory in the units of ``Costs``."""
     timeline: dict[int, tuple[Interval, ...]]
@@ -157,9 +157,9 @@ def _peak_memory(plan: Plan, sc: list[StageCosts], memory_limit: float | None) -
             if over is not None:
                 step, mem = over
                 raise PlanError(
-                    f"plan {plan.name}: rank {rank} step {step} ({actions[step]}) raises activation "
-                    f"memory to {mem:g}, above memory_limit {memory_limit:g}; raise the limit or use "
-                    "a schedule with fewer microbatches in flight"
+                    f"plan {plan.name}: rank {rank} step {step} ({actions[step]}) raises "
+                    f"activation memory to {mem:g}, above memory_limit {memory_limit:g}; raise "
+                    "the limit or use a schedule with fewer microbatches in flight"
                 )
     return {rank: peak_memory(actions, sc) for rank, actions in plan.order.items()}
 

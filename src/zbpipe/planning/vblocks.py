@@ -22,13 +22,13 @@ budget is exact; the simulator checks it again.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import replace
-from typing import Iterator
 
 from .core import Action, PlanError, make_plan, v_placement
 from .costs import Costs, StageCosts
-from .simulator import simulate
 from .rules import EPS, peak_memory, within
+from .simulator import simulate
 from .vshape import GreedyResult
 
 _STRETCH_STEP = 0.05
@@ -38,13 +38,16 @@ _MAX_STRETCH_STEPS = 13  # periods up to 1.6x a rank's work per microbatch
 def _place(
     busy: list[tuple[float, float]], period: float, ready: float, dur: float
 ) -> float | None:
-    """Earliest start >= ``ready`` where ``[start, start + dur)`` misses every busy interval mod ``period``."""
+    """Earliest start >= ``ready`` where ``[start, start + dur)`` misses every busy interval.
+
+    Intervals are taken modulo ``period``.
+    """
     starts = [ready] + [ready + ((s + d - ready) % period) for s, d in busy]
     for t in sorted(starts):
         a = t % period
         ok = True
         for s, d in busy:
-            # the two intervals on a circle of length period overlap iff either starts inside the other
+            # two intervals on a circle of length period overlap iff one starts inside the other
             if (s - a) % period < dur - EPS or (a - s) % period < d - EPS:
                 ok = False
                 break
@@ -56,7 +59,7 @@ def _place(
 def block_offsets(
     num_ranks: int, stage_costs: list[StageCosts], period: float, w_last: bool, b_gap: float = 0.0
 ) -> dict[tuple[str, int], float] | None:
-    """Start time of each pass of one microbatch (``(kind, stage) -> time``), or None if it cannot fit.
+    """Start time of each pass of one microbatch (``(kind, stage) -> time``); None if it can't fit.
 
     ``w_last``: place every W after the whole B chain (the B chain, the critical path, gets first
     pick of the slots); otherwise each W right after its B (shortest lifespan, least memory).
@@ -193,7 +196,8 @@ def _run(
     try:
         r = simulate(plan, costs, memory_limit=budget)
     except PlanError:
-        return None  # over the memory budget (a block order never deadlocks: its timed block is a witness)
+        # over the memory budget (a block order never deadlocks: its timed block is a witness)
+        return None
     spans = [iv[-1].end - iv[0].start for iv in r.timeline.values() if iv]
     return GreedyResult(
         order={q: tuple(v) for q, v in order.items()},

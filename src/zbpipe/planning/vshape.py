@@ -264,52 +264,57 @@ def zbv_fb_order(
     """
     p = num_ranks
     mm = max(2 * p - 1, n_microbatches)
-    out: dict[int, list[Action]] = {}
-    for r in range(p):
-        c0, c1 = r, 2 * p - 1 - r
-        nf = {c0: 0, c1: 0}
-        nb = {c0: 0, c1: 0}
-        seq: list[Action] = []
+    return {
+        r: [a for a in _zbv_rank_order(r, p, mm, with_w) if a.microbatch < n_microbatches]
+        for r in range(p)
+    }
 
-        def f(s: int) -> None:
-            seq.append(Action(s, "F", nf[s]))
-            nf[s] += 1
 
-        nw = {c0: 0, c1: 0}
+def _zbv_rank_order(r: int, p: int, mm: int, with_w: bool) -> list[Action]:
+    """Rank ``r``'s order in :func:`zbv_fb_order`, for ``mm`` microbatches."""
+    c0, c1 = r, 2 * p - 1 - r
+    nf = {c0: 0, c1: 0}
+    nb = {c0: 0, c1: 0}
+    seq: list[Action] = []
 
-        def b(s: int, w: bool = True) -> None:
-            seq.append(Action(s, "B", nb[s]))
-            nb[s] += 1
-            if with_w and w:
+    def f(s: int) -> None:
+        seq.append(Action(s, "F", nf[s]))
+        nf[s] += 1
+
+    nw = {c0: 0, c1: 0}
+
+    def b(s: int, w: bool = True) -> None:
+        seq.append(Action(s, "B", nb[s]))
+        nb[s] += 1
+        if with_w and w:
+            seq.append(Action(s, "W", nw[s]))
+            nw[s] += 1
+
+    for _ in range(2 * (p - r) - 1):
+        f(c0)
+    for _ in range(r):
+        f(c1)
+        f(c0)
+    for _ in range(p - r):
+        f(c1)
+        b(c1)
+    while nf[c1] < nf[c0] or nf[c0] < mm:
+        if nf[c0] < mm:
+            f(c0)
+        b(c0)
+        f(c1)
+        b(c1)
+    for _ in range(r):
+        b(c0, w=False)
+        b(c1, w=False)
+    while nb[c0] < mm:
+        b(c0)
+    if with_w:
+        for s in (c1, c0):
+            while nw[s] < mm:
                 seq.append(Action(s, "W", nw[s]))
                 nw[s] += 1
-
-        for _ in range(2 * (p - r) - 1):
-            f(c0)
-        for _ in range(r):
-            f(c1)
-            f(c0)
-        for _ in range(p - r):
-            f(c1)
-            b(c1)
-        while nf[c1] < nf[c0] or nf[c0] < mm:
-            if nf[c0] < mm:
-                f(c0)
-            b(c0)
-            f(c1)
-            b(c1)
-        for _ in range(r):
-            b(c0, w=False)
-            b(c1, w=False)
-        while nb[c0] < mm:
-            b(c0)
-        if with_w:
-            for s in (c1, c0):
-                while nw[s] < mm:
-                    seq.append(Action(s, "W", nw[s]))
-                    nw[s] += 1
-        out[r] = [a for a in seq if a.microbatch < n_microbatches]
-    return out
+    return seq
 
 
 class _FixedOrder:
@@ -407,7 +412,9 @@ def execute_fb_order(
     return _greedy_result(ex.order, ex.first, ex.time, ex.peak)
 
 
-def _greedy_result(order: dict, first_start: list, ends: list, peak: list) -> GreedyResult:
+def _greedy_result(
+    order: list[list[Action]], first_start: list[float | None], ends: list[float], peak: list[float]
+) -> GreedyResult:
     """Package a timed per-rank order (start of each rank's first action, end of its last)."""
     p = len(ends)
     starts = [fs or 0.0 for fs in first_start]

@@ -104,7 +104,7 @@ def plan_zbh1(
 
 
 def _w_in_microbatch_order(plan: Plan) -> bool:
-    """Does every stage run its W passes in increasing microbatch order (1F1B's accumulation order)?"""
+    """Does every stage run its W in increasing microbatch order (1F1B's accumulation order)?"""
     for acts in plan.order.values():
         ws = [a.microbatch for a in acts if a.kind == "W"]
         if ws != sorted(ws):

@@ -31,7 +31,7 @@ def plan_zbh2(
     costs: Costs | None = None,
     memory_limit: float | None = None,
 ) -> Plan:
-    """The ZB-H2 plan; ``ValueError`` if its peak memory under ``costs`` exceeds ``memory_limit``."""
+    """The ZB-H2 plan; ``ValueError`` if its peak memory under ``costs`` exceeds the limit."""
     p, m = num_ranks, n_microbatches
     check_sizes(p, m)
     costs = costs or Costs()
@@ -47,8 +47,10 @@ def plan_zbh2(
             peak = peak_memory(acts, sc)
             if not within(peak, memory_limit):
                 raise ValueError(
-                    f"ZBH2: rank {r} needs peak memory {peak:g} above memory_limit {memory_limit:g} "
+                    f"ZBH2: rank {r} needs peak memory {peak:g} above memory_limit "
+                    f"{memory_limit:g} "
                     f"(ZB-H2 keeps up to 2p - 1 = {2 * p - 1} microbatches in flight); raise "
-                    "memory_limit, or use the ZB2P / ZB1P plans (ScheduleZBAuto), which respect a limit"
+                    "memory_limit, or use the ZB2P / ZB1P plans (ScheduleZBAuto), which respect "
+                    "a limit"
                 )
     return plan
