@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import inspect
 import sys
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
+
+from .patching import Patch, patch, undo_all
 
 
 def is_structured_batch(x: Any) -> bool:
@@ -83,6 +86,7 @@ class FirstStageKeywords:
     def __init__(self, stages: Sequence[Any]) -> None:
         self._first = next((s for s in stages if s.is_first), None)
         self._keys: frozenset[str] = frozenset()
+        self._patches: list[Patch] = []
         if self._first is not None:
             for stage in stages:
                 if stage is not self._first:
@@ -143,5 +147,12 @@ class FirstStageKeywords:
         ) -> Any:
             return prepare(n, args, self._drop(kwargs), *rest, **kw)
 
-        stage.forward_one_chunk = forward_one_chunk
-        stage._prepare_forward_infra = _prepare_forward_infra
+        self._patches += [
+            patch(stage, "forward_one_chunk", forward_one_chunk),
+            patch(stage, "_prepare_forward_infra", _prepare_forward_infra),
+        ]
+
+    def undo(self) -> None:
+        """Give the stages their own entry points back."""
+        undo_all(self._patches)
+        self._patches = []

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .patching import Patch, patch
 from .saved import SavedTensors, param_storages
 
 
@@ -45,10 +46,11 @@ class SavedActivationMeter:
             del self._refs[storage]
             self.live_bytes -= nbytes
 
-    def attach(self, stage: Any) -> None:
+    def attach(self, stage: Any) -> Patch:
         """Count what a torch ``PipelineStage``'s forwards save (for torch's built-in schedules).
 
-        Wraps this stage object's ``forward_one_chunk``. zbpipe schedules: use
+        Wraps this stage object's ``forward_one_chunk`` (``.undo()`` the result to detach).
+        zbpipe schedules: use
         ``sched.attach_meter(meter)`` instead (their forwards already hold saved tensors).
         """
         params = param_storages(stage.submod.parameters())
@@ -58,4 +60,4 @@ class SavedActivationMeter:
             with SavedTensors(observer=self, skip=params).hooks():
                 return forward(*args, **kwargs)
 
-        stage.forward_one_chunk = forward_one_chunk
+        return patch(stage, "forward_one_chunk", forward_one_chunk)

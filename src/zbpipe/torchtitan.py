@@ -30,9 +30,9 @@ import importlib
 import logging
 import os
 import sys
-from types import ModuleType
 from typing import Any, Callable
 
+from .patching import rebind
 from .registration import lookup_zbpipe, register
 
 logger = logging.getLogger(__name__)
@@ -239,9 +239,7 @@ def _torchtitan_version() -> str:
 
 
 def _rebind(original: Callable, wrapper: Callable, name: str) -> None:
-    for module in list(sys.modules.values()):
-        if isinstance(module, ModuleType) and getattr(module, name, None) is original:
-            setattr(module, name, wrapper)
+    rebind(name, original, wrapper)  # zbpipe.patching: undone by rebinding the other way
 
 
 def install() -> str:
