@@ -29,7 +29,7 @@ from .patching import Patch, patch, undo_all
 
 
 def is_structured_batch(x: Any) -> bool:
-    """A dict of tensors or a TensorDict (anything a stage cannot take positionally in torch 2.13)."""
+    """A dict of tensors or a TensorDict (what a stage cannot take positionally in torch 2.13)."""
     if isinstance(x, Mapping):
         return True
     td = sys.modules.get("tensordict")  # never import tensordict for users who do not use it
@@ -61,18 +61,21 @@ def check_batch(batch: Any, n_microbatches: int, name: str = "batch") -> None:
     ]
     if scalars:
         raise ValueError(
-            f"{scalars[0]} is a 0-dim tensor and cannot be split into microbatches; give it a batch dimension "
+            f"{scalars[0]} is a 0-dim tensor and cannot be split into microbatches; "
+            "give it a batch dimension "
             "or pass it as a non-tensor (Python number) so it is repeated for every microbatch"
         )
     if len(set(sizes.values())) > 1:
         raise ValueError(
-            f"the tensors of {name} disagree on their batch size (dim 0): {sizes}; every entry must have "
+            f"the tensors of {name} disagree on their batch size (dim 0): {sizes}; "
+            "every entry must have "
             "the same dim 0, which is split into microbatches"
         )
     small = {p: s for p, s in sizes.items() if s < n_microbatches}
     if small:
         raise ValueError(
-            f"{name} has batch size {next(iter(small.values()))} < n_microbatches={n_microbatches}: "
+            f"{name} has batch size {next(iter(small.values()))} "
+            f"< n_microbatches={n_microbatches}: "
             "pass a larger batch or fewer microbatches"
         )
 
@@ -107,19 +110,22 @@ class FirstStageKeywords:
         module = self._first.submod
         sig = inspect.signature(module.forward)
         params = list(sig.parameters.values())
-        for p, a in zip(params, args):
+        for p, _ in zip(params, args):
             if p.kind in (p.POSITIONAL_ONLY, p.VAR_POSITIONAL):
                 raise ValueError(
-                    f"step(): a dict/TensorDict batch is passed to stage 0 by keyword (torch stages take only "
-                    f"tensors positionally), but {type(module).__name__}.forward's parameter {p.name!r} is "
-                    f"{'positional-only' if p.kind == p.POSITIONAL_ONLY else '*args'}; make it a normal "
+                    "step(): a dict/TensorDict batch is passed to stage 0 by keyword (torch stages "
+                    f"take only tensors positionally), but {type(module).__name__}.forward's "
+                    f"parameter {p.name!r} is "
+                    f"{'positional-only' if p.kind == p.POSITIONAL_ONLY else '*args'}; "
+                    "make it a normal "
                     "parameter, or call step(name=batch) with a keyword forward accepts"
                 )
         try:
             bound = sig.bind_partial(*args, **kwargs)
         except TypeError as e:
             raise ValueError(
-                f"step(): cannot pass the positional inputs to {type(module).__name__}.forward{sig} by name: {e}"
+                "step(): cannot pass the positional inputs to "
+                f"{type(module).__name__}.forward{sig} by name: {e}"
             ) from None
         names = [p.name for p, _ in zip(params, args)]
         for name, value in zip(names, args):

@@ -91,7 +91,7 @@ class Tracer:
         self._pending.clear()
         self._anchor = None
 
-    def gather(self, group: dist.ProcessGroup | None = None) -> "Trace":
+    def gather(self, group: dist.ProcessGroup | None = None) -> Trace:
         """Collect every rank's events (a collective: call it on all ranks of ``group``)."""
         if not dist.is_available() or not dist.is_initialized():
             return Trace({self.rank: list(self.events)})
@@ -109,7 +109,7 @@ class Trace:
 
     @property
     def bubble_rate(self) -> float:
-        """Measured bubble rate (the paper's definition; see :func:`zbpipe.planning.metrics.bubble_rate`)."""
+        """Measured bubble rate (:func:`zbpipe.planning.metrics.bubble_rate`)."""
         return _bubble_rate({r: [(e.start, e.end) for e in evs] for r, evs in self.events.items()})
 
     @property
