@@ -14,7 +14,7 @@ from zbpipe.torch_plans import torch_plan
 
 @pytest.mark.parametrize("p,m", [(2, 4), (3, 6), (4, 8), (4, 12), (8, 16)])
 def test_zbv_zero_bubble_with_equal_costs(p, m):
-    # DESIGN.md: torch's ZBVZeroBubble has no bubble when F = B = W and m >= 2p.
+    # The ZB-V paper's claim: torch's ZBVZeroBubble has no bubble when F = B = W and m >= 2p.
     pl = plan("torch:ZBVZeroBubble", p, m)
     assert pl.layout == "v" and pl.num_stages == 2 * p
     assert simulate(pl, Costs()).bubble_rate == pytest.approx(0.0, abs=1e-12)

@@ -143,7 +143,9 @@ def _budget(p: int, sc: list[StageCosts], memory: MemoryMode, memory_limit: floa
         return float(memory_limit)
     budget = default_budget(p, sc, memory)
     if budget < floor:
-        log.warning("%s default budget %g is below the minimum %g; using it", memory, budget, floor)
+        log.warning(
+            "%s default budget %g is below the minimum %g; using the minimum", memory, budget, floor
+        )
     return max(budget, floor)
 
 
