@@ -453,7 +453,10 @@ def print_split_table(res: dict[str, Any], cuda: bool) -> None:
 
 def print_pipeline_table(res: dict[str, Any]) -> None:
     print("\n(b) one-rank pipelines: medians over repetitions")
-    head = f"{'schedule':<36} {'step ms':>9} {'vs torch 1F1B':>22} {'host ms':>8} {'step MiB':>9} {'fp32 err':>8} {'bubble':>7}  sync in step()"
+    head = (
+        f"{'schedule':<36} {'step ms':>9} {'vs torch 1F1B':>22} {'host ms':>8} {'step MiB':>9} "
+        f"{'fp32 err':>8} {'bubble':>7}  sync in step()"
+    )
     print(head)
     for name, r in res.items():
         if "error" in r:

@@ -1,33 +1,42 @@
 """Replicate Table 5 of Qi et al. (ICLR 2024) in zbpipe's simulator; prints a table, writes JSON.
 
 Costs per stage come from the paper's per-layer FLOP formulas (Table 1):
-F = sbh(24h + 4s), B = sbh(24h + 8s), W = 24 sbh^2; memory M_B = sb(34h + 5as), M_W = 32 sbh.
-A stage holds (L + 2) / p layers' worth of work: the paper gives the first and last stages one
-layer fewer to pay for embedding and loss, so every stage costs the same. Times are in units of
-one stage's T_F; comm = 0.03 T_F (the paper's profiled T_comm / T_F is 0.02-0.04, Table 9).
-Memory: F allocates M_B, B changes it by M_W - M_B, W by -M_W (Appendix G).
+F = sbh(24h + 4s), B = sbh(24h + 8s), W = 24 sbh^2 FLOPs, run at 150 TFLOP/s; one activation
+message (sbh bf16 values, 2 bytes each) crosses a link at 25 GB/s. A stage holds (L + 2) / p
+layers' worth of work: the paper gives the first and last stages one layer fewer to pay for
+embedding and loss, so every stage costs the same. Times are in seconds.
+Memory (Appendix G): M_B = sb(34h + 5as), M_W = 32 sbh, passed in units of M_B:
+``mem_f = 1, mem_b = M_W / M_B - 1, mem_w = -M_W / M_B``. ZB-1p's limit is 1F1B's peak
+(p M_B), ZB-2p's twice that.
 
-Run: ``python benchmarks/paper_table5.py [--out out/table5.json] [--profiled]``; ``--profiled``
-uses the paper's measured T_F, T_B, T_W, T_comm (Table 9) instead of the FLOP formulas.
+With ``--bounds`` every ZB-2p row also gets a proven lower bound on its bubble rate
+(``refine(..., objective="span")``: the warm-up bound, and HiGHS's dual bound where the MILP is
+small enough to try, ``--refine-seconds`` each).
+
+Run: ``python benchmarks/paper_table5.py --bounds --out benchmarks/results/paper_table5.json``;
+``--profiled`` uses the paper's measured T_F, T_B, T_W, T_comm (Table 9) instead of the formulas.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
+import os
+import platform
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from results_io import write_result
-
-from zbpipe.planning.auto import plan_zb1p, plan_zb2p
-from zbpipe.planning.costs import Costs
-from zbpipe.planning.onef1b import plan_1f1b
-from zbpipe.planning.simulate import simulate
-from zbpipe.planning.zbh1 import plan_zbh1
-from zbpipe.planning.zbh2 import plan_zbh2
+from zbpipe.planning.auto import plan_zb1p, plan_zb2p  # noqa: E402
+from zbpipe.planning.costs import Costs  # noqa: E402
+from zbpipe.planning.milp import refine, warmup_bound  # noqa: E402
+from zbpipe.planning.onef1b import plan_1f1b  # noqa: E402
+from zbpipe.planning.simulator import simulate  # noqa: E402
+from zbpipe.planning.zbh1 import plan_zbh1  # noqa: E402
+from zbpipe.planning.zbh2 import plan_zbh2  # noqa: E402
 
 # Table 3 (model, layers L, heads a, hidden h, seq s, microbatch b, p) and Table 5 (m, bubble rates
 # 1F1B, 1F1B-I, ZB-H1, ZB-H2, ZB-1p, ZB-2p) and Table 9 (profiled T_F, T_B, T_W, T_comm).
@@ -66,16 +75,25 @@ TABLE5 = [
         (10.402, 10.248, 7.698, 0.460),
     ),
 ]
-COMM = 0.03  # in units of one stage's T_F
+FLOPS = 150e12  # FLOP/s of one device
+LINK = 25e9  # bytes/s of one point-to-point link
+ACT_BYTES = 2  # bf16 activations
 
 
 def flop_costs(model: str) -> Costs:
-    """Per-stage costs from the paper's FLOP and activation formulas, T_F = 1."""
+    """Per-stage costs in seconds from the paper's FLOP and activation formulas."""
     L, a, h, s, b, p = MODELS[model]
+    layers = (L + 2) / p
     f, bb, w = s * b * h * (24 * h + 4 * s), s * b * h * (24 * h + 8 * s), 24 * s * b * h * h
     m_b, m_w = s * b * (34 * h + 5 * a * s), 32 * s * b * h
     return Costs(
-        f=1.0, b=bb / f, w=w / f, comm=COMM, mem_f=1.0, mem_b=(m_w - m_b) / m_b, mem_w=-m_w / m_b
+        f=f * layers / FLOPS,
+        b=bb * layers / FLOPS,
+        w=w * layers / FLOPS,
+        comm=s * b * h * ACT_BYTES / LINK,
+        mem_f=1.0,
+        mem_b=m_w / m_b - 1,
+        mem_w=-m_w / m_b,
     )
 
 
@@ -85,6 +103,43 @@ def profiled_costs(model: str, prof: tuple[float, ...]) -> Costs:
     return Costs(
         f=1.0, b=tb / tf, w=tw / tf, comm=tc / tf, mem_f=1.0, mem_b=base.mem_b, mem_w=base.mem_w
     )
+
+
+def zb2p_bound(p: int, m: int, costs: Costs, seconds: float, max_actions: int) -> dict:
+    """A proven lower bound on ZB-2p's bubble rate for these settings (refine, span objective)."""
+    plan = plan_zb2p(p, m, costs)
+    limit = plan.meta["memory_limit"]
+    if 3 * p * m > max_actions:  # the MILP is too large to build: the warm-up bound alone
+        sim = simulate(plan, costs, limit)
+        busy = sum(sim.busy.values())
+        span = warmup_bound(p, m, costs.per_stage(p), limit, "span")
+        return {
+            "bubble_rate_bound": 1 - busy / (p * span),
+            "bound_source": "warm-up",
+            "milp": False,
+        }
+    res = refine(plan, costs, limit, time_limit=seconds, objective="span")
+    info = dict(res.plan.meta["refine"])
+    info.update(bubble_rate=res.bubble_rate, milp=True, solver_log=res.solver_log)
+    return info
+
+
+def machine() -> dict:
+    try:
+        import torch
+
+        torch_version = torch.__version__
+    except ImportError:
+        torch_version = None
+    import scipy
+
+    return {
+        "machine": f"{platform.platform()} {platform.machine()}, {os.cpu_count()} CPUs",
+        "python": platform.python_version(),
+        "torch": torch_version,
+        "scipy": scipy.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
 
 
 GENERATORS = {
@@ -114,11 +169,12 @@ def torch_izb(p: int, m: int, costs: Costs) -> float | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument(
-        "--out", default=None, help="default: benchmarks/results/paper_table5[_profiled].json"
-    )
+    ap.add_argument("--out", default="out/table5.json")
     ap.add_argument("--profiled", action="store_true")
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--bounds", action="store_true", help="prove a lower bound for each ZB-2p row")
+    ap.add_argument("--refine-seconds", type=float, default=60.0)
+    ap.add_argument("--refine-max-actions", type=int, default=800)
     args = ap.parse_args()
     rows = []
     head = (
@@ -141,6 +197,11 @@ def main() -> None:
             limit = pl.meta.get("memory_limit")
             ours[name] = simulate(pl, costs, limit).bubble_rate
         izb = None if args.no_torch else torch_izb(p, m, costs)
+        bound = (
+            zb2p_bound(p, m, costs, args.refine_seconds, args.refine_max_actions)
+            if args.bounds
+            else None
+        )
         pap = dict(zip(PAPER_COLS, paper))
         cells = " ".join(
             f"{pap[n.replace('-', '-')]:.4f}/{ours[n]:.4f}".rjust(15) for n in GENERATORS
@@ -148,6 +209,7 @@ def main() -> None:
         print(
             f"{model:>6} {p:>3} {m:>4} | {cells} | {'-' if izb is None else f'{izb:.4f}':>9}"
             f"   (ZB-2p planned in {times['ZB-2p']:.2f}s)"
+            + ("" if bound is None else f"  ZB-2p bound {bound['bubble_rate_bound']:.4f}")
         )
         rows.append(
             {
@@ -158,10 +220,24 @@ def main() -> None:
                 "zbpipe": ours,
                 "torch_InterleavedZeroBubble": izb,
                 "plan_seconds": times,
+                "zb2p_bound": bound,
             }
         )
-    name = "paper_table5_profiled" if args.profiled else "paper_table5"
-    out = write_result(name, {"comm": COMM, "profiled": args.profiled, "rows": rows}, args.out)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    settings = {"flops": FLOPS, "link_bytes_per_s": LINK, "activation_bytes": ACT_BYTES}
+    out.write_text(
+        json.dumps(
+            {
+                **machine(),
+                "command": " ".join(["python", *sys.argv]),
+                "costs": "profiled (Table 9)" if args.profiled else settings,
+                "profiled": args.profiled,
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {out}")
 
 

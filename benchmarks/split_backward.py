@@ -219,7 +219,8 @@ def print_rows(rows: list[dict], cuda: bool) -> None:
             spread = f"{r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f})"
             host = f" {row['host_s'][f'{e} B'] * 1e3:10.3f}" if cuda else ""
             print(
-                f"{'':34} {e:9} {spread:30} {b:8.3f} {w:8.3f}{host} {row['max_rel_grad_diff'][e]:10.1e}"
+                f"{'':34} {e:9} {spread:30} {b:8.3f} {w:8.3f}{host} "
+                f"{row['max_rel_grad_diff'][e]:10.1e}"
             )
 
 

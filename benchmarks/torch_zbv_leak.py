@@ -8,7 +8,7 @@ Each step is measured two ways:
   * ``SavedActivationMeter`` (begin_step / end_step): the step's own peak of saved bytes, and the
     bytes it saved that are still alive after the step and a ``gc.collect()`` (per-step growth);
   * an independent count: a weak reference to every tensor saved during the step (wrapped around
-    ``zbpipe.saved.SavedTensors._pack``, which both the meter's torch hook and zbpipe's runtime use),
+    ``zbpipe.saved.SavedTensors._pack``, which the meter's torch hook and zbpipe's runtime use),
     counted alive after the step and ``gc.collect()``.
 The two must agree on who leaks. Memory only: nothing here is timed.
 """

@@ -52,7 +52,7 @@ def test_read_overlap_pairs():
 def test_infers_v_placement():
     text = "0F0,3F0,3B0,0B0\n1F0,2F0,2B0,1B0\n"
     pl = plan_from_csv(text)
-    assert pl.style == "v" and pl.placement == {0: 0, 1: 1, 2: 1, 3: 0}
+    assert pl.layout == "v" and pl.placement == {0: 0, 1: 1, 2: 1, 3: 0}
 
 
 @pytest.mark.parametrize("name", ["1F1B", "ZBH1"])

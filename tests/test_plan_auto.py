@@ -4,12 +4,21 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from zbpipe.planning.auto import onef1b_peak, plan_zb1p, plan_zb2p
+from zbpipe.planning.auto import (
+    STRATEGIES,
+    AutoStrategy,
+    list_schedule,
+    onef1b_peak,
+    plan_zb1p,
+    plan_zb2p,
+)
+from zbpipe.planning.core import loop_placement, make_plan
 from zbpipe.planning.costs import Costs
 from zbpipe.planning.onef1b import plan_1f1b
-from zbpipe.planning.simulate import simulate
+from zbpipe.planning.simulator import simulate
 from zbpipe.planning.zbh1 import plan_zbh1
 from zbpipe.planning.zbh2 import plan_zbh2
 
@@ -98,3 +107,28 @@ def test_auto_plans_valid_within_limit_and_not_slower_than_1f1b(p, m, costs):
             plan, costs, plan.meta.get("memory_limit")
         )  # complete, deadlock-free, in limit
         assert r.makespan <= base + 1e-9, plan.name
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_per_stage_delay_flags_equal_to_the_uniform_flag_give_the_same_schedule(flag):
+    costs = Costs(f=1, b=1.07, w=0.93, comm=0.07, mem_f=1, mem_b=-0.63, mem_w=-0.37)
+    sc = costs.per_stage(6)
+    uniform = list_schedule(6, 12, sc, 12.0, AutoStrategy(f_may_delay_b=flag))
+    per_stage = list_schedule(6, 12, sc, 12.0, AutoStrategy(f_may_delay_b=(flag,) * 6))
+    assert uniform == per_stage
+
+
+@pytest.mark.parametrize("p,m", [(4, 8), (8, 24), (6, 13)])
+def test_auto_is_no_worse_than_the_best_uniform_strategy(p, m):
+    # The per-stage search only adds candidates: the chosen plan's span (simulated) is at most the
+    # best of the paper's uniform grid, simulated the same way.
+    costs = Costs(f=1, b=1.07, w=0.93, comm=0.07, mem_f=1, mem_b=-0.63, mem_w=-0.37)
+    limit = 2 * onef1b_peak(p, m, costs)
+
+    def span(orders):
+        r = simulate(make_plan("x", p, m, loop_placement(p, p), orders), costs)
+        return max(iv[-1].end - iv[0].start for iv in r.timeline.values())
+
+    grid = [list_schedule(p, m, costs.per_stage(p), limit, s) for s in STRATEGIES]
+    best_uniform = min(span(g.orders) for g in grid if g is not None)
+    assert span(plan_zb2p(p, m, costs).order) <= best_uniform + 1e-9

@@ -1,9 +1,10 @@
-"""Continuous (flush-free) plans: sync rule, weight-version bounds, periods, and the bubble they save."""
+"""Continuous (flush-free) plans: sync rule, weight-version bounds, periods, the bubble saved."""
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from zbpipe.planning.continuous import (
+from zbpipe.planning.continuous_plan import (
     MODES,
     check_continuous,
     continuous_parts,
@@ -14,7 +15,7 @@ from zbpipe.planning.core import Action, PlanError, loop_placement, make_plan
 from zbpipe.planning.costs import Costs
 from zbpipe.planning.metrics import bubble_rate
 from zbpipe.planning.onef1b import plan_1f1b
-from zbpipe.planning.simulate import simulate
+from zbpipe.planning.simulator import simulate
 from zbpipe.planning.zbh1 import plan_zbh1
 
 

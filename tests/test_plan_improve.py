@@ -1,15 +1,16 @@
-"""improve(): local search never makes a plan worse or invalid, and finds the optimum of a tiny case."""
+"""improve(): local search never makes a plan worse or invalid; finds a tiny case's optimum."""
 
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from zbpipe.planning.core import Action, PlanError, loop_placement, make_plan
 from zbpipe.planning.costs import Costs
 from zbpipe.planning.improve import improve
 from zbpipe.planning.onef1b import plan_1f1b
-from zbpipe.planning.simulate import simulate
+from zbpipe.planning.simulator import simulate
 from zbpipe.planning.zbh1 import plan_zbh1
 from zbpipe.planning.zbv import plan_zbv
 

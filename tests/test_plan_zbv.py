@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from zbpipe.planning.costs import Costs
 from zbpipe.planning.onef1b import plan_1f1b
-from zbpipe.planning.simulate import simulate
+from zbpipe.planning.simulator import simulate
 from zbpipe.planning.zbv import plan_zbv
 
 
@@ -146,7 +147,7 @@ def test_v_half_min_faster_than_1f1b_with_equal_costs(p, mode) -> None:
 )
 def test_v_half_min_paper_table_at_equal_costs(p, mode, units) -> None:
     # The controllable-memory paper's table (F = B = W, m >= 2p): V-Half's bubble about p / (2m),
-    # V-Min's about 2p / (3m), within its memory budget, and both faster than 1F1B on the same model.
+    # V-Min's about 2p / (3m), within its memory budget, both faster than 1F1B on the same model.
     # Before the building-block candidates V-Min missed it from p = 16 on (0.287 at p=16, m=48).
     bubble = {"half": lambda m: p / (2 * m), "min": lambda m: 2 * p / (3 * m)}[mode]
     unit = 2 * UNIT.stage(0).mem_f

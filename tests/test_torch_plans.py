@@ -14,9 +14,9 @@ from zbpipe.torch_plans import torch_plan
 
 @pytest.mark.parametrize("p,m", [(2, 4), (3, 6), (4, 8), (4, 12), (8, 16)])
 def test_zbv_zero_bubble_with_equal_costs(p, m):
-    # DESIGN.md: torch's ZBVZeroBubble has no bubble when F = B = W and m >= 2p.
+    # The ZB-V paper's claim: torch's ZBVZeroBubble has no bubble when F = B = W and m >= 2p.
     pl = plan("torch:ZBVZeroBubble", p, m)
-    assert pl.style == "v" and pl.num_stages == 2 * p
+    assert pl.layout == "v" and pl.num_stages == 2 * p
     assert simulate(pl, Costs()).bubble_rate == pytest.approx(0.0, abs=1e-12)
 
 
@@ -54,7 +54,7 @@ def test_every_torch_plan_simulates_and_round_trips(name, p, m):
     res = simulate(pl, Costs().split(k))
     assert sum(len(ivs) for ivs in res.timeline.values()) == sum(len(a) for a in pl.order.values())
     back = plan_from_csv(plan_to_csv(pl), name=pl.name, n_microbatches=m)
-    assert back.order == pl.order and back.placement == pl.placement and back.style == pl.style
+    assert back.order == pl.order and back.placement == pl.placement and back.layout == pl.layout
 
 
 @pytest.mark.parametrize("name", ["ZBVZeroBubble", "DualPipeV", "InterleavedZeroBubble"])

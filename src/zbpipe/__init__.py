@@ -26,6 +26,9 @@ _LAZY: dict[str, str] = {
     "PostValidatedStep": "zbpipe.optim",
     "Tracer": "zbpipe.trace",
     "Trace": "zbpipe.trace",
+    "ProfileConfig": "zbpipe.profile",
+    "SavedActivationMeter": "zbpipe.memory",
+    "register": "zbpipe.registration",
 }
 
 __all__ = ["Action", "Costs", "Plan", "PlanError", "SimResult", "plan", "simulate", *_LAZY]

@@ -24,13 +24,15 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.pipelining.stage import PipelineStage, _PipelineStageBase  # noqa: F401
 
+from .planning.core import TORCH_LETTERS
+
 FORWARD = _ComputationType.FORWARD
 BACKWARD_INPUT = _ComputationType.BACKWARD_INPUT
 BACKWARD_WEIGHT = _ComputationType.BACKWARD_WEIGHT
 FULL_BACKWARD = _ComputationType.FULL_BACKWARD
 
 #: zbpipe's paper letters -> torch's computation types (lossless both ways).
-KIND_TO_TORCH = {"F": FORWARD, "B": BACKWARD_INPUT, "W": BACKWARD_WEIGHT, "BW": FULL_BACKWARD}
+KIND_TO_TORCH = {kind: _ComputationType.from_str(t) for kind, t in TORCH_LETTERS.items()}
 TORCH_TO_KIND = {v: k for k, v in KIND_TO_TORCH.items()}
 
 

@@ -105,7 +105,7 @@ def chunk_costs(costs: Costs, p: Plan) -> Costs:
     """Costs of one chunk when ``p`` cuts the same model into more stages than ranks.
 
     ``--costs`` describe the model split into ``num_ranks`` stages; a plan with ``k`` stages per
-    rank gets each stage's cost divided by ``k`` (DESIGN.md: comparisons keep the model fixed).
+    rank gets each stage's cost divided by ``k`` (docs/architecture.md: comparisons keep the model fixed).
     """
     k = p.num_stages // p.num_ranks
     return costs if k == 1 else costs.split(k)

@@ -2,7 +2,7 @@
 
 Execution model
 ---------------
-The plan is :func:`zbpipe.planning.continuous.continuous_parts`: per rank a warm-up, a period per
+The plan is :func:`zbpipe.planning.continuous_plan.continuous_parts`: per rank a warm-up, a period per
 mini-batch boundary and a drain, over global microbatch indices ``g = k * m + j`` (mini-batch
 ``k`` of the current stream, microbatch ``j``). The user hands in one mini-batch per
 :meth:`ScheduleContinuous.step` call. Every rank keeps the same
@@ -59,7 +59,7 @@ from .continuous_stream import StreamFrontier
 from .continuous_versions import WeightVersions
 from .optim import PostValidatedStep, StepReport
 from .planning import Costs
-from .planning.continuous import MODES, continuous_parts, plan_continuous, version_bound
+from .planning.continuous_plan import MODES, continuous_parts, plan_continuous, version_bound
 from .stage_seam import EVERY_KEY, Engine, Split, StageSeam, choose_engine
 from .validation import (
     check_not_compiled,
@@ -106,7 +106,7 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
     with no barrier; sync mode only. ``costs`` / ``memory_limit`` go to the plan generator.
     """
 
-    placement = "loop"
+    layout = "loop"
     stages_per_rank = 1
 
     def __init__(

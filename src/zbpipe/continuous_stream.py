@@ -1,6 +1,6 @@
 """Which actions of a continuous plan each rank can run, given the mini-batches handed in so far.
 
-A continuous plan (:func:`zbpipe.planning.continuous.continuous_parts`) is, per rank, a warm-up,
+A continuous plan (:func:`zbpipe.planning.continuous_plan.continuous_parts`) is, per rank, a warm-up,
 a period repeated once per mini-batch boundary and a drain. :class:`StreamFrontier` holds every
 rank's order as a stream that grows by one period per mini-batch given, and answers "how far
 can each rank get now?" with a fixed point over the plan's dependencies:
@@ -20,7 +20,7 @@ Pure Python, no torch: the plan layer's data only.
 
 from __future__ import annotations
 
-from .planning.continuous import ContinuousParts
+from .planning.continuous_plan import ContinuousParts
 from .planning.core import Action
 
 

@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import inspect
 import sys
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
+from .patching import Patch, patch, undo_all
+
 
 def is_structured_batch(x: Any) -> bool:
-    """A dict of tensors or a TensorDict (anything a stage cannot take positionally in torch 2.13)."""
+    """A dict of tensors or a TensorDict (what a stage cannot take positionally in torch 2.13)."""
     if isinstance(x, Mapping):
         return True
     td = sys.modules.get("tensordict")  # never import tensordict for users who do not use it
@@ -58,18 +61,21 @@ def check_batch(batch: Any, n_microbatches: int, name: str = "batch") -> None:
     ]
     if scalars:
         raise ValueError(
-            f"{scalars[0]} is a 0-dim tensor and cannot be split into microbatches; give it a batch dimension "
+            f"{scalars[0]} is a 0-dim tensor and cannot be split into microbatches; "
+            "give it a batch dimension "
             "or pass it as a non-tensor (Python number) so it is repeated for every microbatch"
         )
     if len(set(sizes.values())) > 1:
         raise ValueError(
-            f"the tensors of {name} disagree on their batch size (dim 0): {sizes}; every entry must have "
+            f"the tensors of {name} disagree on their batch size (dim 0): {sizes}; "
+            "every entry must have "
             "the same dim 0, which is split into microbatches"
         )
     small = {p: s for p, s in sizes.items() if s < n_microbatches}
     if small:
         raise ValueError(
-            f"{name} has batch size {next(iter(small.values()))} < n_microbatches={n_microbatches}: "
+            f"{name} has batch size {next(iter(small.values()))} "
+            f"< n_microbatches={n_microbatches}: "
             "pass a larger batch or fewer microbatches"
         )
 
@@ -83,6 +89,7 @@ class FirstStageKeywords:
     def __init__(self, stages: Sequence[Any]) -> None:
         self._first = next((s for s in stages if s.is_first), None)
         self._keys: frozenset[str] = frozenset()
+        self._patches: list[Patch] = []
         if self._first is not None:
             for stage in stages:
                 if stage is not self._first:
@@ -103,19 +110,22 @@ class FirstStageKeywords:
         module = self._first.submod
         sig = inspect.signature(module.forward)
         params = list(sig.parameters.values())
-        for p, a in zip(params, args):
+        for p, _ in zip(params, args):
             if p.kind in (p.POSITIONAL_ONLY, p.VAR_POSITIONAL):
                 raise ValueError(
-                    f"step(): a dict/TensorDict batch is passed to stage 0 by keyword (torch stages take only "
-                    f"tensors positionally), but {type(module).__name__}.forward's parameter {p.name!r} is "
-                    f"{'positional-only' if p.kind == p.POSITIONAL_ONLY else '*args'}; make it a normal "
+                    "step(): a dict/TensorDict batch is passed to stage 0 by keyword (torch stages "
+                    f"take only tensors positionally), but {type(module).__name__}.forward's "
+                    f"parameter {p.name!r} is "
+                    f"{'positional-only' if p.kind == p.POSITIONAL_ONLY else '*args'}; "
+                    "make it a normal "
                     "parameter, or call step(name=batch) with a keyword forward accepts"
                 )
         try:
             bound = sig.bind_partial(*args, **kwargs)
         except TypeError as e:
             raise ValueError(
-                f"step(): cannot pass the positional inputs to {type(module).__name__}.forward{sig} by name: {e}"
+                "step(): cannot pass the positional inputs to "
+                f"{type(module).__name__}.forward{sig} by name: {e}"
             ) from None
         names = [p.name for p, _ in zip(params, args)]
         for name, value in zip(names, args):
@@ -143,5 +153,12 @@ class FirstStageKeywords:
         ) -> Any:
             return prepare(n, args, self._drop(kwargs), *rest, **kw)
 
-        stage.forward_one_chunk = forward_one_chunk
-        stage._prepare_forward_infra = _prepare_forward_infra
+        self._patches += [
+            patch(stage, "forward_one_chunk", forward_one_chunk),
+            patch(stage, "_prepare_forward_infra", _prepare_forward_infra),
+        ]
+
+    def undo(self) -> None:
+        """Give the stages their own entry points back."""
+        undo_all(self._patches)
+        self._patches = []

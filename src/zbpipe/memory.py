@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .patching import Patch, patch
 from .saved import SavedTensors, param_storages
 
 
@@ -46,7 +47,11 @@ class StepMemory:
 
 
 class SavedActivationMeter:
-    """Live and per-step peak bytes of saved activations (an observer of :class:`zbpipe.saved.Holder`)."""
+    """Live and per-step peak bytes of saved activations.
+
+    An observer of :class:`zbpipe.saved.Holder` (and of the deferred engine's weight-gradient
+    store, which reports the activations it keeps from B to W).
+    """
 
     def __init__(self) -> None:
         self.live_bytes = 0
@@ -104,10 +109,11 @@ class SavedActivationMeter:
             if self._born.pop(storage) == self._step:
                 self._step_live -= nbytes
 
-    def attach(self, stage: Any) -> None:
+    def attach(self, stage: Any) -> Patch:
         """Count what a torch ``PipelineStage``'s forwards save (for torch's built-in schedules).
 
-        Wraps this stage object's ``forward_one_chunk``. zbpipe schedules: use
+        Wraps this stage object's ``forward_one_chunk`` (``.undo()`` the result to detach).
+        zbpipe schedules: use
         ``sched.attach_meter(meter)`` instead (their forwards already hold saved tensors).
         """
         params = param_storages(stage.submod.parameters())
@@ -117,4 +123,4 @@ class SavedActivationMeter:
             with SavedTensors(observer=self, skip=params).hooks():
                 return forward(*args, **kwargs)
 
-        stage.forward_one_chunk = forward_one_chunk
+        return patch(stage, "forward_one_chunk", forward_one_chunk)

@@ -38,12 +38,12 @@ class NonfiniteLosses:
 
     def record(self, losses: list) -> None:
         """Queue the check of this step's ``losses`` (one per microbatch; non-tensors ignored)."""
-        indexed = [(i, l) for i, l in enumerate(losses) if isinstance(l, torch.Tensor)]
+        indexed = [(i, x) for i, x in enumerate(losses) if isinstance(x, torch.Tensor)]
         self._pending, self._resolved = None, []
         if not indexed:
             return
         # One fused device op per microbatch and one stack: nothing here reads a value.
-        flags = torch.stack([~torch.isfinite(l.detach()).all() for _, l in indexed])
+        flags = torch.stack([~torch.isfinite(x.detach()).all() for _, x in indexed])
         self._pending = ([i for i, _ in indexed], flags)
         defer = self._defer if self._defer is not None else flags.device.type != "cpu"
         if not defer:

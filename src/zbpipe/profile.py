@@ -31,11 +31,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal, Mapping, Sequence, Union
 
-from .planning import Costs, Plan
+from .planning import KINDS, Costs, Plan
 
 logger = logging.getLogger(__name__)
-
-KINDS = ("F", "B", "W", "BW")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import functools
 import logging
-import sys
+from collections.abc import Callable
 from types import ModuleType
-from typing import Callable
+
+from .patching import rebind
 
 logger = logging.getLogger(__name__)
 
@@ -69,15 +70,6 @@ def _make_wrapper(original: Callable[[str], type]) -> Callable[[str], type]:
     return get_schedule_class
 
 
-def _modules_holding(fn: object) -> list[ModuleType]:
-    # A copy of sys.modules: importing can mutate it while we scan.
-    return [
-        m
-        for m in list(sys.modules.values())
-        if isinstance(m, ModuleType) and getattr(m, _ATTR, None) is fn
-    ]
-
-
 def register() -> Callable[[str], type]:
     """Make ``torch.distributed.pipelining.schedules.get_schedule_class`` resolve zbpipe's names.
 
@@ -90,12 +82,10 @@ def register() -> Callable[[str], type]:
     current = getattr(torch_mod, _ATTR)
     original = current.__wrapped__ if _is_wrapper(current) else current
     wrapper = current if _is_wrapper(current) else _make_wrapper(original)
-    patched = _modules_holding(original)
-    for module in patched:
-        setattr(module, _ATTR, wrapper)
+    patched = rebind(_ATTR, original, wrapper)
     if patched:
         logger.debug(
-            "zbpipe: get_schedule_class wrapped in %s", sorted(m.__name__ for m in patched)
+            "zbpipe: get_schedule_class wrapped in %s", sorted(p.target.__name__ for p in patched)
         )
     return wrapper
 
@@ -105,9 +95,7 @@ def unregister() -> None:
     current = getattr(_torch_schedules(), _ATTR)
     if not _is_wrapper(current):
         return
-    original = current.__wrapped__
-    for module in _modules_holding(current):
-        setattr(module, _ATTR, original)
+    rebind(_ATTR, current, current.__wrapped__)
 
 
 def is_registered() -> bool:

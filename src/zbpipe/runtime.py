@@ -27,7 +27,7 @@ from . import _compat as C
 from .inputs import FirstStageKeywords
 from .memory import SavedActivationMeter
 from .nonfinite import NonfiniteLosses
-from .planning import Costs, Plan
+from .planning import Costs, Layout, Plan
 from .planning.fuse import fuse_adjacent_backward
 from .profile import CostProfiler, ProfileConfig
 from .stage_seam import Engine, Split, StageSeam, choose_engine
@@ -55,12 +55,12 @@ def plan_to_torch_actions(plan: Plan) -> dict[int, list[Any]]:
 class PlannedSchedule(C._PipelineScheduleRuntime):
     """Base class: a multi-stage torch schedule whose order comes from a zbpipe plan.
 
-    Subclasses set ``plan_name`` (a name :func:`zbpipe.planning` knows), ``placement`` and
-    ``stages_per_rank``, and may override :meth:`build_plan`.
+    Subclasses set ``plan_name`` (a name :func:`zbpipe.planning.plan` knows), ``layout`` and
+    ``stages_per_rank``, or override :meth:`build_plan`.
     """
 
     plan_name: ClassVar[str]
-    placement: ClassVar[Literal["loop", "v"]] = "loop"
+    layout: ClassVar[Layout] = "loop"
     stages_per_rank: ClassVar[int] = 1
 
     def __init__(
@@ -170,7 +170,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         """Which rank holds each stage, for integrations that build stages (torchtitan)."""
         from .planning import loop_placement, v_placement
 
-        if cls.placement == "v":
+        if cls.layout == "v":
             return v_placement(num_ranks)
         return loop_placement(num_ranks, num_ranks * cls.stages_per_rank)
 

@@ -61,7 +61,7 @@ class ScheduleZBV(PlannedSchedule):
     """
 
     plan_name = "ZBV"
-    placement = "v"
+    layout = "v"
     stages_per_rank = 2
 
     def __init__(
@@ -83,8 +83,6 @@ class ScheduleZBAuto(PlannedSchedule):
     paper's near-zero-bubble budget) or a number in the memory units of ``costs``. One stage
     per rank. ``refine=True`` improves the plan with the exact MILP (needs scipy).
     """
-
-    plan_name = "ZB2P"
 
     def __init__(
         self, *args: Any, memory_limit: str | float = "2p", refine: bool = False, **kwargs: Any
@@ -165,8 +163,7 @@ def get_schedule_class(name: str) -> type:
 
     try:
         return torch_get(name)
-    except ValueError:
+    except ValueError as torch_error:  # torch's message lists torch's names
         raise ValueError(
-            f"unknown schedule {name!r}: zbpipe knows {sorted(_all_schedules())}; torch's names are also accepted "
-            "(1F1B, Interleaved1F1B, GPipe, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV)"
+            f"unknown schedule {name!r}: zbpipe knows {sorted(_all_schedules())}; torch: {torch_error}"
         ) from None

@@ -109,7 +109,7 @@ class StageSeam:
     # ------------------------------------------------------------------ F
     @contextlib.contextmanager
     def forward(self, stage: Any, mb: int) -> Iterator[None]:
-        """Around the forward of ``stage`` on microbatch ``mb`` (and its loss, on the last stage)."""
+        """Around the forward of ``stage`` on ``mb`` (and its loss, on the last stage)."""
         key = (stage.stage_index, mb)
         split = key in self.split_keys and stage.has_backward
         with contextlib.ExitStack() as scope:

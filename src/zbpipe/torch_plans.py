@@ -24,6 +24,7 @@ import torch.distributed.pipelining as pipelining
 
 from ._compat import TORCH_TO_KIND
 from .planning.core import Action, Plan, loop_placement, make_plan, v_placement
+from .planning.registry import TORCH_SCHEDULES
 
 _V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 
@@ -83,11 +84,8 @@ def torch_plan(name: str, num_ranks: int, n_microbatches: int, stages_per_rank: 
         sched.num_stages = sched._num_stages = 2 * p
         sched.n_local_stages = 2
         raw = {r: sched._calculate_single_rank_operations(r) for r in range(p)}
-        return make_plan(f"torch:{name}", p, m, v_placement(p), _convert(raw), style="v")
-    raise ValueError(
-        f"unknown torch schedule {name!r}; known: 1F1B, GPipe, Interleaved1F1B, "
-        f"InterleavedZeroBubble, ZBVZeroBubble, DualPipeV"
-    )
+        return make_plan(f"torch:{name}", p, m, v_placement(p), _convert(raw), layout="v")
+    raise ValueError(f"unknown torch schedule {name!r}; known: {', '.join(TORCH_SCHEDULES)}")
 
 
 def _torch_1f1b_rank_order(rank: int, num_ranks: int, m: int) -> list[Action]:

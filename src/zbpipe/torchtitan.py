@@ -5,7 +5,7 @@ decisions zbpipe's classes must answer for themselves:
 
 * **stage placement**: torchtitan chooses V placement by an identity check against torch's
   ``ScheduleZBVZeroBubble`` / ``ScheduleDualPipeV``; zbpipe asks the class
-  (``cls.placement``, ``cls.stage_index_to_rank``);
+  (``cls.layout``, ``cls.stage_index_to_rank``);
 * **stages per rank**: torchtitan gives every ``PipelineScheduleMulti`` subclass two stages per
   rank; zbpipe uses ``cls.stages_per_rank`` (ZB-H1: one);
 * **which rank logs the loss**: torchtitan names the rank of the last stage by comparing the
@@ -30,9 +30,9 @@ import importlib
 import logging
 import os
 import sys
-from types import ModuleType
 from typing import Any, Callable
 
+from .patching import rebind
 from .registration import lookup_zbpipe, register
 
 logger = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ def _wrap_module_split_v02(original: Callable) -> Callable:
                 pp_degree,
             )
         mine = stage_indices(cls, pp_mesh.get_local_rank(), pp_degree, len(names))
-        proxy = "ZBVZeroBubble" if cls.placement == "v" else "1F1B"
+        proxy = "ZBVZeroBubble" if cls.layout == "v" else "1F1B"
         stages, models = original(whole_model, pp_mesh, proxy, device, names, *args, **kwargs)
         got = tuple(s.stage_index for s in stages)
         if tuple(sorted(got)) != mine:
@@ -239,9 +239,7 @@ def _torchtitan_version() -> str:
 
 
 def _rebind(original: Callable, wrapper: Callable, name: str) -> None:
-    for module in list(sys.modules.values()):
-        if isinstance(module, ModuleType) and getattr(module, name, None) is original:
-            setattr(module, name, wrapper)
+    rebind(name, original, wrapper)  # zbpipe.patching: undone by rebinding the other way
 
 
 def install() -> str:

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .patching import Patch, patch
 from .planning.metrics import bubble_rate as _bubble_rate
 from .timeline import Event, to_chrome
 
@@ -89,7 +91,7 @@ class Tracer:
         self._pending.clear()
         self._anchor = None
 
-    def gather(self, group: dist.ProcessGroup | None = None) -> "Trace":
+    def gather(self, group: dist.ProcessGroup | None = None) -> Trace:
         """Collect every rank's events (a collective: call it on all ranks of ``group``)."""
         if not dist.is_available() or not dist.is_initialized():
             return Trace({self.rank: list(self.events)})
@@ -107,7 +109,7 @@ class Trace:
 
     @property
     def bubble_rate(self) -> float:
-        """Measured bubble rate (the paper's definition; see :func:`zbpipe.planning.metrics.bubble_rate`)."""
+        """Measured bubble rate (:func:`zbpipe.planning.metrics.bubble_rate`)."""
         return _bubble_rate({r: [(e.start, e.end) for e in evs] for r, evs in self.events.items()})
 
     @property
@@ -132,12 +134,12 @@ class Trace:
             json.dump(self.to_chrome(), f)
 
 
-def attach_stage_tracer(stage: Any, tracer: Tracer) -> None:
+def attach_stage_tracer(stage: Any, tracer: Tracer) -> list[Patch]:
     """Time a torch ``PipelineStage``'s compute methods (for torch's built-in schedules).
 
     Wraps ``forward_one_chunk`` (F), ``backward_one_chunk`` (BW, or B when split) and
-    ``backward_weight_one_chunk`` (W) on this stage object only. zbpipe's own schedules do not
-    need this.
+    ``backward_weight_one_chunk`` (W) on this stage object only; ``undo_all`` of the returned
+    patches removes the timing. zbpipe's own schedules do not need this.
     """
     idx = stage.stage_index
     fwd, bwd, bww = (
@@ -158,6 +160,8 @@ def attach_stage_tracer(stage: Any, tracer: Tracer) -> None:
         with tracer.span("W", idx, mb):
             return bww(mb, *args, **kwargs)
 
-    stage.forward_one_chunk = forward_one_chunk
-    stage.backward_one_chunk = backward_one_chunk
-    stage.backward_weight_one_chunk = backward_weight_one_chunk
+    return [
+        patch(stage, "forward_one_chunk", forward_one_chunk),
+        patch(stage, "backward_one_chunk", backward_one_chunk),
+        patch(stage, "backward_weight_one_chunk", backward_weight_one_chunk),
+    ]

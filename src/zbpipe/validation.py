@@ -71,7 +71,7 @@ def check_schedule_args(cls: type, stages: Any, n_microbatches: Any, costs: Any)
     got = sorted(st.stage_index for st in stages)
     if got != expected:
         raise ValueError(
-            f"{name}: rank {rank} holds stages {got} but {cls.placement!r} placement puts stages {expected} "
+            f"{name}: rank {rank} holds stages {got} but {cls.layout!r} layout puts stages {expected} "
             f"on rank {rank}; build PipelineStage(..., stage_index=i, ...) for i in {expected} on this rank"
         )
     return list(stages)

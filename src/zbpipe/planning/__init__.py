@@ -2,7 +2,9 @@
 
 from .core import (
     KINDS,
+    TORCH_LETTERS,
     Action,
+    Layout,
     Plan,
     PlanError,
     format_grid,
@@ -14,12 +16,14 @@ from .costs import Costs, StageCosts
 from .csv_format import plan_from_csv, plan_to_csv
 from .onef1b import plan_1f1b
 from .registry import GENERATORS, known_names, plan
-from .simulate import Interval, SimResult, simulate
+from .simulator import Interval, SimResult, simulate
 from .zbh1 import plan_zbh1
 
 __all__ = [
     "KINDS",
+    "TORCH_LETTERS",
     "Action",
+    "Layout",
     "Plan",
     "PlanError",
     "format_grid",

@@ -34,29 +34,40 @@ import heapq
 import itertools
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from .core import Action, Plan, PlanError, loop_placement, make_plan
 from .costs import Costs, StageCosts
 from .onef1b import onef1b_rank_order
+from .rules import EPS, check_sizes, fits, peak_memory, within
 
 log = logging.getLogger(__name__)
 
-_EPS = 1e-9
-
 
 @dataclass(frozen=True, kw_only=True)
-class Strategy:
+class AutoStrategy:
     """The heuristic's binary hyperparameters (Section 3.1); every combination is tried."""
 
-    f_may_delay_b: bool = True
-    """Run a ready F even if the pending B arrives before it ends (fills the warm-up tail)."""
+    f_may_delay_b: bool | tuple[bool, ...] = True
+    """Run a ready F even if the pending B arrives before it ends (fills the warm-up tail); a
+    tuple decides per stage."""
     w_fills_small_gaps: bool = False
     """Insert a W into an idle gap shorter than T_W (delays the next F/B a little)."""
     keep_ahead: bool = True
     """Give F priority over B when the next stage has consumed every F this stage produced."""
     max_inflight: tuple[int, ...] | None = None
     """Cap on F-done-B-not-done microbatches per stage (handcrafted ZB-H2); None: memory decides."""
+
+
+class ListSchedule(NamedTuple):
+    """One heuristic pass's result."""
+
+    orders: dict[int, list[Action]]
+    makespan: float
+    span: float
+    """The longest rank span (one rank's first start to last end): the bubble rate's denominator."""
+    rank_spans: tuple[float, ...]
 
 
 @dataclass
@@ -69,134 +80,161 @@ class _Stage:
     idle: int = 0  # consecutive decisions without progress at the same time (orders the heap)
 
 
+class _Ready(NamedTuple):
+    """What one stage could run at its decision time ``t``."""
+
+    f_left: bool
+    f_mem_ok: bool
+    f_allowed: bool
+    tf: float  # when the next F's input is here (inf: no F left)
+    b_left: bool
+    tb: float  # when the next B's input gradient is here (inf: no B pending)
+    b_exact: bool  # tb is exact (else a lower bound: its producer has not decided yet)
+    b_mem_ok: bool
+    w_left: bool
+    starving: bool  # the next stage has consumed every F this one produced
+
+    def next_event(self, t: float) -> float:
+        """The earliest time something may become runnable; a ready F held back waits for B."""
+        if self.f_allowed and self.tf <= t and self.b_left:
+            return self.tb
+        return min(self.tf if self.f_allowed else math.inf, self.tb if self.b_left else math.inf)
+
+
+class _ListScheduler:
+    """The heuristic's state: stages decide in global time order (a heap keyed by free time)."""
+
+    def __init__(self, m: int, sc: list[StageCosts], limit: float, strategy: AutoStrategy) -> None:
+        p = len(sc)
+        self.m, self.sc, self.limit, self.strategy = m, sc, limit, strategy
+        self.last = p - 1
+        self.st = [_Stage() for _ in range(p)]
+        self.end_f = [[0.0] * m for _ in range(p)]
+        self.end_b = [[0.0] * m for _ in range(p)]
+        self.orders: dict[int, list[Action]] = {r: [] for r in range(p)}
+        self.first = [math.inf] * p
+        self.makespan = 0.0
+
+    def arrival_f(self, s: int) -> tuple[float, bool]:
+        """When F(s, nf)'s input is here, and whether that time is exact (else a lower bound)."""
+        st, sc, j = self.st, self.sc, self.st[s].nf
+        if s == 0:
+            return 0.0, True
+        if j < st[s - 1].nf:
+            return self.end_f[s - 1][j] + sc[s - 1].comm, True
+        return st[s - 1].t + sc[s - 1].f + sc[s - 1].comm, False
+
+    def arrival_b(self, s: int) -> tuple[float, bool]:
+        st, sc, j = self.st, self.sc, self.st[s].nb
+        if s == self.last:
+            return self.end_f[s][j], True
+        if j < st[s + 1].nb:
+            return max(self.end_f[s][j], self.end_b[s + 1][j] + sc[s + 1].comm), True
+        return max(self.end_f[s][j], st[s + 1].t + sc[s + 1].b + sc[s + 1].comm), False
+
+    def ready(self, s: int) -> _Ready:
+        x, c, m, cap = self.st[s], self.sc[s], self.m, self.strategy.max_inflight
+        f_left = x.nf < m
+        f_mem_ok = within(x.mem + c.mem_f, self.limit) and within(
+            x.mem + c.mem_f + max(0.0, c.mem_b), self.limit
+        )
+        f_allowed = f_left and f_mem_ok and (cap is None or x.nf - x.nb < cap[s])
+        tf = self.arrival_f(s)[0] if f_left else math.inf
+        b_left = x.nb < x.nf
+        tb, b_exact = self.arrival_b(s) if b_left else (math.inf, True)
+        # Only in the steady state: during warm-up the downstream stage is one F behind by nature.
+        starving = s < self.last and f_left and x.nb > 0 and x.nf == self.st[s + 1].nf
+        b_mem_ok = within(x.mem + c.mem_b, self.limit)
+        return _Ready(
+            f_left, f_mem_ok, f_allowed, tf, b_left, tb, b_exact, b_mem_ok, x.nw < x.nb, starving
+        )
+
+    def choose(self, s: int, t: float, r: _Ready) -> str | None:
+        """The kind stage ``s`` runs at ``t`` (the module docstring's rules), or None to idle."""
+        strat, c = self.strategy, self.sc[s]
+        f_ready = r.f_allowed and r.tf <= t
+        if f_ready and strat.keep_ahead and r.starving:
+            return "F"
+        if r.b_left and r.tb <= t and r.b_mem_ok:
+            return "B"
+        may_delay = strat.f_may_delay_b
+        if not isinstance(may_delay, bool):
+            may_delay = may_delay[s]
+        if f_ready and (may_delay or not r.b_left or not r.b_exact or r.tb >= t + c.f):
+            return "F"
+        if not r.w_left:
+            return None
+        gap = r.next_event(t) - t
+        if (
+            gap >= c.w - EPS
+            or (strat.w_fills_small_gaps and gap > EPS)
+            or (r.f_left and not r.f_mem_ok)  # recycle memory for the next F
+            or (r.b_left and not r.b_mem_ok)
+            or (not r.f_allowed and not r.b_left)  # drain
+        ):
+            return "W"
+        return None
+
+    def run(self, s: int, kind: str, start: float) -> None:
+        x, c = self.st[s], self.sc[s]
+        if kind == "F":
+            j, x.nf = x.nf, x.nf + 1
+            self.end_f[s][j] = start + c.f
+        elif kind == "B":
+            j, x.nb = x.nb, x.nb + 1
+            self.end_b[s][j] = start + c.b
+        else:
+            j, x.nw = x.nw, x.nw + 1
+        x.mem += c.mem(kind)
+        x.t = start + c.time(kind)
+        self.first[s] = min(self.first[s], start)
+        self.makespan = max(self.makespan, x.t)
+        self.orders[s].append(Action(s, kind, j))
+
+    def schedule(self) -> ListSchedule | None:
+        p = len(self.st)
+        heap = [(0.0, 0, s) for s in range(p)]
+        stalls = 0
+        while heap:
+            t, _, s = heapq.heappop(heap)
+            x = self.st[s]
+            if x.nw == self.m:
+                continue
+            r = self.ready(s)
+            choice = self.choose(s, t, r)
+            if choice is not None:
+                self.run(s, choice, t)
+                x.idle = stalls = 0
+                heapq.heappush(heap, (x.t, 0, s))
+                continue
+            # Idle until the earliest next event (a lower bound if its producer has not decided).
+            nxt = r.next_event(t)
+            if r.tb <= t and not r.b_mem_ok or math.isinf(nxt):
+                return None  # memory too small for this strategy: no W to free it, nothing can run
+            x.t = max(t, nxt)
+            if x.t <= t:
+                x.idle += 1
+                stalls += 1
+                if stalls > 4 * p + 8:
+                    return None
+            heapq.heappush(heap, (x.t, x.idle, s))
+        if any(x.nw < self.m for x in self.st):
+            return None
+        spans = tuple(self.st[s].t - self.first[s] for s in range(p))
+        return ListSchedule(self.orders, self.makespan, max(spans), spans)
+
+
 def list_schedule(
     num_ranks: int,
     n_microbatches: int,
     sc: list[StageCosts],
     memory_limit: float,
-    strategy: Strategy,
-) -> tuple[dict[int, list[Action]], float, float] | None:
+    strategy: AutoStrategy,
+) -> ListSchedule | None:
     """One heuristic pass: per-rank orders, makespan and longest rank span; None if it stalls."""
-    p, m = num_ranks, n_microbatches
-    last = p - 1
-    st = [_Stage() for _ in range(p)]
-    end_f = [[0.0] * m for _ in range(p)]
-    end_b = [[0.0] * m for _ in range(p)]
-    orders: dict[int, list[Action]] = {r: [] for r in range(p)}
-    heap = [(0.0, 0, s) for s in range(p)]
-    stalls = 0
-    makespan = 0.0
-    first = [math.inf] * p
-
-    def arrival_f(s: int) -> tuple[float, bool]:
-        """When F(s, nf)'s input is here, and whether that time is exact (else a lower bound)."""
-        j = st[s].nf
-        if s == 0:
-            return 0.0, True
-        if j < st[s - 1].nf:
-            return end_f[s - 1][j] + sc[s - 1].comm, True
-        return st[s - 1].t + sc[s - 1].f + sc[s - 1].comm, False
-
-    def arrival_b(s: int) -> tuple[float, bool]:
-        j = st[s].nb
-        if s == last:
-            return end_f[s][j], True
-        if j < st[s + 1].nb:
-            return max(end_f[s][j], end_b[s + 1][j] + sc[s + 1].comm), True
-        return max(end_f[s][j], st[s + 1].t + sc[s + 1].b + sc[s + 1].comm), False
-
-    def run(s: int, kind: str, start: float) -> None:
-        nonlocal makespan
-        x, c = st[s], sc[s]
-        if kind == "F":
-            j, x.nf = x.nf, x.nf + 1
-            x.mem += c.mem_f
-            end_f[s][j] = start + c.f
-        elif kind == "B":
-            j, x.nb = x.nb, x.nb + 1
-            x.mem += c.mem_b
-            end_b[s][j] = start + c.b
-        else:
-            j, x.nw = x.nw, x.nw + 1
-            x.mem += c.mem_w
-        x.t = start + c.time(kind)
-        first[s] = min(first[s], start)
-        makespan = max(makespan, x.t)
-        orders[s].append(Action(s, kind, j))
-
-    while heap:
-        t, _, s = heapq.heappop(heap)
-        x, c = st[s], sc[s]
-        if x.nw == m:
-            continue
-        f_left = x.nf < m
-        f_mem_ok = (
-            x.mem + c.mem_f <= memory_limit + _EPS
-            and x.mem + c.mem_f + max(0.0, c.mem_b) <= memory_limit + _EPS
-        )
-        f_cap_ok = strategy.max_inflight is None or x.nf - x.nb < strategy.max_inflight[s]
-        f_allowed = f_left and f_mem_ok and f_cap_ok
-        tf, f_exact = arrival_f(s) if f_left else (math.inf, True)
-        b_left = x.nb < x.nf
-        tb, b_exact = arrival_b(s) if b_left else (math.inf, True)
-        b_mem_ok = x.mem + c.mem_b <= memory_limit + _EPS
-        w_left = x.nw < x.nb
-        # Only in the steady state: during warm-up the downstream stage is one F behind by nature.
-        starving = s < last and f_left and x.nb > 0 and x.nf == st[s + 1].nf
-
-        choice = None
-        if f_allowed and tf <= t and strategy.keep_ahead and starving:
-            choice = "F"
-        elif b_left and tb <= t and b_mem_ok:
-            choice = "B"
-        elif (
-            f_allowed
-            and tf <= t
-            and (strategy.f_may_delay_b or not b_left or not b_exact or tb >= t + c.f)
-        ):
-            choice = "F"
-        elif w_left:
-            f_held = f_allowed and tf <= t
-            nxt = (
-                tb
-                if f_held and b_left
-                else min(tf if f_allowed else math.inf, tb if b_left else math.inf)
-            )
-            gap = nxt - t
-            if (
-                gap >= c.w - _EPS
-                or (strategy.w_fills_small_gaps and gap > _EPS)
-                or (f_left and not f_mem_ok)  # recycle memory for the next F
-                or (b_left and not b_mem_ok)
-                or (not f_allowed and not b_left)  # drain
-            ):
-                choice = "W"
-        if choice is not None:
-            run(s, choice, t)
-            x.idle = 0
-            stalls = 0
-            heapq.heappush(heap, (x.t, 0, s))
-            continue
-        # Idle until the earliest next event (a lower bound if its producer has not decided yet);
-        # a ready F held back for an arriving B waits for that B.
-        f_held = f_allowed and tf <= t
-        nxt = (
-            tb
-            if f_held and b_left
-            else min(tf if f_allowed else math.inf, tb if b_left else math.inf)
-        )
-        if tb <= t and not b_mem_ok or math.isinf(nxt):
-            return None  # memory too small for this strategy: no W to free it, nothing can run
-        x.t = max(t, nxt)
-        if x.t <= t:
-            x.idle += 1
-            stalls += 1
-            if stalls > 4 * p + 8:
-                return None
-        heapq.heappush(heap, (x.t, x.idle, s))
-    if any(x.nw < m for x in st):
-        return None
-    return orders, makespan, max(st[s].t - first[s] for s in range(p))
+    if len(sc) != num_ranks:
+        raise ValueError(f"list_schedule: {len(sc)} stage costs for {num_ranks} ranks")
+    return _ListScheduler(n_microbatches, sc, memory_limit, strategy).schedule()
 
 
 def minimum_memory(costs: Costs, num_stages: int) -> float:
@@ -206,35 +244,104 @@ def minimum_memory(costs: Costs, num_stages: int) -> float:
 
 def onef1b_peak(num_ranks: int, n_microbatches: int, costs: Costs) -> float:
     """1F1B's peak activation memory over ranks (rank 0 holds ``min(p, m)`` forwards)."""
-    peak = 0.0
-    for r in range(num_ranks):
-        c, mem = costs.stage(r), 0.0
-        for a in onef1b_rank_order(r, num_ranks, n_microbatches):
-            mem += c.mem(a.kind)
-            peak = max(peak, mem)
-    return peak
+    sc = costs.per_stage(num_ranks)
+    return max(
+        peak_memory(onef1b_rank_order(r, num_ranks, n_microbatches), sc) for r in range(num_ranks)
+    )
 
 
-def _peak(order: list[Action], sc: list[StageCosts]) -> float:
-    mem = peak = 0.0
-    for a in order:
-        mem += sc[a.stage].mem(a.kind)
-        peak = max(peak, mem)
-    return peak
-
-
-def _fits(
-    orders: dict[int, list[Action]] | dict[int, tuple[Action, ...]],
-    sc: list[StageCosts],
-    limit: float,
-) -> bool:
-    return all(_peak(list(acts), sc) <= limit + _EPS for acts in orders.values())
-
-
-STRATEGIES: tuple[Strategy, ...] = tuple(
-    Strategy(f_may_delay_b=a, w_fills_small_gaps=b, keep_ahead=k)
+STRATEGIES: tuple[AutoStrategy, ...] = tuple(
+    AutoStrategy(f_may_delay_b=a, w_fills_small_gaps=b, keep_ahead=k)
     for a, b, k in itertools.product((True, False), (False, True), (True, False))
 )
+
+
+class Candidate(NamedTuple):
+    """One candidate plan of ``plan_auto``, ranked by (span, makespan), ties to the earlier."""
+
+    span: float
+    makespan: float
+    source: str
+    """Where it came from: ``heuristic:<strategy>``, ``w-after-b`` or ``zbh1``."""
+    orders: dict[int, list[Action]]
+
+    def rank_key(self) -> tuple[float, float]:
+        return (round(self.span, 9), round(self.makespan, 9))
+
+
+def _heuristic_candidates(p: int, m: int, sc: list[StageCosts], limit: float) -> list[Candidate]:
+    out = []
+    best: tuple[AutoStrategy, ListSchedule] | None = None
+    for strategy in STRATEGIES:
+        res = list_schedule(p, m, sc, limit, strategy)
+        if res is not None:
+            out.append(Candidate(res.span, res.makespan, f"heuristic:{strategy}", res.orders))
+            if best is None or _key(res) < _key(best[1]):
+                best = (strategy, res)
+    if best is not None:
+        out.extend(_per_stage_delays(p, m, sc, limit, *best))
+    return out
+
+
+def _key(res: ListSchedule) -> tuple[float, float]:
+    return (round(res.span, 9), round(res.makespan, 9))
+
+
+def _per_stage_delays(
+    p: int, m: int, sc: list[StageCosts], limit: float, base: AutoStrategy, res: ListSchedule
+) -> list[Candidate]:
+    """Decide ``f_may_delay_b`` per stage, starting from the best uniform strategy.
+
+    Whether a rank's last warm-up F may delay its first B is a trade: the F fills the rank's
+    own idle gap, the delay reaches every upstream rank. The longest rank span is the bubble
+    rate's denominator, so flip the flag of the rank that has it, keep the flip if the result
+    is better, and go on with the new longest rank (each rank at most once: <= p passes).
+    """
+    if not isinstance(base.f_may_delay_b, bool):
+        return []
+    flags = [base.f_may_delay_b] * p
+    tried: set[int] = set()
+    out: list[Candidate] = []
+    while True:
+        rank = max(range(p), key=lambda r: (round(res.rank_spans[r], 9), -r))
+        if rank in tried:
+            return out
+        tried.add(rank)
+        flags[rank] = not flags[rank]
+        strategy = replace(base, f_may_delay_b=tuple(flags))
+        new = list_schedule(p, m, sc, limit, strategy)
+        if new is None or _key(new) >= _key(res):
+            return out
+        res = new
+        out.append(Candidate(res.span, res.makespan, f"heuristic:{strategy}", res.orders))
+
+
+def _baseline_candidates(
+    name: str, p: int, m: int, costs: Costs, limit: float
+) -> tuple[list[Candidate], float]:
+    """ZB-H1 and 1F1B-with-W-after-B, if they fit; and the latter's makespan (inf if not)."""
+    from .simulator import simulate  # the shared simulator times the baselines
+    from .zbh1 import plan_zbh1, zbh1_rank_order
+
+    sc = costs.per_stage(p)
+    w_after_b = {r: zbh1_rank_order(r, p, m, lag=0) for r in range(p)}
+    if not fits(w_after_b, sc, limit):
+        return [], math.inf
+    baselines = [("w-after-b", w_after_b)]
+    try:
+        baselines.append(
+            ("zbh1", {r: list(a) for r, a in plan_zbh1(p, m, costs, limit).order.items()})
+        )
+    except ValueError:
+        pass  # ZB-H1 needs 1F1B's per-rank memory; a smaller limit just skips it
+    out = []
+    for label, orders in baselines:
+        if not fits(orders, sc, limit):
+            continue
+        r = simulate(make_plan(name, p, m, loop_placement(p, p), orders), costs)
+        span = max(iv[-1].end - iv[0].start for iv in r.timeline.values() if iv)
+        out.append(Candidate(span, r.makespan, label, orders))
+    return out, out[0].makespan
 
 
 def plan_auto(
@@ -248,66 +355,41 @@ def plan_auto(
 
     Raises ``ValueError`` if ``memory_limit`` is below one microbatch in flight.
     """
-    from .simulate import simulate  # the shared simulator times the baselines
-    from .zbh1 import plan_zbh1, zbh1_rank_order
-
     p, m = num_ranks, n_microbatches
-    if p < 1 or m < 1:
-        raise ValueError(f"num_ranks and n_microbatches must be >= 1, got {p}, {m}")
+    check_sizes(p, m)
     costs = costs or Costs()
     sc = costs.per_stage(p)
     limit = 2 * onef1b_peak(p, m, costs) if memory_limit is None else float(memory_limit)
     need = minimum_memory(costs, p)
-    if limit < need - _EPS:
+    if limit < need - EPS:
         raise ValueError(
             f"{name}: memory_limit {limit:g} is below {need:g}, the memory of one microbatch in "
             f"flight on the busiest stage; no plan fits. Raise memory_limit to at least {need:g}"
         )
-    placement = loop_placement(p, p)
     # Candidates are ranked by the longest rank span (the paper's objective and bubble rate),
     # then makespan; none may be slower than 1F1B-with-split-backward, the safe baseline.
-    cands: list[tuple[float, float, object, dict]] = []
-    for i, strategy in enumerate(STRATEGIES):
-        res = list_schedule(p, m, sc, limit, strategy)
-        if res is not None:
-            cands.append((res[2], res[1], i, res[0]))
-    w_after_b = {r: zbh1_rank_order(r, p, m, lag=0) for r in range(p)}
-    baselines: list[tuple[str, dict]] = []
-    if _fits(w_after_b, sc, limit):
-        baselines.append(("w-after-b", w_after_b))
-        try:
-            baselines.append(("zbh1", dict(plan_zbh1(p, m, costs, memory_limit=limit).order)))
-        except ValueError:
-            pass  # ZB-H1 needs 1F1B's per-rank memory; a smaller limit just skips it
-    bound = math.inf
-    for label, orders in baselines:
-        if not _fits(orders, sc, limit):
-            continue
-        r = simulate(make_plan(name, p, m, placement, orders), costs)
-        span = max(iv[-1].end - iv[0].start for iv in r.timeline.values() if iv)
-        cands.append((span, r.makespan, label, orders))
-        if label == "w-after-b":
-            bound = r.makespan
-    ok = [c for c in cands if c[1] <= bound + _EPS]
+    baselines, bound = _baseline_candidates(name, p, m, costs, limit)
+    cands = _heuristic_candidates(p, m, sc, limit) + baselines
+    ok = [c for c in cands if c.makespan <= bound + EPS]
     if not ok:
         raise ValueError(
             f"{name}: no schedule found under memory_limit {limit:g}; raise it to at least "
             f"{max(need, onef1b_peak(p, m, costs)):g} (1F1B's peak)"
         )
-    best = min(ok, key=lambda c: (round(c[0], 9), round(c[1], 9)))
-    source = best[2] if isinstance(best[2], str) else f"heuristic:{STRATEGIES[best[2]]}"
+    best = min(ok, key=Candidate.rank_key)
     log.debug(
         "%s p=%d m=%d limit=%g: span %g makespan %g from %s",
         name,
         p,
         m,
         limit,
-        best[0],
-        best[1],
-        source,
+        best.span,
+        best.makespan,
+        best.source,
     )
-    plan = make_plan(name, p, m, placement, best[3], memory_limit=limit, source=source)
-    return plan
+    return make_plan(
+        name, p, m, loop_placement(p, p), best.orders, memory_limit=limit, source=best.source
+    )
 
 
 def plan_zb1p(
@@ -339,7 +421,9 @@ def plan_zb2p(
 
 
 __all__ = [
-    "Strategy",
+    "AutoStrategy",
+    "Candidate",
+    "ListSchedule",
     "list_schedule",
     "minimum_memory",
     "onef1b_peak",

@@ -13,12 +13,17 @@ simulator are tested by hypothesis over thousands of cases without a process gro
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Mapping, Sequence
+from typing import Literal
 
-Kind = Literal["F", "B", "W", "BW"]
+#: The compute actions a plan is made of (the module docstring says what each one is).
 KINDS: tuple[str, ...] = ("F", "B", "W", "BW")
-Placement = Literal["loop", "v"]
+#: The letter torch's pipelining uses for each kind (``_ComputationType`` values, CSV cells).
+TORCH_LETTERS: dict[str, str] = {"F": "F", "B": "I", "W": "W", "BW": "B"}
+#: How stages are laid out on ranks: ``"loop"`` (stage s on rank s % p) or ``"v"``
+#: (rank r holds stages r and 2p - 1 - r). ``Plan.placement`` is the stage-to-rank map itself.
+Layout = Literal["loop", "v"]
 
 
 @dataclass(frozen=True, order=True)
@@ -62,7 +67,8 @@ def v_placement(num_ranks: int) -> dict[int, int]:
 
 @dataclass(frozen=True)
 class Plan:
-    """For each rank, the ordered compute actions it runs; plus the stage-to-rank placement.
+    """For each rank, the ordered compute actions it runs; plus the stage-to-rank placement
+    (``placement``, a dict) and its shape (``layout``, ``"loop"`` or ``"v"``).
 
     ``order`` has no ``None`` padding: idle time exists only in the simulator's timed output.
     """
@@ -72,7 +78,7 @@ class Plan:
     n_microbatches: int
     placement: Mapping[int, int]
     order: Mapping[int, tuple[Action, ...]]
-    style: Placement = "loop"
+    layout: Layout = "loop"
     meta: Mapping[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -144,7 +150,8 @@ def validate_structure(plan: Plan) -> None:
             if kinds not in ({"F", "BW"}, {"F", "B", "W"}):
                 missing = "F and BW, or F, B and W"
                 raise PlanError(
-                    f"plan {plan.name}: stage {s} microbatch {mb} has {sorted(kinds)}; needs {missing}"
+                    f"plan {plan.name}: stage {s} microbatch {mb} has {sorted(kinds)}; "
+                    f"needs {missing}"
                 )
 
 
@@ -152,7 +159,10 @@ def format_grid(plan: Plan, width: int | None = None) -> str:
     """Draw the plan as a rank-by-step grid (no timing: column k is each rank's k-th action)."""
     cells = {r: [str(a) for a in acts] for r, acts in plan.order.items()}
     w = width or max((len(c) for cs in cells.values() for c in cs), default=3)
-    head = f"{plan.name}: {plan.num_ranks} ranks, {plan.num_stages} stages, {plan.n_microbatches} microbatches"
+    head = (
+        f"{plan.name}: {plan.num_ranks} ranks, {plan.num_stages} stages, "
+        f"{plan.n_microbatches} microbatches"
+    )
     lines = [head]
     for r in range(plan.num_ranks):
         lines.append(f"rank {r:>2} | " + " ".join(c.rjust(w) for c in cells[r]))
@@ -165,7 +175,7 @@ def make_plan(
     n_microbatches: int,
     placement: Mapping[int, int],
     order: Mapping[int, Sequence[Action]],
-    style: Placement = "loop",
+    layout: Layout = "loop",
     **meta: object,
 ) -> Plan:
     """Build and statically validate a plan (generators call this)."""
@@ -175,7 +185,7 @@ def make_plan(
         n_microbatches=n_microbatches,
         placement=placement,
         order={r: tuple(acts) for r, acts in order.items()},
-        style=style,
+        layout=layout,
         meta=meta,
     )
     p.validate()

@@ -14,11 +14,13 @@ the model fixed, not the chunk.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Sequence, Union
 
-Number = Union[int, float]
-PerStage = Union[Number, Sequence[Number]]
+from .rules import EPS
+
+Number = int | float
+PerStage = Number | Sequence[Number]
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,7 @@ class StageCosts:
         return {"F": self.f, "B": self.b, "W": self.w}[kind]
 
     def mem(self, kind: str) -> float:
-        """Change in activation memory when an action of ``kind`` finishes (F allocates at start)."""
+        """Change in activation memory when an action of ``kind`` ends (F allocates at start)."""
         if kind == "BW":
             return self.mem_b + self.mem_w
         return {"F": self.mem_f, "B": self.mem_b, "W": self.mem_w}[kind]
@@ -94,7 +96,8 @@ class Costs:
         }
         if len(lengths) > 1:
             raise ValueError(
-                f"Costs per-stage lists have different lengths {sorted(lengths)}; give one value per stage"
+                f"Costs per-stage lists have different lengths {sorted(lengths)}; "
+                "give one value per stage"
             )
 
     @property
@@ -117,7 +120,7 @@ class Costs:
         for s in range(num_stages):
             c = self.stage(s)
             total = c.mem_f + c.mem_b + c.mem_w
-            if abs(total) > 1e-9 * max(1.0, abs(c.mem_f)):
+            if abs(total) > EPS * max(1.0, abs(c.mem_f)):
                 raise ValueError(
                     f"Costs for stage {s}: mem_f + mem_b + mem_w = {total}, must be 0 "
                     "(everything a forward allocates is freed by its backward)"
@@ -127,7 +130,7 @@ class Costs:
         """The scalar costs of stage ``s``."""
 
         def pick(v: PerStage) -> float:
-            return float(v[s]) if isinstance(v, tuple) else float(v)
+            return float(v) if isinstance(v, (int, float)) else float(v[s])
 
         return StageCosts(**{f.name: pick(getattr(self, f.name)) for f in fields(self)})
 
@@ -135,7 +138,7 @@ class Costs:
         self.check(num_stages)
         return [self.stage(s) for s in range(num_stages)]
 
-    def split(self, chunks: int) -> "Costs":
+    def split(self, chunks: int) -> Costs:
         """The same model cut ``chunks`` times finer: every time and memory divided by ``chunks``.
 
         Communication per send stays (one activation still crosses one link).
@@ -144,9 +147,9 @@ class Costs:
             raise ValueError(f"chunks must be >= 1, got {chunks}")
 
         def div(v: PerStage) -> PerStage:
-            if isinstance(v, tuple):
-                return tuple(x / chunks for x in v for _ in range(chunks))
-            return v / chunks
+            if isinstance(v, (int, float)):
+                return v / chunks
+            return tuple(x / chunks for x in v for _ in range(chunks))
 
         return Costs(
             f=div(self.f),
@@ -161,7 +164,7 @@ class Costs:
         )
 
     @classmethod
-    def parse(cls, text: str) -> "Costs":
+    def parse(cls, text: str) -> Costs:
         """Parse ``"f=1,b=1.2,w=0.6,comm=0.05"`` (the CLI's ``--costs``)."""
         kwargs: dict[str, float] = {}
         names = {f.name for f in fields(cls)}

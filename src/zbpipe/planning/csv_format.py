@@ -24,10 +24,9 @@ import csv
 import io
 import re
 
-from .core import Action, Plan, PlanError, make_plan, v_placement
+from .core import TORCH_LETTERS, Action, Layout, Plan, PlanError, make_plan, v_placement
 
-TORCH_TO_KIND = {"F": "F", "I": "B", "W": "W", "B": "BW"}
-KIND_TO_TORCH = {v: k for k, v in TORCH_TO_KIND.items()}
+_KIND_OF_LETTER = {letter: kind for kind, letter in TORCH_LETTERS.items()}
 _NON_COMPUTE = ("UNSHARD", "RESHARD", "REDUCE_GRAD", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
 _ACTION = re.compile(
     r"^(\d+)(UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B|F|I|W|B)(\d*)$"
@@ -36,7 +35,7 @@ _ACTION = re.compile(
 
 def action_to_torch_str(a: Action) -> str:
     """``Action(1, "B", 0)`` -> ``"1I0"`` (torch's ``str(_Action)``)."""
-    return f"{a.stage}{KIND_TO_TORCH[a.kind]}{a.microbatch}"
+    return f"{a.stage}{TORCH_LETTERS[a.kind]}{a.microbatch}"
 
 
 def plan_to_csv(plan: Plan) -> str:
@@ -68,7 +67,7 @@ def parse_torch_action(cell: str, where: str = "") -> list[Action]:
         return []
     if not mb:
         raise PlanError(f"{where}: compute action {cell!r} has no microbatch index")
-    return [Action(int(stage), TORCH_TO_KIND[kind], int(mb))]
+    return [Action(int(stage), _KIND_OF_LETTER[kind], int(mb))]
 
 
 def plan_from_csv(text: str, name: str = "csv", n_microbatches: int | None = None) -> Plan:
@@ -93,12 +92,13 @@ def plan_from_csv(text: str, name: str = "csv", n_microbatches: int | None = Non
         for a in actions:
             if placement.setdefault(a.stage, r) != r:
                 raise PlanError(
-                    f"plan_from_csv: stage {a.stage} appears on rank {placement[a.stage]} and on rank {r}; "
+                    f"plan_from_csv: stage {a.stage} appears on rank {placement[a.stage]} "
+                    f"and on rank {r}; "
                     "a stage must live on one rank"
                 )
     if not placement:
         raise PlanError("plan_from_csv: the CSV has no compute actions")
     num_ranks = len(rows)
     m = n_microbatches or 1 + max(a.microbatch for acts in order.values() for a in acts)
-    style = "v" if placement == v_placement(num_ranks) else "loop"
-    return make_plan(name, num_ranks, m, placement, order, style=style)
+    layout: Layout = "v" if placement == v_placement(num_ranks) else "loop"
+    return make_plan(name, num_ranks, m, placement, order, layout=layout)

@@ -1,4 +1,4 @@
-"""Local search over a valid plan: reorder actions within a rank while the simulated plan gets shorter.
+"""Local search over a valid plan: reorder a rank's actions while the simulated plan gets shorter.
 
 Any family's plan can be polished (pure Python, no torch). The objective is the bubble rate's
 denominator, the longest rank span, then the makespan: the bubble rate only gets lower and the
@@ -21,15 +21,14 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Iterator
 
 from .core import Action, Plan
 from .costs import Costs
+from .rules import EPS, needs, peak_memory, producers, within
 
 log = logging.getLogger(__name__)
-
-_EPS = 1e-9
 
 
 @dataclass(frozen=True)
@@ -56,13 +55,14 @@ class _Model:
                 ids[a] = len(self.actions)
                 self.actions.append(a)
                 self.rank.append(r)
+        self.sc = sc
+        made_by = producers(self.actions)
         self.dur = [sc[a.stage].time(a.kind) for a in self.actions]
-        self.mem = [sc[a.stage].mem(a.kind) for a in self.actions]
         self.deps: list[tuple[tuple[int, float], ...]] = []
         self.same_rank_deps: list[set[int]] = [set() for _ in self.actions]
         for i, a in enumerate(self.actions):
             deps = []
-            for d in _producers(a, last, ids):
+            for d in (ids[made_by[v]] for v in needs(a, last)):
                 delay = 0.0 if self.rank[d] == self.rank[i] else sc[self.actions[d].stage].comm
                 deps.append((d, delay))
                 if self.rank[d] == self.rank[i]:
@@ -74,7 +74,7 @@ class _Model:
     def evaluate(
         self, order: list[list[int]], base: _Eval | None = None, since: float = 0.0
     ) -> _Eval | None:
-        """Simulate ``order`` (a worklist over ranks, each action looked at O(1) times); None on deadlock.
+        """Simulate ``order`` (a worklist over ranks, each action seen O(1) times); None: deadlock.
 
         Incremental: with ``base`` (the simulation of an order that differs only in actions that
         started at or after ``since`` there), every action that started before ``since`` keeps its
@@ -136,24 +136,7 @@ class _Model:
         return _Eval(start, end, (round(span, 9), round(makespan, 9), round(feed, 6)))
 
     def peak(self, seq: list[int]) -> float:
-        mem = peak = 0.0
-        for a in seq:
-            mem += self.mem[a]
-            peak = max(peak, mem)
-        return peak
-
-
-def _producers(a: Action, last: int, ids: dict[Action, int]) -> list[int]:
-    """Ids of the actions whose results ``a`` waits for (the simulator's dependency rules)."""
-    if a.kind == "F":
-        return [ids[Action(a.stage - 1, "F", a.microbatch)]] if a.stage > 0 else []
-    if a.kind == "W":
-        return [ids[Action(a.stage, "B", a.microbatch)]]
-    out = [ids[Action(a.stage, "F", a.microbatch)]]
-    if a.stage < last:
-        nxt = Action(a.stage + 1, "B", a.microbatch)
-        out.append(ids[nxt] if nxt in ids else ids[Action(a.stage + 1, "BW", a.microbatch)])
-    return out
+        return peak_memory([self.actions[a] for a in seq], self.sc)
 
 
 def _moved(seq: list[int], src: int, dst: int) -> list[int]:
@@ -164,7 +147,7 @@ def _moved(seq: list[int], src: int, dst: int) -> list[int]:
 
 
 def _can_move(model: _Model, seq: list[int], src: int, dst: int) -> bool:
-    """Moving keeps same-rank dependency order: nothing jumped over depends on, or feeds, the mover."""
+    """A move keeps same-rank dependency order: nothing jumped over depends on or feeds it."""
     a = seq[src]
     if dst < src:
         return not any(x in model.same_rank_deps[a] for x in seq[dst:src])
@@ -187,10 +170,10 @@ def _critical_arcs(model: _Model, order: list[list[int]], ev: _Eval) -> list[tup
         s = ev.start[a]
         nxt = -1
         for d, delay in model.deps[a]:
-            if abs(ev.end[d] + delay - s) <= _EPS:
+            if abs(ev.end[d] + delay - s) <= EPS:
                 nxt = d
                 break
-        if nxt < 0 and i > 0 and abs(ev.end[order[q][i - 1]] - s) <= _EPS:
+        if nxt < 0 and i > 0 and abs(ev.end[order[q][i - 1]] - s) <= EPS:
             arcs.append((q, i))
             nxt = order[q][i - 1]
         if nxt < 0:
@@ -217,13 +200,13 @@ def _candidate_moves(
         for i in range(1, len(seq)):
             a, prev = seq[i], seq[i - 1]
             gap = ev.start[a] - ev.end[prev]
-            if gap > _EPS:
+            if gap > EPS:
                 spots.append((-gap, r, i, "gap"))
             elif model.actions[a].kind != "W" and prev not in model.same_rank_deps[a]:
                 # a ready F or B waiting behind another action: try running it first
                 ready = max((ev.end[d] + delay for d, delay in model.deps[a]), default=0.0)
                 delay = ev.start[a] - max(ready, ev.start[prev])
-                if delay > _EPS:
+                if delay > EPS:
                     spots.append((-delay, r, i - 1, "late"))
     spots.sort()
     for _, r, i, what in spots[:per_round]:
@@ -244,6 +227,53 @@ def _candidate_moves(
             yield (r, i + 1, i)  # the waiting action jumps ahead
             if model.actions[seq[i]].kind == "W" and i + 2 < len(seq):
                 yield (r, i, i + 2)  # or a W steps back past two
+
+
+class _Budget:
+    """Simulations spent, against a count and/or a wall-clock deadline."""
+
+    def __init__(self, deadline: float | None, max_evals: int | None) -> None:
+        self.deadline, self.max_evals, self.evals = deadline, max_evals, 1
+
+    def left(self) -> bool:
+        if self.max_evals is not None and self.evals >= self.max_evals:
+            return False
+        return self.deadline is None or time.perf_counter() < self.deadline
+
+
+def _search(
+    model: _Model, order: list[list[int]], ev: _Eval, limits: list[float], budget: _Budget
+) -> tuple[list[list[int]], _Eval, int]:
+    """First-improvement local search; returns the final order, its evaluation, moves accepted."""
+    accepted, per_round = 0, 8
+    tried: set[tuple[int, ...]] = set()
+    while budget.left():
+        improved = False
+        for r, src, dst in _candidate_moves(model, order, ev, per_round):
+            if not budget.left():
+                break
+            seq = order[r]
+            if src == dst or not 0 <= dst < len(seq) or not _can_move(model, seq, src, dst):
+                continue
+            new_seq = _moved(seq, src, dst)
+            sig = (r, *new_seq)
+            if not within(model.peak(new_seq), limits[r]) or sig in tried:
+                continue
+            tried.add(sig)
+            trial = order[:r] + [new_seq] + order[r + 1 :]
+            new_ev = model.evaluate(trial, ev, ev.start[seq[min(src, dst)]])
+            budget.evals += 1
+            if new_ev is not None and new_ev.key < ev.key:
+                order, ev, improved = trial, new_ev, True
+                accepted += 1
+                tried.clear()
+                per_round = 8
+                break
+        if not improved:
+            if per_round >= 64:
+                break  # local optimum for every move we know
+            per_round *= 4  # look further down the list of wasted spots before giving up
+    return order, ev, accepted
 
 
 def improve(
@@ -274,43 +304,9 @@ def improve(
         )
     limits = [memory_limit if memory_limit is not None else model.peak(seq) for seq in order]
     first_key = ev.key[:2]
-    evals, accepted = 1, 0
-    per_round = 8
-    tried: set[tuple[int, ...]] = set()
-
-    def budget_left() -> bool:
-        if max_evals is not None and evals >= max_evals:
-            return False
-        return deadline is None or time.perf_counter() < deadline
-
-    while budget_left():
-        improved = False
-        for r, src, dst in _candidate_moves(model, order, ev, per_round):
-            if not budget_left():
-                break
-            seq = order[r]
-            if src == dst or not 0 <= dst < len(seq) or not _can_move(model, seq, src, dst):
-                continue
-            new_seq = _moved(seq, src, dst)
-            if model.peak(new_seq) > limits[r] + _EPS:
-                continue
-            sig = (r, *new_seq)
-            if sig in tried:
-                continue
-            tried.add(sig)
-            trial = order[:r] + [new_seq] + order[r + 1 :]
-            new_ev = model.evaluate(trial, ev, ev.start[seq[min(src, dst)]])
-            evals += 1
-            if new_ev is not None and new_ev.key < ev.key:
-                order, ev, improved = trial, new_ev, True
-                accepted += 1
-                tried.clear()
-                per_round = 8
-                break
-        if not improved:
-            if per_round >= 64:
-                break  # local optimum for every move we know
-            per_round *= 4  # look further down the list of wasted spots before giving up
+    budget = _Budget(deadline, max_evals)
+    order, ev, accepted = _search(model, order, ev, limits, budget)
+    evals = budget.evals
     if ev.key[:2] >= first_key:
         return plan  # tie-break progress alone is no reason to change the plan
     log.debug(

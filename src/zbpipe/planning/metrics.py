@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 
 def bubble_rate(spans: Mapping[int, Iterable[tuple[float, float]]]) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .core import Action, Plan, loop_placement, make_plan
 from .costs import Costs
+from .rules import check_sizes
 
 
 def onef1b_rank_order(
@@ -36,15 +37,8 @@ def plan_1f1b(
     ``costs`` and ``memory_limit`` do not change the order (1F1B is cost-oblivious); a
     ``memory_limit`` is checked by ``simulate``.
     """
-    _check_sizes(num_ranks, n_microbatches)
+    check_sizes(num_ranks, n_microbatches)
     if costs is not None:
         costs.check(num_ranks)
     order = {r: onef1b_rank_order(r, num_ranks, n_microbatches) for r in range(num_ranks)}
     return make_plan("1F1B", num_ranks, n_microbatches, loop_placement(num_ranks, num_ranks), order)
-
-
-def _check_sizes(num_ranks: int, n_microbatches: int) -> None:
-    if num_ranks < 1:
-        raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
-    if n_microbatches < 1:
-        raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}")

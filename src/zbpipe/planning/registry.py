@@ -8,12 +8,13 @@ imported only when asked for so this layer stays torch-free.
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from collections.abc import Callable
+from typing import cast
 
+from .auto import plan_zb1p, plan_zb2p
+from .continuous_plan import plan_continuous
 from .core import Plan
 from .costs import Costs
-from .auto import plan_zb1p, plan_zb2p
-from .continuous import plan_continuous
 from .onef1b import plan_1f1b
 from .zbh1 import plan_zbh1
 from .zbh2 import plan_zbh2
@@ -21,7 +22,8 @@ from .zbv import plan_zbv, plan_zbv_half, plan_zbv_min
 
 Generator = Callable[..., Plan]
 
-#: zbpipe's schedules: ``name -> generator(num_ranks, n_microbatches, costs, memory_limit, **options)``.
+#: zbpipe's schedules, ``name -> generator``; a generator is called as
+#: ``generator(num_ranks, n_microbatches, costs=, memory_limit=, **options)``.
 GENERATORS: dict[str, Generator] = {
     "1F1B": plan_1f1b,
     "ZBH1": plan_zbh1,
@@ -62,17 +64,25 @@ def plan(
 
     ``torch:`` names accept ``stages_per_rank`` (default 2) for torch's interleaved schedules.
     ``refine=True`` (zbpipe's names) improves the plan with the exact MILP
-    (:func:`zbpipe.planning.milp.refine`, needs scipy); ``refine_time_limit`` bounds it in seconds.
+    (:func:`zbpipe.planning.milp.refine`, needs scipy); ``refine_time_limit`` bounds it in seconds,
+    ``refine_objective`` is ``"makespan"`` (default) or ``"span"`` (the bubble rate's). The proven
+    lower bound and the gap are in ``result.meta["refine"]``.
     """
     refine = bool(options.pop("refine", False))
-    refine_time_limit = float(options.pop("refine_time_limit", 30.0))
+    refine_time_limit = float(cast(float, options.pop("refine_time_limit", 30.0)))
+    refine_objective = str(options.pop("refine_objective", "makespan"))
+    if refine_objective not in ("makespan", "span"):
+        raise ValueError(f"refine_objective must be 'makespan' or 'span', got {refine_objective!r}")
     key = name.strip().lower()
     if key.startswith("torch:"):
         wanted = key[len("torch:") :]
         for torch_name in TORCH_SCHEDULES:
             if torch_name.lower() == wanted:
                 torch_plans = importlib.import_module("zbpipe.torch_plans")
-                return torch_plans.torch_plan(torch_name, num_ranks, n_microbatches, **options)
+                built: Plan = torch_plans.torch_plan(
+                    torch_name, num_ranks, n_microbatches, **options
+                )
+                return built
     else:
         for gen_name, gen in GENERATORS.items():
             if gen_name.lower() == key:
@@ -83,12 +93,16 @@ def plan(
                 if refine:
                     from .milp import refine as refine_plan
 
-                    limit = (
-                        memory_limit
-                        if memory_limit is not None
-                        else result.meta.get("memory_limit")
-                    )
-                    result = refine_plan(result, costs, limit, time_limit=refine_time_limit).plan
+                    limit = memory_limit
+                    if limit is None:
+                        limit = cast("float | None", result.meta.get("memory_limit"))
+                    result = refine_plan(
+                        result,
+                        costs,
+                        limit,
+                        time_limit=refine_time_limit,
+                        objective=refine_objective,  # type: ignore[arg-type]
+                    ).plan
                 return result
     raise ValueError(
         f"unknown schedule {name!r}; known names (case-insensitive): {', '.join(known_names())}"

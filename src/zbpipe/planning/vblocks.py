@@ -22,15 +22,15 @@ budget is exact; the simulator checks it again.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import replace
-from typing import Iterator
 
 from .core import Action, PlanError, make_plan, v_placement
 from .costs import Costs, StageCosts
-from .simulate import simulate
+from .rules import EPS, peak_memory, within
+from .simulator import simulate
 from .vshape import GreedyResult
 
-_EPS = 1e-9
 _STRETCH_STEP = 0.05
 _MAX_STRETCH_STEPS = 13  # periods up to 1.6x a rank's work per microbatch
 
@@ -38,14 +38,17 @@ _MAX_STRETCH_STEPS = 13  # periods up to 1.6x a rank's work per microbatch
 def _place(
     busy: list[tuple[float, float]], period: float, ready: float, dur: float
 ) -> float | None:
-    """Earliest start >= ``ready`` where ``[start, start + dur)`` misses every busy interval mod ``period``."""
+    """Earliest start >= ``ready`` where ``[start, start + dur)`` misses every busy interval.
+
+    Intervals are taken modulo ``period``.
+    """
     starts = [ready] + [ready + ((s + d - ready) % period) for s, d in busy]
     for t in sorted(starts):
         a = t % period
         ok = True
         for s, d in busy:
-            # the two intervals on a circle of length period overlap iff either starts inside the other
-            if (s - a) % period < dur - _EPS or (a - s) % period < d - _EPS:
+            # two intervals on a circle of length period overlap iff one starts inside the other
+            if (s - a) % period < dur - EPS or (a - s) % period < d - EPS:
                 ok = False
                 break
         if ok:
@@ -56,7 +59,7 @@ def _place(
 def block_offsets(
     num_ranks: int, stage_costs: list[StageCosts], period: float, w_last: bool, b_gap: float = 0.0
 ) -> dict[tuple[str, int], float] | None:
-    """Start time of each pass of one microbatch (``(kind, stage) -> time``), or None if it cannot fit.
+    """Start time of each pass of one microbatch (``(kind, stage) -> time``); None if it can't fit.
 
     ``w_last``: place every W after the whole B chain (the B chain, the critical path, gets first
     pick of the slots); otherwise each W right after its B (shortest lifespan, least memory).
@@ -140,7 +143,7 @@ def block_candidates(
             if offsets is None:
                 continue  # passes do not fit the period's gaps: try a longer one
             steady = min(m, int(max(offsets.values()) // period) + 3)
-            if _peak(block_order(p, steady, offsets, period), real) <= budget + _EPS:
+            if within(_peak(block_order(p, steady, offsets, period), real), budget):
                 break
         else:
             continue
@@ -181,25 +184,20 @@ def _with_lengths(real: list[StageCosts], ratio: tuple[int, int, int]) -> list[S
 
 
 def _peak(order: dict[int, list[Action]], stage_costs: list[StageCosts]) -> float:
-    """Highest activation memory of any rank running ``order`` (a prefix sum: ranks run in sequence)."""
-    top = 0.0
-    for acts in order.values():
-        mem = 0.0
-        for a in acts:
-            mem += stage_costs[a.stage].mem(a.kind)
-            top = max(top, mem)
-    return top
+    """Highest activation memory of any rank running ``order``."""
+    return max((peak_memory(acts, stage_costs) for acts in order.values()), default=0.0)
 
 
 def _run(
     p: int, m: int, order: dict[int, list[Action]], costs: Costs, budget: float
 ) -> GreedyResult | None:
     """Execute a fixed order with the real costs (the squeeze); None if it exceeds ``budget``."""
-    plan = make_plan("block", p, m, v_placement(p), order, style="v")
+    plan = make_plan("block", p, m, v_placement(p), order, layout="v")
     try:
         r = simulate(plan, costs, memory_limit=budget)
     except PlanError:
-        return None  # over the memory budget (a block order never deadlocks: its timed block is a witness)
+        # over the memory budget (a block order never deadlocks: its timed block is a witness)
+        return None
     spans = [iv[-1].end - iv[0].start for iv in r.timeline.values() if iv]
     return GreedyResult(
         order={q: tuple(v) for q, v in order.items()},

@@ -26,12 +26,11 @@ from dataclasses import dataclass
 
 from .core import Action
 from .costs import StageCosts
-
-_EPS = 1e-9
+from .rules import EPS, Value, makes, needs, within
 
 
 @dataclass(frozen=True)
-class Strategy:
+class VShapeStrategy:
     """Tie-break knobs of the greedy V scheduler (each combination gives one candidate plan)."""
 
     chunk0_lead: int | None = None
@@ -79,177 +78,176 @@ def min_budget(stage_costs: list[StageCosts], num_ranks: int) -> float:
     )
 
 
+class _VGreedy:
+    """The state of one greedy V run; :meth:`decide` is the module docstring's priorities."""
+
+    def __init__(
+        self, p: int, m: int, stage_costs: list[StageCosts], budget: float, strategy: VShapeStrategy
+    ) -> None:
+        n_stages = 2 * p
+        self.p, self.m, self.sc, self.budget, self.strategy = p, m, stage_costs, budget, strategy
+        self.n_stages = n_stages
+        self.rank_of = [s if s < p else n_stages - 1 - s for s in range(n_stages)]
+        self.chunks = [(r, n_stages - 1 - r) for r in range(p)]  # (chunk 0, chunk 1) per rank
+        self.f_end: dict[tuple[int, int], float] = {}
+        self.next_f = [0] * n_stages  # F runs in microbatch order on each stage
+        self.b_ready: list[list[tuple[float, int]]] = [[] for _ in range(n_stages)]  # (arr, mb)
+        self.w_queue: list[list[tuple[int, int]]] = [[] for _ in range(p)]  # FIFO (stage, mb)
+        self.w_head = [0] * p
+        self.time = [0.0] * p  # when the rank next decides (>= free: it may idle to an arrival)
+        self.free = [0.0] * p  # when the rank's last committed action ends
+        self.reserved = [0.0] * p  # sum of future peaks of this rank's in-flight microbatches
+        self.mem = [0.0] * p
+        self.peak = [0.0] * p
+        self.first_start: list[float | None] = [None] * p
+        self.remaining = [3 * 2 * m] * p
+        self.order: list[list[Action]] = [[] for _ in range(p)]
+        self.blocked = [False] * p
+
+    def arrival(self, src_stage: int, dst_stage: int, end: float) -> float:
+        same = self.rank_of[src_stage] == self.rank_of[dst_stage]
+        return end if same else end + self.sc[src_stage].comm
+
+    def f_arrival(self, s: int) -> float | None:
+        mb = self.next_f[s]
+        if mb >= self.m:
+            return None
+        if s == 0:
+            return 0.0
+        prev = self.f_end.get((s - 1, mb))
+        return None if prev is None else self.arrival(s - 1, s, prev)
+
+    def f_fits(self, r: int, s: int) -> bool:
+        fp = _future_peak_after_f(self.sc[s])
+        if not within(self.reserved[r] + fp, self.budget):
+            return False
+        c0, c1 = self.chunks[r]
+        if s == c0:
+            # Deadlock freedom: the microbatches stuck between this rank's two chunks must leave
+            # room for one chunk-1 forward, whatever else is in flight (that drains on its own).
+            waiting = self.next_f[c0] - self.next_f[c1] + 1
+            if not within(waiting * fp + _future_peak_after_f(self.sc[c1]), self.budget):
+                return False
+            lead = self.strategy.chunk0_lead
+            if lead is not None and waiting > lead + self.strategy.lead_slope * (self.p - 1 - r):
+                return False
+        return True
+
+    def run(self, r: int, a: Action, start: float) -> None:
+        c = self.sc[a.stage]
+        end = start + c.time(a.kind)
+        if self.first_start[r] is None:
+            self.first_start[r] = start
+        self.order[r].append(a)
+        self.time[r] = self.free[r] = end
+        self.remaining[r] -= 1
+        self.mem[r] += c.mem(a.kind)
+        self.peak[r] = max(self.peak[r], self.mem[r])
+        s, mb = a.stage, a.microbatch
+        if a.kind == "F":
+            self.reserved[r] += _future_peak_after_f(c)
+            self.next_f[s] += 1
+            self.f_end[(s, mb)] = end
+            if s == self.n_stages - 1:
+                heapq.heappush(self.b_ready[s], (end, mb))
+            else:
+                self.wake(s + 1, self.arrival(s, s + 1, end))
+        elif a.kind == "B":
+            self.reserved[r] += _future_peak_after_b(c) - _future_peak_after_f(c)
+            self.w_queue[r].append((s, mb))
+            if s > 0:
+                heapq.heappush(self.b_ready[s - 1], (self.arrival(s, s - 1, end), mb))
+                self.wake(s - 1, self.arrival(s, s - 1, end))
+        else:
+            self.reserved[r] -= _future_peak_after_b(c)
+
+    def wake(self, dst_stage: int, at: float) -> None:
+        # a new dependency: a rank idling until a later arrival (or with nothing to wait for)
+        # must reconsider at this arrival instead
+        q = self.rank_of[dst_stage]
+        if self.blocked[q]:
+            self.blocked[q] = False
+            self.time[q] = max(self.free[q], at)
+        elif self.time[q] > self.free[q]:
+            self.time[q] = max(self.free[q], min(self.time[q], at))
+
+    def any_f_ready(self, r: int, t: float) -> bool:
+        for s in self.chunks[r]:
+            a = self.f_arrival(s)
+            if a is not None and a <= t + EPS and self.f_fits(r, s):
+                return True
+        return False
+
+    def ready_b(self, r: int, t: float) -> int | None:
+        """The stage whose B runs now: the earliest arrived, ties to the later stage."""
+        best: tuple[tuple[int, int], int] | None = None
+        for s in reversed(self.chunks[r]):
+            q = self.b_ready[s]
+            if q and q[0][0] <= t + EPS:
+                key = (q[0][1], -s)
+                if best is None or key < best[0]:
+                    best = (key, s)
+        return None if best is None else best[1]
+
+    def decide(self, r: int) -> float | None:
+        """Run one action on rank r, or return the time to wake up at (None: wait for events)."""
+        t, strategy = self.time[r], self.strategy
+        c0, c1 = self.chunks[r]
+        s_b = self.ready_b(r, t)
+        if s_b is not None and not (strategy.f_first and self.any_f_ready(r, t)):
+            _, mb = heapq.heappop(self.b_ready[s_b])
+            self.run(r, Action(s_b, "B", mb), t)
+            return t
+        has_w = self.w_head[r] < len(self.w_queue[r])
+        arrivals: list[float] = []
+        for s in (c1, c0):
+            a = self.f_arrival(s)
+            if a is None or not self.f_fits(r, s):
+                continue  # if it does not fit, only this rank's own B/W can unblock it
+            if a <= t + EPS:
+                high_water = self.mem[r] + EPS >= max(self.peak[r], EPS)
+                if s == c0 and has_w and strategy.w_before_f and high_water:
+                    break
+                self.run(r, Action(s, "F", self.next_f[s]), t)
+                return t
+            arrivals.append(a)
+        arrivals += [self.b_ready[s][0][0] for s in (c1, c0) if self.b_ready[s]]
+        if has_w:
+            soon = min(arrivals, default=None)
+            s, mb = self.w_queue[r][self.w_head[r]]
+            if soon is None or soon - t >= strategy.w_wait * self.sc[s].w - EPS:
+                self.w_head[r] += 1
+                self.run(r, Action(s, "W", mb), t)
+                return t
+        return min(arrivals) if arrivals else None
+
+    def schedule(self) -> GreedyResult:
+        p = self.p
+        while True:
+            live = [r for r in range(p) if self.remaining[r] > 0 and not self.blocked[r]]
+            if not live:
+                if any(self.remaining):
+                    stuck = [r for r in range(p) if self.remaining[r]]
+                    raise RuntimeError(f"greedy V scheduler deadlocked on ranks {stuck} (bug)")
+                break
+            r = min(live, key=lambda q: (self.time[q], q))
+            wake_at = self.decide(r)
+            if wake_at is None:
+                self.blocked[r] = True
+            elif wake_at > self.time[r]:
+                self.time[r] = wake_at
+        return _greedy_result(self.order, self.first_start, self.time, self.peak)
+
+
 def greedy_v(
     num_ranks: int,
     n_microbatches: int,
     stage_costs: list[StageCosts],
     budget: float,
-    strategy: Strategy,
+    strategy: VShapeStrategy,
 ) -> GreedyResult:
     """Build per-rank orders for a V placement by event-driven greedy list scheduling."""
-    p, m = num_ranks, n_microbatches
-    n_stages = 2 * p
-    rank_of = [s if s < p else n_stages - 1 - s for s in range(n_stages)]
-    chunks = [(r, n_stages - 1 - r) for r in range(p)]  # (chunk 0, chunk 1) of each rank
-
-    f_end: dict[tuple[int, int], float] = {}
-    next_f = [0] * n_stages  # F runs in microbatch order on each stage
-    b_ready: list[list[tuple[float, int]]] = [[] for _ in range(n_stages)]  # heap (arrival, mb)
-    w_queue: list[list[tuple[int, int]]] = [[] for _ in range(p)]  # FIFO (stage, mb) per rank
-    w_head = [0] * p
-    time = [0.0] * p  # when the rank next decides (>= free: it may be idling until an arrival)
-    free = [0.0] * p  # when the rank's last committed action ends
-    reserved = [0.0] * p  # sum of future peaks of this rank's in-flight microbatches
-    mem = [0.0] * p
-    peak = [0.0] * p
-    first_start: list[float | None] = [None] * p
-    remaining = [3 * 2 * m] * p
-    order: list[list[Action]] = [[] for _ in range(p)]
-    blocked = [False] * p
-
-    def arrival(src_stage: int, dst_stage: int, end: float) -> float:
-        same = rank_of[src_stage] == rank_of[dst_stage]
-        return end if same else end + stage_costs[src_stage].comm
-
-    def f_arrival(s: int) -> float | None:
-        mb = next_f[s]
-        if mb >= m:
-            return None
-        if s == 0:
-            return 0.0
-        prev = f_end.get((s - 1, mb))
-        return None if prev is None else arrival(s - 1, s, prev)
-
-    def f_fits(r: int, s: int) -> bool:
-        fp = _future_peak_after_f(stage_costs[s])
-        if reserved[r] + fp > budget + _EPS:
-            return False
-        c0, c1 = chunks[r]
-        if s == c0:
-            # Deadlock freedom: the microbatches stuck between this rank's two chunks must leave
-            # room for one chunk-1 forward, whatever else is in flight (that drains on its own).
-            waiting = next_f[c0] - next_f[c1] + 1
-            if waiting * fp + _future_peak_after_f(stage_costs[c1]) > budget + _EPS:
-                return False
-            lead = strategy.chunk0_lead
-            if lead is not None and waiting > lead + strategy.lead_slope * (p - 1 - r):
-                return False
-        return True
-
-    def run(r: int, a: Action, start: float) -> None:
-        c = stage_costs[a.stage]
-        end = start + c.time(a.kind)
-        if first_start[r] is None:
-            first_start[r] = start
-        order[r].append(a)
-        time[r] = free[r] = end
-        remaining[r] -= 1
-        s, mb = a.stage, a.microbatch
-        if a.kind == "F":
-            mem[r] += c.mem_f
-            peak[r] = max(peak[r], mem[r])
-            reserved[r] += _future_peak_after_f(c)
-            next_f[s] += 1
-            f_end[(s, mb)] = end
-            if s == n_stages - 1:
-                heapq.heappush(b_ready[s], (end, mb))
-            else:
-                wake(s + 1, arrival(s, s + 1, end))
-        elif a.kind == "B":
-            mem[r] += c.mem_b
-            peak[r] = max(peak[r], mem[r])
-            reserved[r] += _future_peak_after_b(c) - _future_peak_after_f(c)
-            w_queue[r].append((s, mb))
-            if s > 0:
-                heapq.heappush(b_ready[s - 1], (arrival(s, s - 1, end), mb))
-                wake(s - 1, arrival(s, s - 1, end))
-        else:
-            mem[r] += c.mem_w
-            peak[r] = max(peak[r], mem[r])
-            reserved[r] -= _future_peak_after_b(c)
-
-    def wake(dst_stage: int, at: float) -> None:
-        # a new dependency: a rank idling until a later arrival (or with nothing to wait for)
-        # must reconsider at this arrival instead
-        q = rank_of[dst_stage]
-        if blocked[q]:
-            blocked[q] = False
-            time[q] = max(free[q], at)
-        elif time[q] > free[q]:
-            time[q] = max(free[q], min(time[q], at))
-
-    def any_f_ready(r: int, t: float) -> bool:
-        for s in chunks[r]:
-            a = f_arrival(s)
-            if a is not None and a <= t + _EPS and f_fits(r, s):
-                return True
-        return False
-
-    def decide(r: int) -> float | None:
-        """Run one action on rank r, or return the time to wake up at (None: wait for events)."""
-        t = time[r]
-        c0, c1 = chunks[r]
-        # B: the earliest arrived; ties to the later stage (deeper in the backward chain)
-        best_b = None
-        for s in (c1, c0):
-            if b_ready[s] and b_ready[s][0][0] <= t + _EPS:
-                key = (b_ready[s][0][1], -s)
-                if best_b is None or key < best_b[0]:
-                    best_b = (key, s)
-        if best_b is not None and not (strategy.f_first and any_f_ready(r, t)):
-            s = best_b[1]
-            _, mb = heapq.heappop(b_ready[s])
-            run(r, Action(s, "B", mb), t)
-            return t
-        has_w = w_head[r] < len(w_queue[r])
-        arrivals: list[float] = []
-        for s in (c1, c0):
-            a = f_arrival(s)
-            if a is None:
-                continue
-            if not f_fits(r, s):
-                continue  # only this rank's own B/W can unblock it
-            if a <= t + _EPS:
-                if (
-                    s == c0
-                    and has_w
-                    and strategy.w_before_f
-                    and mem[r] + _EPS >= max(peak[r], _EPS)
-                ):
-                    break
-                run(r, Action(s, "F", next_f[s]), t)
-                return t
-            arrivals.append(a)
-        for s in (c1, c0):
-            if b_ready[s]:
-                arrivals.append(b_ready[s][0][0])
-        if has_w:
-            soon = min(arrivals, default=None)
-            s, mb = w_queue[r][w_head[r]]
-            w_time = stage_costs[s].w
-            if soon is None or soon - t >= strategy.w_wait * w_time - _EPS:
-                w_head[r] += 1
-                run(r, Action(s, "W", mb), t)
-                return t
-        if arrivals:
-            return min(arrivals)
-        return None
-
-    while True:
-        live = [r for r in range(p) if remaining[r] > 0 and not blocked[r]]
-        if not live:
-            if any(remaining):
-                stuck = [r for r in range(p) if remaining[r]]
-                raise RuntimeError(f"greedy V scheduler deadlocked on ranks {stuck} (bug)")
-            break
-        r = min(live, key=lambda q: (time[q], q))
-        wake_at = decide(r)
-        if wake_at is None:
-            blocked[r] = True
-        elif wake_at > time[r]:
-            time[r] = wake_at
-
-    return _greedy_result(order, first_start, time, peak)
+    return _VGreedy(num_ranks, n_microbatches, stage_costs, budget, strategy).schedule()
 
 
 def zbv_fb_order(
@@ -266,52 +264,113 @@ def zbv_fb_order(
     """
     p = num_ranks
     mm = max(2 * p - 1, n_microbatches)
-    out: dict[int, list[Action]] = {}
-    for r in range(p):
-        c0, c1 = r, 2 * p - 1 - r
-        nf = {c0: 0, c1: 0}
-        nb = {c0: 0, c1: 0}
-        seq: list[Action] = []
+    return {
+        r: [a for a in _zbv_rank_order(r, p, mm, with_w) if a.microbatch < n_microbatches]
+        for r in range(p)
+    }
 
-        def f(s: int) -> None:
-            seq.append(Action(s, "F", nf[s]))
-            nf[s] += 1
 
-        nw = {c0: 0, c1: 0}
+def _zbv_rank_order(r: int, p: int, mm: int, with_w: bool) -> list[Action]:
+    """Rank ``r``'s order in :func:`zbv_fb_order`, for ``mm`` microbatches."""
+    c0, c1 = r, 2 * p - 1 - r
+    nf = {c0: 0, c1: 0}
+    nb = {c0: 0, c1: 0}
+    seq: list[Action] = []
 
-        def b(s: int, w: bool = True) -> None:
-            seq.append(Action(s, "B", nb[s]))
-            nb[s] += 1
-            if with_w and w:
+    def f(s: int) -> None:
+        seq.append(Action(s, "F", nf[s]))
+        nf[s] += 1
+
+    nw = {c0: 0, c1: 0}
+
+    def b(s: int, w: bool = True) -> None:
+        seq.append(Action(s, "B", nb[s]))
+        nb[s] += 1
+        if with_w and w:
+            seq.append(Action(s, "W", nw[s]))
+            nw[s] += 1
+
+    for _ in range(2 * (p - r) - 1):
+        f(c0)
+    for _ in range(r):
+        f(c1)
+        f(c0)
+    for _ in range(p - r):
+        f(c1)
+        b(c1)
+    while nf[c1] < nf[c0] or nf[c0] < mm:
+        if nf[c0] < mm:
+            f(c0)
+        b(c0)
+        f(c1)
+        b(c1)
+    for _ in range(r):
+        b(c0, w=False)
+        b(c1, w=False)
+    while nb[c0] < mm:
+        b(c0)
+    if with_w:
+        for s in (c1, c0):
+            while nw[s] < mm:
                 seq.append(Action(s, "W", nw[s]))
                 nw[s] += 1
+    return seq
 
-        for _ in range(2 * (p - r) - 1):
-            f(c0)
-        for _ in range(r):
-            f(c1)
-            f(c0)
-        for _ in range(p - r):
-            f(c1)
-            b(c1)
-        while nf[c1] < nf[c0] or nf[c0] < mm:
-            if nf[c0] < mm:
-                f(c0)
-            b(c0)
-            f(c1)
-            b(c1)
-        for _ in range(r):
-            b(c0, w=False)
-            b(c1, w=False)
-        while nb[c0] < mm:
-            b(c0)
-        if with_w:
-            for s in (c1, c0):
-                while nw[s] < mm:
-                    seq.append(Action(s, "W", nw[s]))
-                    nw[s] += 1
-        out[r] = [a for a in seq if a.microbatch < n_microbatches]
-    return out
+
+class _FixedOrder:
+    """The state of one :func:`execute_fb_order` run: the rules' dependencies, real costs."""
+
+    def __init__(self, p: int, stage_costs: list[StageCosts], fb_order: dict[int, list[Action]]):
+        self.p, self.sc, self.fb_order = p, stage_costs, fb_order
+        self.last = 2 * p - 1
+        self.rank_of = [s if s < p else self.last - s for s in range(2 * p)]
+        self.done: dict[Value, float] = {}  # when each produced value was made
+        self.pos = [0] * p
+        self.time = [0.0] * p
+        self.first: list[float | None] = [None] * p
+        self.mem = [0.0] * p
+        self.peak = [0.0] * p
+        self.pending_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]
+        self.order: list[list[Action]] = [[] for _ in range(p)]
+        self.fixed_w = any(a.kind == "W" for acts in fb_order.values() for a in acts)
+
+    def run(self, r: int, a: Action, start: float) -> None:
+        c = self.sc[a.stage]
+        if self.first[r] is None:
+            self.first[r] = start
+        self.time[r] = start + c.time(a.kind)
+        for value in makes(a):
+            self.done[value] = self.time[r]
+        self.order[r].append(a)
+        self.mem[r] += c.mem(a.kind)
+        self.peak[r] = max(self.peak[r], self.mem[r])
+        if a.kind == "B" and not self.fixed_w:
+            self.pending_w[r].append((a.stage, a.microbatch))
+
+    def arrival(self, a: Action) -> float | None:
+        """When everything ``a`` needs is on its rank; None if something is not made yet."""
+        t = 0.0
+        for value in needs(a, self.last):
+            if value not in self.done:
+                return None
+            src = value[0]
+            extra = self.sc[src].comm if self.rank_of[src] != self.rank_of[a.stage] else 0.0
+            t = max(t, self.done[value] + extra)
+        return t
+
+    def pop_w(self, r: int) -> None:
+        s, mb = self.pending_w[r].pop(0)
+        self.run(r, Action(s, "W", mb), self.time[r])
+
+    def next_ready(self) -> tuple[float, int] | None:
+        """The rank whose next action could start earliest (causal, like a simulator)."""
+        cands = []
+        for r in range(self.p):
+            if self.pos[r] < len(self.fb_order[r]):
+                t = self.arrival(self.fb_order[r][self.pos[r]])
+                if t is not None:
+                    cands.append((max(t, self.time[r]), r))
+        return min(cands) if cands else None
 
 
 def execute_fb_order(
@@ -328,98 +387,34 @@ def execute_fb_order(
     would overflow ``budget``, or right after its B if ``eager_w``. Returns None if the
     order cannot be completed within ``budget`` (an F blocked by memory with no W to run).
     """
-    p = num_ranks
-    n_stages = 2 * p
-    rank_of = [s if s < p else n_stages - 1 - s for s in range(n_stages)]
-    done: dict[tuple[str, int, int], float] = {}
-    pos = [0] * p
-    time = [0.0] * p
-    first: list[float | None] = [None] * p
-    mem = [0.0] * p
-    peak = [0.0] * p
-    pending_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]
-    order: list[list[Action]] = [[] for _ in range(p)]
-
-    def run(r: int, a: Action, start: float) -> None:
-        c = stage_costs[a.stage]
-        if first[r] is None:
-            first[r] = start
-        time[r] = start + c.time(a.kind)
-        done[(a.kind, a.stage, a.microbatch)] = time[r]
-        order[r].append(a)
-        if a.kind == "F":
-            mem[r] += c.mem_f
-        elif a.kind == "B":
-            mem[r] += c.mem_b
-            if not fixed_w:
-                pending_w[r].append((a.stage, a.microbatch))
-        else:
-            mem[r] += c.mem_w
-        peak[r] = max(peak[r], mem[r])
-
-    def arrival(a: Action) -> float | None:
-        deps: list[tuple[str, int, int]] = []
-        if a.kind == "F" and a.stage > 0:
-            deps.append(("F", a.stage - 1, a.microbatch))
-        if a.kind == "W":
-            deps.append(("B", a.stage, a.microbatch))
-        if a.kind == "B":
-            deps.append(("F", a.stage, a.microbatch))
-            if a.stage < n_stages - 1:
-                deps.append(("B", a.stage + 1, a.microbatch))
-        t = 0.0
-        for d in deps:
-            if d not in done:
-                return None
-            extra = stage_costs[d[1]].comm if rank_of[d[1]] != rank_of[a.stage] else 0.0
-            t = max(t, done[d] + extra)
-        return t
-
-    def pop_w(r: int) -> None:
-        s, mb = pending_w[r].pop(0)
-        run(r, Action(s, "W", mb), time[r])
-
-    fixed_w = any(a.kind == "W" for acts in fb_order.values() for a in acts)
-    total = sum(len(v) for v in fb_order.values())
-    finished = 0
-    while finished < total:
-        progress = False
-        # the rank whose next action could start earliest goes first: causal, like a simulator
-        cands = []
-        for r in range(p):
-            if pos[r] < len(fb_order[r]):
-                a = fb_order[r][pos[r]]
-                t = arrival(a)
-                if t is not None:
-                    cands.append((max(t, time[r]), r))
-        if not cands:
+    ex = _FixedOrder(num_ranks, stage_costs, fb_order)
+    remaining = sum(len(v) for v in fb_order.values())
+    while remaining:
+        nxt = ex.next_ready()
+        if nxt is None:
             return None
-        start, r = min(cands)
-        a = fb_order[r][pos[r]]
-        c = stage_costs[a.stage]
-        if eager_w and pending_w[r]:
-            pop_w(r)
+        start, r = nxt
+        a = fb_order[r][ex.pos[r]]
+        f_overflows = a.kind == "F" and not within(ex.mem[r] + stage_costs[a.stage].mem_f, budget)
+        if f_overflows and not ex.pending_w[r]:
+            return None
+        if ex.pending_w[r] and (eager_w or f_overflows or start > ex.time[r] + EPS):
+            ex.pop_w(
+                r
+            )  # right after its B, to free memory, or to fill the gap before ``a`` arrives
             continue
-        if a.kind == "F" and mem[r] + c.mem_f > budget + _EPS:
-            if not pending_w[r]:
-                return None
-            pop_w(r)
-            continue
-        if start > time[r] + _EPS and pending_w[r]:
-            pop_w(r)  # fill the gap before the next F/B arrives
-            continue
-        run(r, a, start)
-        pos[r] += 1
-        finished += 1
-        progress = True
-        assert progress
-    for r in range(p):
-        while pending_w[r]:
-            pop_w(r)
-    return _greedy_result(order, first, time, peak)
+        ex.run(r, a, start)
+        ex.pos[r] += 1
+        remaining -= 1
+    for r in range(num_ranks):
+        while ex.pending_w[r]:
+            ex.pop_w(r)
+    return _greedy_result(ex.order, ex.first, ex.time, ex.peak)
 
 
-def _greedy_result(order: dict, first_start: list, ends: list, peak: list) -> GreedyResult:
+def _greedy_result(
+    order: list[list[Action]], first_start: list[float | None], ends: list[float], peak: list[float]
+) -> GreedyResult:
     """Package a timed per-rank order (start of each rank's first action, end of its last)."""
     p = len(ends)
     starts = [fs or 0.0 for fs in first_start]

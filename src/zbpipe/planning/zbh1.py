@@ -31,10 +31,11 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 
-from .core import Action, Plan, PlanError, loop_placement, make_plan
+from .core import Action, Plan, loop_placement, make_plan
 from .costs import Costs
-from .onef1b import _check_sizes, onef1b_rank_order
-from .simulate import _makes, _needs, simulate
+from .onef1b import onef1b_rank_order
+from .rules import EPS, check_sizes, first_overflow, makes, needs, peak_memory, within
+from .simulator import simulate
 
 
 def zbh1_rank_order(
@@ -65,14 +66,14 @@ def plan_zbh1(
     ``memory_limit`` (per rank, memory units of ``costs``) defaults to 1F1B's maximum peak
     over ranks; it must be at least 1F1B's peak on each rank.
     """
-    _check_sizes(num_ranks, n_microbatches)
+    check_sizes(num_ranks, n_microbatches)
     costs = costs or Costs()
     costs.check(num_ranks)
     p, m = num_ranks, n_microbatches
     placement = loop_placement(p, p)
     limit = _default_limit(p, m, costs) if memory_limit is None else memory_limit
     need = _onef1b_peaks(p, m, costs)
-    short = {r: v for r, v in need.items() if v > limit + 1e-9}
+    short = {r: v for r, v in need.items() if not within(v, limit)}
     if short:
         raise ValueError(
             f"plan_zbh1: memory_limit {limit:g} is below 1F1B's peak on ranks {sorted(short)} "
@@ -98,12 +99,12 @@ def plan_zbh1(
     if exact:  # every form keeps W in microbatch order today; exact makes that a checked promise
         candidates = [c for c in candidates if _w_in_microbatch_order(c)]
     spans = [simulate(c, costs).makespan for c in candidates]
-    best = min(range(len(candidates)), key=lambda i: (spans[i] - 1e-9 * (i == 0), i))
+    best = min(range(len(candidates)), key=lambda i: (spans[i] - EPS * (i == 0), i))
     return candidates[best]
 
 
 def _w_in_microbatch_order(plan: Plan) -> bool:
-    """Does every stage run its W passes in increasing microbatch order (1F1B's accumulation order)?"""
+    """Does every stage run its W in increasing microbatch order (1F1B's accumulation order)?"""
     for acts in plan.order.values():
         ws = [a.microbatch for a in acts if a.kind == "W"]
         if ws != sorted(ws):
@@ -112,14 +113,8 @@ def _w_in_microbatch_order(plan: Plan) -> bool:
 
 
 def _onef1b_peaks(p: int, m: int, costs: Costs) -> dict[int, float]:
-    peaks = {}
-    for r in range(p):
-        mem = peak = 0.0
-        for a in onef1b_rank_order(r, p, m):
-            mem += costs.stage(r).mem(a.kind)
-            peak = max(peak, mem)
-        peaks[r] = peak
-    return peaks
+    sc = costs.per_stage(p)
+    return {r: peak_memory(onef1b_rank_order(r, p, m), sc) for r in range(p)}
 
 
 def _default_limit(p: int, m: int, costs: Costs) -> float:
@@ -128,23 +123,8 @@ def _default_limit(p: int, m: int, costs: Costs) -> float:
 
 
 def _peak_ok(plan: Plan, costs: Costs, limit: float) -> bool:
-    try:
-        _check_limit(plan, costs, limit)
-    except PlanError:
-        return False
-    return True
-
-
-def _check_limit(plan: Plan, costs: Costs, limit: float) -> None:
-    for r, acts in plan.order.items():
-        mem = 0.0
-        for step, a in enumerate(acts):
-            mem += costs.stage(a.stage).mem(a.kind)
-            if mem > limit + 1e-9:
-                raise PlanError(
-                    f"plan {plan.name}: rank {r} step {step} ({a}) needs memory {mem:g} above "
-                    f"memory_limit {limit:g} (the paper shape needs p microbatches in flight)"
-                )
+    sc = costs.per_stage(plan.num_stages)
+    return all(first_overflow(acts, sc, limit) is None for acts in plan.order.values())
 
 
 def _greedy_orders(p: int, m: int, costs: Costs, limit: float) -> dict[int, list[Action]]:
@@ -169,7 +149,7 @@ def _greedy_orders(p: int, m: int, costs: Costs, limit: float) -> dict[int, list
         free[r] = start + sc[r].time(a.kind)
         mem[r] += sc[r].mem(a.kind)
         orders[r].append(a)
-        for key in _makes(a):
+        for key in makes(a):
             ready[key] = free[r]
             todo.extend(waiting.pop(key, ()))
 
@@ -177,17 +157,17 @@ def _greedy_orders(p: int, m: int, costs: Costs, limit: float) -> dict[int, list
         r = todo.pop()
         while pos[r] < len(skeleton[r]):
             a = skeleton[r][pos[r]]
-            missing = [k for k in _needs(a, p - 1) if k not in ready]
+            missing = [k for k in needs(a, p - 1) if k not in ready]
             if missing:
                 waiting[missing[0]].append(r)
                 break
             # Neighbouring stages sit on other ranks (one stage per rank), F on the same rank.
             t_ready = max(
                 [free[r]]
-                + [ready[k] + (sc[k[0]].comm if k[0] != r else 0.0) for k in _needs(a, p - 1)]
+                + [ready[k] + (sc[k[0]].comm if k[0] != r else 0.0) for k in needs(a, p - 1)]
             )
-            overflow = a.kind == "F" and mem[r] + sc[r].mem_f > limit + 1e-9
-            if pending[r] and (overflow or t_ready - free[r] >= sc[r].w - 1e-12):
+            overflow = a.kind == "F" and not within(mem[r] + sc[r].mem_f, limit)
+            if pending[r] and (overflow or t_ready - free[r] >= sc[r].w - EPS):
                 run(r, Action(r, "W", pending[r].popleft()), free[r])
                 continue
             run(r, a, t_ready)

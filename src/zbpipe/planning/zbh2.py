@@ -19,9 +19,10 @@ check that the plan fits. Under other costs use ``plan_zb2p``, which adapts to t
 
 from __future__ import annotations
 
-from .auto import Strategy, list_schedule
+from .auto import AutoStrategy, list_schedule
 from .core import Plan, loop_placement, make_plan
 from .costs import Costs
+from .rules import check_sizes, peak_memory, within
 
 
 def plan_zbh2(
@@ -30,28 +31,26 @@ def plan_zbh2(
     costs: Costs | None = None,
     memory_limit: float | None = None,
 ) -> Plan:
-    """The ZB-H2 plan; ``ValueError`` if its peak memory under ``costs`` exceeds ``memory_limit``."""
+    """The ZB-H2 plan; ``ValueError`` if its peak memory under ``costs`` exceeds the limit."""
     p, m = num_ranks, n_microbatches
-    if p < 1 or m < 1:
-        raise ValueError(f"num_ranks and n_microbatches must be >= 1, got {p}, {m}")
+    check_sizes(p, m)
     costs = costs or Costs()
     costs.check(p)
     warmup_cap = tuple(2 * (p - r) - 1 for r in range(p))
     unit = Costs().per_stage(p)  # F=B=W=1, one memory unit per microbatch in flight
-    result = list_schedule(p, m, unit, float(2 * p - 1), Strategy(max_inflight=warmup_cap))
+    result = list_schedule(p, m, unit, float(2 * p - 1), AutoStrategy(max_inflight=warmup_cap))
     assert result is not None, "the unit-cost ZB-H2 schedule cannot stall"  # B always arrives
-    plan = make_plan("ZBH2", p, m, loop_placement(p, p), result[0])
+    plan = make_plan("ZBH2", p, m, loop_placement(p, p), result.orders)
     if memory_limit is not None:
         sc = costs.per_stage(p)
         for r, acts in plan.order.items():
-            mem = peak = 0.0
-            for a in acts:
-                mem += sc[a.stage].mem(a.kind)
-                peak = max(peak, mem)
-            if peak > memory_limit + 1e-9:
+            peak = peak_memory(acts, sc)
+            if not within(peak, memory_limit):
                 raise ValueError(
-                    f"ZBH2: rank {r} needs peak memory {peak:g} above memory_limit {memory_limit:g} "
+                    f"ZBH2: rank {r} needs peak memory {peak:g} above memory_limit "
+                    f"{memory_limit:g} "
                     f"(ZB-H2 keeps up to 2p - 1 = {2 * p - 1} microbatches in flight); raise "
-                    "memory_limit, or use the ZB2P / ZB1P plans (ScheduleZBAuto), which respect a limit"
+                    "memory_limit, or use the ZB2P / ZB1P plans (ScheduleZBAuto), which respect "
+                    "a limit"
                 )
     return plan

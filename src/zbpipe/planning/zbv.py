@@ -27,14 +27,23 @@ Deterministic: candidates are tried in a fixed order and ties keep the first.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from typing import Literal
 
 from .core import Plan, PlanError, make_plan, v_placement
 from .costs import Costs, StageCosts
 from .improve import improve
-from .simulate import simulate
+from .rules import EPS, check_sizes, within
+from .simulator import simulate
 from .vblocks import block_candidates
-from .vshape import GreedyResult, Strategy, execute_fb_order, greedy_v, min_budget, zbv_fb_order
+from .vshape import (
+    GreedyResult,
+    VShapeStrategy,
+    execute_fb_order,
+    greedy_v,
+    min_budget,
+    zbv_fb_order,
+)
 
 log = logging.getLogger(__name__)
 
@@ -59,23 +68,23 @@ def default_budget(num_ranks: int, stage_costs: list[StageCosts], memory: Memory
     return factor * stage0_unit(stage_costs)
 
 
-def _strategies(num_ranks: int, memory: MemoryMode) -> list[Strategy]:
+def _strategies(num_ranks: int, memory: MemoryMode) -> list[VShapeStrategy]:
     leads: list[int | None] = [None, 1, 2, 3, 4]
     if num_ranks > 4:
         leads += [num_ranks // 2, num_ranks]
     out = []
     for lead in leads:
         for f_first in (False, True):
-            out.append(Strategy(chunk0_lead=lead, f_first=f_first))
+            out.append(VShapeStrategy(chunk0_lead=lead, f_first=f_first))
     if memory == "zb":
-        out.append(Strategy(chunk0_lead=1, lead_slope=2))
-        out.append(Strategy(w_wait=0.5))
+        out.append(VShapeStrategy(chunk0_lead=1, lead_slope=2))
+        out.append(VShapeStrategy(w_wait=0.5))
     return out
 
 
 def _candidates(
     p: int, m: int, costs: Costs, sc: list[StageCosts], budget: float, memory: MemoryMode
-):
+) -> Iterator[tuple[str, GreedyResult]]:
     """Yield ``(label, GreedyResult)`` in a fixed order."""
     if memory != "zb":
         # the controllable-memory paper's construction: one block repeated every period, squeezed
@@ -99,7 +108,7 @@ def plan_zbv(
     memory_limit: float | None = None,
     memory: MemoryMode = "zb",
 ) -> Plan:
-    """A V-placement zero-bubble plan: ZB-V (``memory="zb"``), V-Half (``"half"``), V-Min (``"min"``).
+    """A V-placement zero-bubble plan: ZB-V (``memory="zb"``), V-Half (``"half"``) or V-Min.
 
     ``costs`` describe each of the ``2 * num_ranks`` stages (chunks); ``memory_limit`` (per rank,
     in ``Costs`` memory units) replaces the mode's default budget. Raises ``ValueError`` if no
@@ -107,82 +116,87 @@ def plan_zbv(
     """
     if memory not in _NAMES:
         raise ValueError(f"memory must be one of {sorted(_NAMES)}, got {memory!r}")
-    if num_ranks < 1 or n_microbatches < 1:
-        raise ValueError(
-            f"num_ranks and n_microbatches must be >= 1, got {num_ranks}, {n_microbatches}"
-        )
+    check_sizes(num_ranks, n_microbatches)
     p, m = num_ranks, n_microbatches
     costs = costs if costs is not None else Costs()
     sc = costs.per_stage(2 * p)
+    budget = _budget(p, sc, memory, memory_limit)
+    best = _best_per_family(p, m, costs, sc, budget, memory)
+    # Polish by local search (improve.py): it shortens the plan where the costs leave gaps that a
+    # fixed order cannot see (e.g. B > F makes the chunk-0 backward chain late). Each family's
+    # best is polished (the search can reverse their ranking) and the shorter result wins.
+    polished = [_polish(p, m, costs, budget, memory, fam, label, res) for fam, label, res in best]
+    (span, _), plan, label = min(polished, key=lambda c: c[0])
+    log.debug("%s p=%d m=%d: chose %s (span %.4g after polishing)", plan.name, p, m, label, span)
+    return plan
+
+
+def _budget(p: int, sc: list[StageCosts], memory: MemoryMode, memory_limit: float | None) -> float:
+    """The per-rank budget: ``memory_limit`` if given (checked), else the mode's default."""
     floor = min_budget(sc, p)
     if memory_limit is not None:
-        budget = float(memory_limit)
-        if budget < floor - 1e-9:
+        if memory_limit < floor - EPS:
             raise ValueError(
-                f"memory_limit={memory_limit} is too small for a V plan with these costs: a rank must hold "
-                f"one microbatch of each of its two stages; use memory_limit >= {floor:g}"
+                f"memory_limit={memory_limit} is too small for a V plan with these costs: a rank "
+                f"must hold one microbatch of each of its two stages; use memory_limit >= {floor:g}"
             )
-    else:
-        budget = default_budget(p, sc, memory)
-        if budget < floor:
-            log.warning(
-                "%s default budget %g is below the minimum %g; using the minimum",
-                memory,
-                budget,
-                floor,
-            )
-            budget = floor
+        return float(memory_limit)
+    budget = default_budget(p, sc, memory)
+    if budget < floor:
+        log.warning(
+            "%s default budget %g is below the minimum %g; using the minimum", memory, budget, floor
+        )
+    return max(budget, floor)
 
-    # the best candidate of each family: building blocks, and the rest (ZB-V order, greedy)
+
+def _best_per_family(
+    p: int, m: int, costs: Costs, sc: list[StageCosts], budget: float, memory: MemoryMode
+) -> list[tuple[bool, str, GreedyResult]]:
+    """The best candidate of each family: building blocks (True), the rest (ZB-V order, greedy)."""
     best: dict[bool, tuple[tuple[float, float, int], str, GreedyResult]] = {}
     for i, (label, res) in enumerate(_candidates(p, m, costs, sc, budget, memory)):
-        if max(res.peak_memory.values()) > budget + 1e-9:
+        if not within(max(res.peak_memory.values()), budget):
             continue
         key = (round(res.longest_span, 9), round(res.makespan, 9), i)
         family = label.startswith("block")
         if family not in best or key < best[family][0]:
             best[family] = (key, label, res)
     if not best:
+        floor = min_budget(sc, p)
         raise ValueError(
             f"no {_NAMES[memory]} plan fits memory_limit={budget:g}; use memory_limit >= {floor:g}"
         )
-    # Polish by local search (improve.py): it shortens the plan where the costs leave gaps that a
-    # fixed order cannot see (e.g. B > F makes the chunk-0 backward chain late). The budget is a
-    # count of simulations, never wall time, so every rank computes the same plan. Each family's
-    # best is polished (the search can reverse their ranking) and the shorter result wins.
-    chosen: tuple[tuple[float, float], Plan, str] | None = None  # ((span, makespan), plan, label)
-    for family, (_, label, res) in sorted(best.items()):
-        plan = make_plan(
-            _NAMES[memory],
-            p,
-            m,
-            v_placement(p),
-            res.order,
-            style="v",
-            memory=memory,
-            memory_budget=budget,
-            strategy=label,
-        )
-        evals = improve_budget(p, m)
-        if family:
-            # a block order is periodic and tight: the local search rarely finds a move in it, and
-            # its simulations are costly (moves sit early in the timeline), so a quarter is enough
-            evals = max(100, evals // 4)
-        plan = improve(plan, costs, memory_limit=budget, max_seconds=None, max_evals=evals)
-        try:
-            r = simulate(
-                plan, costs, memory_limit=budget
-            )  # independent check of deadlock freedom and memory
-        except PlanError as exc:  # a bug in the generator, not the user's fault
-            raise RuntimeError(f"plan_zbv built an invalid plan ({label}): {exc}") from exc
-        span = max(iv[-1].end - iv[0].start for iv in r.timeline.values() if iv)
-        key2 = (round(span, 9), round(r.makespan, 9))
-        if chosen is None or key2 < chosen[0]:
-            chosen = (key2, plan, label)
-    assert chosen is not None
-    (span, _), plan, label = chosen
-    log.debug("%s p=%d m=%d: chose %s (span %.4g after polishing)", plan.name, p, m, label, span)
-    return plan
+    return [(family, label, res) for family, (_, label, res) in sorted(best.items())]
+
+
+def _polish(
+    p: int,
+    m: int,
+    costs: Costs,
+    budget: float,
+    memory: MemoryMode,
+    family: bool,
+    label: str,
+    res: GreedyResult,
+) -> tuple[tuple[float, float], Plan, str]:
+    """``res`` as a Plan, polished by ``improve``; with its (span, makespan) as simulated."""
+    plan = make_plan(
+        _NAMES[memory], p, m, v_placement(p), res.order, layout="v",
+        memory=memory, memory_budget=budget, strategy=label,
+    )  # fmt: skip
+    # The budget is a count of simulations, never wall time, so every rank computes the same plan.
+    evals = improve_budget(p, m)
+    if family:
+        # a block order is periodic and tight: the local search rarely finds a move in it, and
+        # its simulations are costly (moves sit early in the timeline), so a quarter is enough
+        evals = max(100, evals // 4)
+    plan = improve(plan, costs, memory_limit=budget, max_seconds=None, max_evals=evals)
+    try:  # independent check of deadlock freedom and memory
+        r = simulate(plan, costs, memory_limit=budget)
+    except PlanError as exc:  # a bug in the generator, not the user's fault
+        raise RuntimeError(f"plan_zbv built an invalid plan ({label}): {exc}") from exc
+    span = max(iv[-1].end - iv[0].start for iv in r.timeline.values() if iv)
+    return (round(span, 9), round(r.makespan, 9)), plan, label
 
 
 def improve_budget(num_ranks: int, n_microbatches: int) -> int:

@@ -19,16 +19,13 @@ each action is looked at O(1) times, and p=32, m=256 takes a fraction of a secon
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from .core import Action, Plan, PlanError
-from .costs import Costs
+from .costs import Costs, StageCosts
 from .metrics import bubble_rate as _bubble_rate
-
-# A produced value: (stage, what, microbatch) with what in F (activation), G (input gradient
-# from B or BW), B (the input-gradient pass a W needs).
-_Key = tuple[int, str, int]
+from .rules import Value, describe, first_overflow, makes, needs, peak_memory
 
 
 @dataclass(frozen=True)
@@ -48,7 +45,7 @@ class SimResult:
     makespan: float
     """First start to last end over all ranks (what throughput comparisons use)."""
     bubble_rate: float
-    """``1 - sum(busy) / (num_ranks * longest rank span)`` (the paper's definition, DESIGN.md)."""
+    """``1 - sum(busy) / (num_ranks * longest rank span)``: the paper's definition."""
     peak_memory: dict[int, float]
     """Per rank, the peak activation memory in the units of ``Costs``."""
     timeline: dict[int, tuple[Interval, ...]]
@@ -66,51 +63,19 @@ class SimResult:
         )
 
 
-def _needs(a: Action, last_stage: int) -> list[_Key]:
-    """The values action ``a`` waits for."""
-    if a.kind == "F":
-        return [(a.stage - 1, "F", a.microbatch)] if a.stage > 0 else []
-    if a.kind in ("B", "BW"):
-        needs = [(a.stage, "F", a.microbatch)]
-        if a.stage < last_stage:
-            needs.append((a.stage + 1, "G", a.microbatch))
-        return needs
-    return [(a.stage, "B", a.microbatch)]  # W
-
-
-def _makes(a: Action) -> list[_Key]:
-    """The values action ``a`` produces when it ends."""
-    if a.kind == "F":
-        return [(a.stage, "F", a.microbatch)]
-    if a.kind == "B":
-        return [(a.stage, "G", a.microbatch), (a.stage, "B", a.microbatch)]
-    if a.kind == "BW":
-        return [(a.stage, "G", a.microbatch)]
-    return []
-
-
-def _check_same_rank_order(plan: Plan, where: dict[_Key, tuple[int, int]]) -> None:
+def _check_same_rank_order(plan: Plan, where: dict[Value, tuple[int, int]]) -> None:
     """A dependency on the same rank must come earlier in that rank's order."""
     last = plan.num_stages - 1
     for rank, actions in plan.order.items():
         for step, a in enumerate(actions):
-            for key in _needs(a, last):
+            for key in needs(a, last):
                 src_rank, src_step = where[key]
                 if src_rank == rank and src_step > step:
                     raise PlanError(
                         f"plan {plan.name}: rank {rank} step {step} ({a}) needs "
-                        f"{_describe(key)}, which the same rank runs later at step {src_step}; "
+                        f"{describe(key)}, which the same rank runs later at step {src_step}; "
                         "reorder so the producer comes first"
                     )
-
-
-def _describe(key: _Key) -> str:
-    stage, what, mb = key
-    return {
-        "F": f"the activation of F{mb} from stage {stage}",
-        "G": f"the input gradient of microbatch {mb} from stage {stage} (its B or BW)",
-        "B": f"B{mb} of stage {stage}",
-    }[what]
 
 
 def simulate(
@@ -126,17 +91,17 @@ def simulate(
     sc = [costs.stage(s) for s in range(plan.num_stages)]
     last = plan.num_stages - 1
 
-    where: dict[_Key, tuple[int, int]] = {}
+    where: dict[Value, tuple[int, int]] = {}
     for rank, actions in plan.order.items():
         for step, a in enumerate(actions):
-            for key in _makes(a):
+            for key in makes(a):
                 where[key] = (rank, step)
     _check_same_rank_order(plan, where)
     peak = _peak_memory(plan, sc, memory_limit)
 
-    ready_at: dict[_Key, float] = {}  # when a produced value can be used, per consuming rank kind
-    produced_on: dict[_Key, int] = {}
-    waiting: dict[_Key, list[int]] = defaultdict(list)
+    ready_at: dict[Value, float] = {}  # when a produced value can be used, per consuming rank kind
+    produced_on: dict[Value, int] = {}
+    waiting: dict[Value, list[int]] = defaultdict(list)
     pos = {r: 0 for r in plan.order}
     free = {r: 0.0 for r in plan.order}
     timeline: dict[int, list[Interval]] = {r: [] for r in plan.order}
@@ -148,7 +113,7 @@ def simulate(
             a = actions[pos[rank]]
             start = free[rank]
             blocked = None
-            for key in _needs(a, last):
+            for key in needs(a, last):
                 if key not in ready_at:
                     blocked = key
                     break
@@ -163,7 +128,7 @@ def simulate(
             timeline[rank].append(Interval(rank, a, start, end))
             free[rank] = end
             pos[rank] += 1
-            for key in _makes(a):
+            for key in makes(a):
                 ready_at[key] = end
                 produced_on[key] = rank
                 todo.extend(waiting.pop(key, ()))
@@ -184,43 +149,36 @@ def simulate(
     )
 
 
-def _peak_memory(plan: Plan, sc: list, memory_limit: float | None) -> dict[int, float]:
-    """Per-rank peak memory; raise if ``memory_limit`` is exceeded.
-
-    A rank's actions are sequential, so its memory changes happen in order-of-actions order
-    whatever the timing: the peak is a prefix maximum over the order.
-    """
-    peaks: dict[int, float] = {}
-    for rank, actions in plan.order.items():
-        mem = peak = 0.0
-        for step, a in enumerate(actions):
-            mem += sc[a.stage].mem(a.kind)
-            peak = max(peak, mem)
-            if memory_limit is not None and mem > memory_limit + 1e-9:
+def _peak_memory(plan: Plan, sc: list[StageCosts], memory_limit: float | None) -> dict[int, float]:
+    """Per-rank peak memory (see :mod:`.rules`); raise if ``memory_limit`` is exceeded."""
+    if memory_limit is not None:
+        for rank, actions in plan.order.items():
+            over = first_overflow(actions, sc, memory_limit)
+            if over is not None:
+                step, mem = over
                 raise PlanError(
-                    f"plan {plan.name}: rank {rank} step {step} ({a}) raises activation memory to "
-                    f"{mem:g}, above memory_limit {memory_limit:g}; raise the limit or use a "
-                    "schedule with fewer microbatches in flight"
+                    f"plan {plan.name}: rank {rank} step {step} ({actions[step]}) raises "
+                    f"activation memory to {mem:g}, above memory_limit {memory_limit:g}; raise "
+                    "the limit or use a schedule with fewer microbatches in flight"
                 )
-        peaks[rank] = peak
-    return peaks
+    return {rank: peak_memory(actions, sc) for rank, actions in plan.order.items()}
 
 
 def _deadlock_message(
     plan: Plan,
     stuck: Mapping[int, int],
-    ready_at: Mapping[_Key, float],
-    where: Mapping[_Key, tuple[int, int]],
+    ready_at: Mapping[Value, float],
+    where: Mapping[Value, tuple[int, int]],
 ) -> str:
     last = plan.num_stages - 1
     lines = [f"plan {plan.name} deadlocks: ranks {sorted(stuck)} wait on each other"]
     for rank, step in sorted(stuck.items()):
         a = plan.order[rank][step]
-        missing = [k for k in _needs(a, last) if k not in ready_at]
+        missing = [k for k in needs(a, last) if k not in ready_at]
         for key in missing:
             src_rank, src_step = where[key]
             lines.append(
-                f"  rank {rank} step {step} ({a}) waits for {_describe(key)}, "
+                f"  rank {rank} step {step} ({a}) waits for {describe(key)}, "
                 f"run by rank {src_rank} at step {src_step} ({plan.order[src_rank][src_step]})"
             )
     return "\n".join(lines)

@@ -48,20 +48,21 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Mapping, Sequence
+from typing import Literal
 
-from .auto import STRATEGIES, Strategy, list_schedule, onef1b_peak
+from .auto import STRATEGIES, AutoStrategy, list_schedule, onef1b_peak
 from .core import Action, Plan, PlanError, loop_placement, make_plan
 from .costs import Costs, StageCosts
-from .simulate import simulate
+from .rules import EPS, check_sizes, fits
+from .simulator import simulate
 from .zbh1 import zbh1_rank_order
 
 log = logging.getLogger(__name__)
 
 Mode = Literal["sync", "2bw", "stash"]
 MODES: tuple[str, ...] = ("sync", "2bw", "stash")
-_EPS = 1e-9
 _PROBE = 4  # mini-batches joined to compare candidate periods (warm-up and drain paid once)
 
 Orders = dict[int, tuple[Action, ...]]
@@ -73,7 +74,7 @@ def _shift(actions: Sequence[Action], offset: int) -> list[Action]:
 
 @dataclass(frozen=True)
 class ContinuousParts:
-    """Per rank: the warm-up, the repeating period and the drain (microbatches of mini-batch 0/1)."""
+    """Per rank: the warm-up, the repeating period and the drain (of mini-batches 0 and 1)."""
 
     warmup: Orders
     """Runs once; microbatch indices of mini-batch 0 (``0..m-1``)."""
@@ -114,45 +115,43 @@ def _split_segment(
     return warmup, period, drain
 
 
+def _one_f_b_w(rank: int, i: int, warmup: int) -> list[Action]:
+    """One steady-state unit: F of microbatch ``i + warmup``, then B and W of ``i``."""
+    return [Action(rank, "F", i + warmup), Action(rank, "B", i), Action(rank, "W", i)]
+
+
 def _stream_parts(p: int, m: int, warmups: Sequence[int]) -> tuple[Orders, Orders, Orders]:
     """1F1B with W right after B over an endless stream of microbatches, cut every ``m``."""
     warmup, period, drain = {}, {}, {}
     for r in range(p):
         w = warmups[r]
-        unit = lambda i: [Action(r, "F", i + w), Action(r, "B", i), Action(r, "W", i)]  # noqa: E731
         warmup[r] = tuple(Action(r, "F", j) for j in range(w))
-        period[r] = tuple(a for i in range(m) for a in unit(i))
+        period[r] = tuple(a for i in range(m) for a in _one_f_b_w(r, i, w))
         drain[r] = tuple(
-            [a for i in range(m - w) for a in unit(i)]
+            [a for i in range(m - w) for a in _one_f_b_w(r, i, w)]
             + [a for i in range(m - w, m) for a in (Action(r, "B", i), Action(r, "W", i))]
         )
     return warmup, period, drain
 
 
-def _peak(order: Sequence[Action], sc: list[StageCosts]) -> float:
-    mem = peak = 0.0
-    for a in order:
-        mem += sc[a.stage].mem(a.kind)
-        peak = max(peak, mem)
-    return peak
-
-
-def _sync_segments(p: int, m: int, sc: list[StageCosts], limit: float) -> list[tuple[str, dict]]:
+def _sync_segments(
+    p: int, m: int, sc: list[StageCosts], limit: float
+) -> list[tuple[str, dict[int, list[Action]]]]:
     """Candidate one-mini-batch orders: the heuristic's, ZB-H2's warm-up caps, ZB-H1, W-after-B."""
-    cands: list[tuple[str, dict]] = [
+    cands: list[tuple[str, dict[int, list[Action]]]] = [
         ("w-after-b", {r: zbh1_rank_order(r, p, m, lag=0) for r in range(p)}),
         ("zbh1", {r: zbh1_rank_order(r, p, m) for r in range(p)}),
     ]
     caps = tuple(2 * (p - r) - 1 for r in range(p))
     strategies = list(STRATEGIES) + [
-        Strategy(max_inflight=caps),
-        Strategy(max_inflight=caps, keep_ahead=False),
+        AutoStrategy(max_inflight=caps),
+        AutoStrategy(max_inflight=caps, keep_ahead=False),
     ]
     for i, strategy in enumerate(strategies):
         res = list_schedule(p, m, sc, limit, strategy)
         if res is not None:
-            cands.append((f"heuristic{i}", res[0]))
-    return [(name, o) for name, o in cands if all(_peak(a, sc) <= limit + _EPS for a in o.values())]
+            cands.append((f"heuristic{i}", res.orders))
+    return [(name, o) for name, o in cands if fits(o, sc, limit)]
 
 
 def continuous_parts(
@@ -167,15 +166,14 @@ def continuous_parts(
     Deterministic and independent of the number of mini-batches: ``plan_continuous`` only joins.
     """
     p, m = num_ranks, n_microbatches
-    if p < 1 or m < 1:
-        raise ValueError(f"num_ranks and n_microbatches must be >= 1, got {p}, {m}")
+    check_sizes(p, m)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     costs = costs or Costs()
     sc = costs.per_stage(p)
     base = onef1b_peak(p, m, costs)
     limit = 2 * base if memory_limit is None else float(memory_limit)
-    if limit < base - _EPS:
+    if limit < base - EPS:
         raise ValueError(
             f"Continuous: memory_limit {limit:g} is below 1F1B's peak {base:g}; a continuous plan "
             f"needs at least that much. Raise memory_limit to {base:g} or more"
@@ -194,7 +192,7 @@ def continuous_parts(
             span = max(iv[-1].end - iv[0].start for iv in r.timeline.values() if iv)
             if ref is None:  # w-after-b comes first: the bound every candidate must meet
                 ref = (span, r.makespan)
-            elif span > ref[0] + _EPS or r.makespan > ref[1] + _EPS:
+            elif span > ref[0] + EPS or r.makespan > ref[1] + EPS:
                 continue
             parts = _split_segment(seg, m)
             scored.append((round(probe(parts), 9), i, name, parts))
@@ -211,12 +209,13 @@ def continuous_parts(
             joined = ContinuousParts(
                 *parts, minibatch_size=m, mode=mode, memory_limit=limit, source=""
             ).join(2)
-            if any(_peak(a, sc) > limit + _EPS for a in joined.values()):
+            if not fits(joined, sc, limit):
                 continue
             scored.append((round(probe(parts), 9), i, f"stream-warmup-x{d:g}", parts))
     if not scored:
         raise ValueError(
-            f"Continuous ({mode}): no plan fits memory_limit {limit:g}; raise it (1F1B's peak is {base:g})"
+            f"Continuous ({mode}): no plan fits memory_limit {limit:g}; raise it "
+            f"(1F1B's peak is {base:g})"
         )
     best = min(scored, key=lambda c: (c[0], c[1]))
     log.debug(
@@ -274,7 +273,7 @@ def step_positions(
 ) -> dict[int, tuple[int, ...]]:
     """Per rank, the index of the action after which mini-batch ``k``'s optimizer step runs.
 
-    That is the last W (or BW) of ``k``, and never before the step of ``k - 1`` (steps are in order).
+    That is the last W (or BW) of ``k``, never before the step of ``k - 1`` (steps are in order).
     """
     out = {}
     for r, acts in orders.items():
@@ -301,7 +300,7 @@ def live_versions(plan: Plan) -> dict[int, int]:
     microbatch (F done, last backward pass not done) runs on. Raises ``PlanError`` if a forward
     needs a version the stage has not produced yet.
     """
-    mode, m = plan.meta["mode"], int(plan.meta["minibatch_size"])
+    mode, m = str(plan.meta["mode"]), _meta_int(plan, "minibatch_size")
     n = plan.n_microbatches // m
     result = {}
     for rank, acts in plan.order.items():
@@ -325,8 +324,9 @@ def live_versions(plan: Plan) -> dict[int, int]:
                     need = {"sync": k, "2bw": max(k - 1, 0), "stash": latest}[mode]
                     if need > latest:
                         raise PlanError(
-                            f"plan {plan.name}: rank {rank} step {step} ({a}) runs mini-batch {k} on "
-                            f"weight version {need} ({mode}), but only {latest} optimizer steps of stage "
+                            f"plan {plan.name}: rank {rank} step {step} ({a}) runs mini-batch "
+                            f"{k} on weight version {need} ({mode}), but only {latest} "
+                            "optimizer steps of stage "
                             f"{s} are done; move the W passes of mini-batch {need - 1} before it"
                         )
                     uses[a.microbatch] = need
@@ -340,6 +340,13 @@ def live_versions(plan: Plan) -> dict[int, int]:
     return result
 
 
+def _meta_int(plan: Plan, key: str) -> int:
+    value = plan.meta[key]
+    if not isinstance(value, int):
+        raise PlanError(f"plan {plan.name}: meta[{key!r}] must be an int, got {value!r}")
+    return value
+
+
 def check_continuous(plan: Plan) -> None:
     """Validate the mini-batch rules the simulator does not know (raises ``PlanError``).
 
@@ -350,7 +357,7 @@ def check_continuous(plan: Plan) -> None:
     for key in ("mode", "minibatch_size"):
         if key not in plan.meta:
             raise PlanError(f"plan {plan.name}: meta lacks {key!r}; build it with plan_continuous")
-    mode, m = plan.meta["mode"], int(plan.meta["minibatch_size"])
+    mode, m = str(plan.meta["mode"]), _meta_int(plan, "minibatch_size")
     if mode not in MODES or plan.n_microbatches % m:
         raise PlanError(f"plan {plan.name}: mode {mode!r} / minibatch_size {m} do not fit the plan")
     if mode == "sync":
@@ -363,7 +370,8 @@ def check_continuous(plan: Plan) -> None:
                 k = a.microbatch // m
                 if a.kind == "F" and k > 0 and last_w.get((a.stage, k - 1), -1) > step:
                     raise PlanError(
-                        f"plan {plan.name}: rank {rank} step {step} ({a}) is an F of mini-batch {k} "
+                        f"plan {plan.name}: rank {rank} step {step} ({a}) is an F of "
+                        f"mini-batch {k} "
                         f"before the last W of mini-batch {k - 1} (step {last_w[a.stage, k - 1]}); "
                         "sync mode steps the optimizer in between"
                     )
@@ -371,8 +379,9 @@ def check_continuous(plan: Plan) -> None:
         bound = version_bound(mode, plan.num_stages, s)
         if count > bound:
             raise PlanError(
-                f"plan {plan.name}: stage {s} keeps {count} weight versions alive, above the {mode} "
-                f"bound {bound}; fewer microbatches in flight on rank {plan.placement[s]} would fix it"
+                f"plan {plan.name}: stage {s} keeps {count} weight versions alive, above the "
+                f"{mode} bound {bound}; fewer microbatches in flight on rank "
+                f"{plan.placement[s]} would fix it"
             )
 
 
