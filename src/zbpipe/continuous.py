@@ -87,7 +87,9 @@ def _fresh(infos: tuple) -> tuple:
     for info in infos:
         c = copy.copy(info)
         if c.buffer is not None:
-            c.buffer = torch.empty_like(info.buffer)
+            # Keep requires_grad: torch 2.11 receives into the buffer as it is (torch >= 2.13
+            # sets requires_grad when it hands the activation over).
+            c.buffer = torch.empty_like(info.buffer).requires_grad_(info.buffer.requires_grad)
         out.append(c)
     return tuple(out)
 
