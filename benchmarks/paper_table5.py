@@ -229,8 +229,7 @@ def main() -> None:
     out.write_text(
         json.dumps(
             {
-                **machine(),
-                "command": " ".join(["python", *sys.argv]),
+                "meta": {**machine(), "command": " ".join(["python", *sys.argv])},
                 "costs": "profiled (Table 9)" if args.profiled else settings,
                 "profiled": args.profiled,
                 "rows": rows,

@@ -20,6 +20,9 @@ To make a new number pass: have its script in benchmarks/ write it with
 ``benchmarks/results_io.write_result(name, data)`` (adds machine, torch version, date, command),
 commit the JSON with the doc, and put a ``<!-- results: name.json -->`` marker above the text. A number that is not a measurement (a worked example, a formula's
 value, a paper's figure) goes in ``NOT_MEASURED`` below with the reason.
+
+A file listed in ``BEING_REMEASURED`` (its timings await a re-run on a quiet machine) is checked
+the same way, but its unsourced numbers are reported as a warning, not a failure.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import json
 import re
 import statistics
+import warnings
 from pathlib import Path
 
 import pytest
@@ -44,7 +48,22 @@ NOT_MEASURED: dict[str, dict[str, str]] = {
     "docs/api.md": {
         "1.0": "an API default, max_seconds=1.0",
     },
+    "docs/zbv-tables.md": {
+        # The paper's targets p/(2m) and 2p/(3m) evaluated at m = 2p, 3p, 4p: formula values.
+        "0.25": "p/(2m) at m = 2p, the paper's V-Half target (a formula's value)",
+        "0.167": "p/(2m) at m = 3p and 2p/(3m) at m = 4p, the paper's targets (a formula's value)",
+        "0.125": "p/(2m) at m = 4p, the paper's V-Half target (a formula's value)",
+        "0.333": "2p/(3m) at m = 2p, the paper's V-Min target (a formula's value)",
+        "0.222": "2p/(3m) at m = 3p, the paper's V-Min target (a formula's value)",
+    },
 }
+
+# Files whose timing numbers are being re-measured (on a quiet machine; a shared 2-core box's
+# timings say little). They are checked like every doc, but what lacks a source is reported as a
+# warning instead of failing the test, so the rest of the docs stay guarded meanwhile. Empty this
+# set as each file is done (the test notes, by a warning, a listed file whose numbers all have a
+# source), then the guard covers every doc again.
+BEING_REMEASURED: set[str] = {"README.md", "docs/backward.md", "docs/benchmarks.md"}
 
 FENCED = re.compile(r"^\s*```.*?^\s*```", re.DOTALL | re.MULTILINE)
 INLINE_CODE = re.compile(r"`[^`\n]*`")
@@ -112,34 +131,58 @@ def has_source(written: str, values: list[float]) -> bool:
     return any(abs(v * k - target) <= half for v in values for k in scales)
 
 
-# Not yet true: docs/backward.md, docs/benchmarks.md (split-backward prose), docs/continuous.md,
-# docs/choosing-a-schedule.md, docs/profiling.md and docs/architecture.md still quote numbers no
-# stored result holds (issue 13's report lists them). strict: the mark must go once it passes.
-@pytest.mark.xfail(strict=True, reason="issue 13: some docs numbers still have no stored source")
-def test_every_number_in_the_docs_has_a_stored_source():
+def unsourced_numbers(path: Path) -> list[str]:
+    """Every number ``path`` quotes that no stored result (named by a marker above it) holds."""
+    rel = path.relative_to(ROOT).as_posix()
+    allowed = NOT_MEASURED.get(rel, {})
     missing = []
+    for line, written, names in doc_numbers(path):
+        if written in allowed:
+            continue
+        if not names:
+            missing.append(f"{rel}:{line}: {written} (no <!-- results: ... --> marker above it)")
+            continue
+        absent = [n for n in names if not (RESULTS / n).is_file()]
+        if absent:
+            missing.append(f"{rel}:{line}: {written} (marker names missing files {absent})")
+        elif not any(has_source(written, stored_values(n)) for n in names):
+            missing.append(f"{rel}:{line}: {written} (not in {', '.join(names)})")
+    return missing
+
+
+def test_every_number_in_the_docs_has_a_stored_source():
+    missing, remeasured, sourced_now = [], [], []
     for path in DOCS:
         rel = path.relative_to(ROOT).as_posix()
-        allowed = NOT_MEASURED.get(rel, {})
-        for line, written, names in doc_numbers(path):
-            if written in allowed:
-                continue
-            if not names:
-                missing.append(
-                    f"{rel}:{line}: {written} (no <!-- results: ... --> marker above it)"
-                )
-                continue
-            absent = [n for n in names if not (RESULTS / n).is_file()]
-            if absent:
-                missing.append(f"{rel}:{line}: {written} (marker names missing files {absent})")
-            elif not any(has_source(written, stored_values(n)) for n in names):
-                missing.append(f"{rel}:{line}: {written} (not in {', '.join(names)})")
+        unsourced = unsourced_numbers(path)
+        if rel not in BEING_REMEASURED:
+            missing += unsourced
+        elif unsourced:
+            remeasured += unsourced
+        else:
+            sourced_now.append(rel)
+    if remeasured:
+        warnings.warn(
+            f"{len(remeasured)} number(s) in files BEING_REMEASURED have no stored source yet "
+            "(reported, not failed):\n  " + "\n  ".join(remeasured),
+            stacklevel=1,
+        )
+    if sourced_now:  # a note, not a failure: the file may still be mid-rewrite
+        warnings.warn(
+            f"every number in {sourced_now} has a stored source: they can leave BEING_REMEASURED",
+            stacklevel=1,
+        )
     assert not missing, (
         f"{len(missing)} number(s) in the docs have no stored source in benchmarks/results/ "
         "(write them from a script with benchmarks/results_io.write_result, name the file in a "
         "marker above the text, reword the claim, or add a reasoned entry to NOT_MEASURED in "
         "tests/test_docs_numbers.py):\n  " + "\n  ".join(missing)
     )
+
+
+def test_files_being_remeasured_are_docs():
+    docs = {path.relative_to(ROOT).as_posix() for path in DOCS}
+    assert BEING_REMEASURED <= docs, f"not docs: {sorted(BEING_REMEASURED - docs)}"
 
 
 @pytest.mark.parametrize("path", sorted(RESULTS.glob("*.json")), ids=lambda p: p.name)
