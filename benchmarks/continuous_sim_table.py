@@ -21,12 +21,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from results_io import write_result
 
-from zbpipe.planning.continuous import plan_continuous
+from zbpipe.planning.continuous_plan import plan_continuous
 from zbpipe.planning.core import Action, loop_placement, make_plan
 from zbpipe.planning.costs import Costs
 from zbpipe.planning.metrics import bubble_rate
 from zbpipe.planning.onef1b import plan_1f1b
-from zbpipe.planning.simulate import simulate
+from zbpipe.planning.simulator import simulate
 from zbpipe.planning.zbh1 import plan_zbh1
 
 CASES = [  # (p, m, N, costs label, costs)
@@ -48,7 +48,7 @@ def flushed(one, n: int) -> dict:
 
 
 def joined(p: int, m: int, n: int, costs: Costs) -> dict:
-    """ZB-H1's orders of N steps joined per rank; the simulator's dependencies keep the sync rule."""
+    """ZB-H1's orders of N steps joined per rank (the simulator's dependencies keep sync's rule)."""
     segment = plan_zbh1(p, m, costs=costs, exact=True).order
     orders = {
         r: [Action(a.stage, a.kind, a.microbatch + k * m) for k in range(n) for a in acts]

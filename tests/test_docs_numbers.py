@@ -12,13 +12,15 @@ Where a number may come from: the result files named by the nearest marker above
 ``<!-- results: split_backward.json real_run_m4.json -->`` (an HTML comment, invisible on GitHub;
 names are relative to benchmarks/results/). A number with no marker above it fails. Naming the
 files keeps the match honest: against every stored value a two-digit ratio would nearly always
-find some coincidence. A doc number matches a stored value when it equals it rounded to the doc's decimals, read as is, as a percentage (x 100), as
+find some coincidence. A doc number matches a stored value when it equals it rounded to the
+doc's decimals, read as is, as a percentage (x 100), as
 milliseconds from seconds (x 1000) or as MiB from bytes (/ 2**20). A stored list also offers its
 min, median and max, so a doc may quote the median and spread of raw repetitions.
 
 To make a new number pass: have its script in benchmarks/ write it with
 ``benchmarks/results_io.write_result(name, data)`` (adds machine, torch version, date, command),
-commit the JSON with the doc, and put a ``<!-- results: name.json -->`` marker above the text. A number that is not a measurement (a worked example, a formula's
+commit the JSON with the doc, and put a ``<!-- results: name.json -->`` marker above the text.
+A number that is not a measurement (a worked example, a formula's
 value, a paper's figure) goes in ``NOT_MEASURED`` below with the reason.
 
 A file listed in ``BEING_REMEASURED`` (its timings await a re-run on a quiet machine) is checked
@@ -80,15 +82,19 @@ VERSION_BEFORE = re.compile(
 )
 
 
+def _blank(m: re.Match) -> str:
+    """The matched text replaced by its newlines, so line numbers stay right."""
+    return "\n" * m.group().count("\n")
+
+
 def doc_numbers(path: Path) -> list[tuple[int, str, tuple[str, ...]]]:
     """(line, number as written, result files named above it) for every number ``path`` quotes."""
     text = path.read_text()
-    blank = lambda m: "\n" * m.group().count("\n")
-    text = FENCED.sub(blank, text)
+    text = FENCED.sub(_blank, text)
     sources: dict[int, tuple[str, ...]] = {}  # line -> files named by a marker on it
     for m in MARKER.finditer(text):
         sources[text.count("\n", 0, m.start()) + 1] = tuple(m.group("files").split())
-    text = HTML_COMMENT.sub(blank, text)
+    text = HTML_COMMENT.sub(_blank, text)
     text = INLINE_CODE.sub("", text)
     text = LINK_TARGET.sub("]", text)
     found = []
