@@ -7,8 +7,9 @@ TransformerEngine's delayed wgrad all split the backward the same way, and so do
   graph as it goes). Every patched ``nn.Linear`` on the way computes its input gradient (and
   its bias gradient, a cheap sum) and, instead of the weight gradient, queues
   ``(weight, input, grad_output)`` in the :class:`WeightGradStore` of that (stage, microbatch).
-  Everything else (norms, embeddings, custom ``autograd.Function``\\ s, other modules' weights)
-  gets its gradient in B, as in a fused backward.
+  Everything else (norms, embeddings, custom ``autograd.Function``\\ s, other modules' weights,
+  and a Linear whose weight is computed in the forward, a parametrization such as
+  ``weight_norm``) gets its gradient in B, as in a fused backward.
 * **W** runs the queued GEMMs ``grad_output^T @ input`` with no autograd graph and hands the
   results to autograd's own ``AccumulateGrad`` in one call, so ``.grad`` accumulates exactly as
   a fused backward would (layout contract, ``register_post_accumulate_grad_hook``, DTensor
@@ -107,8 +108,7 @@ class WeightGradStore:
                     sums[i] = sums[i] + dw
         if weights:
             # AccumulateGrad, not `p.grad += g`: the same accumulation, layout and hooks as a fused
-            # backward. A weight computed from a parameter (a parametrization) is not a leaf:
-            # this call then runs its small weight-only graph, which B left alive.
+            # backward. (Only leaf weights are queued: see _LinearFunction.forward.)
             torch.autograd.backward(weights, sums)
 
     def release(self) -> None:
@@ -145,6 +145,13 @@ class _LinearFunction(torch.autograd.Function):
     ) -> Tensor:
         ctx.save_for_backward(x, weight)
         ctx.store = store
+        # A weight computed in the forward (a parametrization such as weight_norm) is not a leaf:
+        # B's autograd pass walks its small graph with no gradient and frees it, so W could not
+        # reach the parameters behind it. Its GEMM is computed in B, like a fused backward's.
+        ctx.deferrable = weight.grad_fn is None
+        # The weight W accumulates into. Not the saved one: non-reentrant activation
+        # checkpointing hands B a detached copy from its recompute in place of each saved tensor.
+        ctx.weight = weight
         device = x.device.type
         # Autocast casts inside F.linear; the backward (which autograd runs without autocast)
         # must compute in the same dtype, then cast back as autocast's _to_copy backward would.
@@ -167,8 +174,8 @@ class _LinearFunction(torch.autograd.Function):
             grad_b = g2d.sum(0) if dtype is None else g2d.sum(0).to(weight.dtype)
         if need_w:
             x2d = x.reshape(-1, x.shape[-1])
-            if ctx.store.deferring and not torch.is_grad_enabled():
-                ctx.store.put(weight, x2d, g2d, dtype)  # W computes it
+            if ctx.deferrable and ctx.store.deferring and not torch.is_grad_enabled():
+                ctx.store.put(ctx.weight, x2d, g2d, dtype)  # W computes it
             else:  # a fused backward, or create_graph=True: an ordinary Linear
                 grad_w = _weight_grad(g2d, x2d, dtype, weight.dtype)
         return grad_x, grad_w, grad_b, None
