@@ -28,8 +28,10 @@ Patching the module, not every op, keeps the cost to one Python check per Linear
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -45,6 +47,8 @@ __all__ = [
     "StoreSlot",
     "WeightGradStore",
     "patch_linears",
+    "patched_linears",
+    "post_accumulate_hooks_parked",
     "unpatch_linears",
     "weight_census",
 ]
@@ -247,6 +251,35 @@ def patch_linears(module: nn.Module, slot: StoreSlot) -> int:
             lin.__class__ = _deferred_class(type(lin))
         lin._zbpipe_slot = slot  # type: ignore[assignment]
     return len(found)
+
+
+def patched_linears(module: nn.Module) -> list[nn.Module]:
+    """The Linears under ``module`` that :func:`patch_linears` patched."""
+    return [sub for sub in module.modules() if "_zbpipe_unpatched" in sub.__dict__]
+
+
+@contextlib.contextmanager
+def post_accumulate_hooks_parked(linears: Sequence[nn.Module]) -> Iterator[None]:
+    """Around B: hold back the ``register_post_accumulate_grad_hook`` hooks of ``linears``' weights.
+
+    Autograd runs a leaf's ``AccumulateGrad``, and with it the leaf's post-accumulate hooks, even
+    when the gradient reaching it is None, which is what B hands a weight whose GEMM it queued:
+    the hooks would fire in B on a ``.grad`` W has not written yet, then again in W. Parked, they
+    fire once, in W, after the accumulation (a weight that also gets a part of its gradient in
+    B, tied to an embedding say, fires in W too: after its last accumulation).
+    """
+    parked: list[tuple[dict, dict]] = []
+    for lin in linears:
+        weight = lin._parameters.get("weight")  # None under a parametrization: not deferred
+        hooks = getattr(weight, "_post_accumulate_grad_hooks", None)
+        if hooks:  # the dict autograd's C++ hook reads at call time: emptied in place
+            parked.append((hooks, dict(hooks)))
+            hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, saved in parked:
+            hooks.update(saved)
 
 
 def unpatch_linears(module: nn.Module) -> int:
