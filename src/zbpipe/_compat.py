@@ -70,9 +70,14 @@ def num_stage_inputs(stage: _PipelineStageBase) -> int:
     return len(stage_metas(stage, "inputs"))
 
 
+def post_accumulate_grad_hooks(t: Any) -> dict | None:
+    """The dict of ``t``'s post-accumulate-grad hooks (autograd reads it when the hooks run)."""
+    return getattr(t, "_post_accumulate_grad_hooks", None)
+
+
 def has_post_accumulate_grad_hooks(t: Any) -> bool:
     """Whether ``register_post_accumulate_grad_hook`` put a hook on the leaf ``t``."""
-    return getattr(t, "_post_accumulate_grad_hooks", None) is not None
+    return bool(post_accumulate_grad_hooks(t))
 
 
 # =====================================================================================

@@ -7,8 +7,9 @@ TransformerEngine's delayed wgrad all split the backward the same way, and so do
   graph as it goes). Every patched ``nn.Linear`` on the way computes its input gradient (and
   its bias gradient, a cheap sum) and, instead of the weight gradient, queues
   ``(weight, input, grad_output)`` in the :class:`WeightGradStore` of that (stage, microbatch).
-  Everything else (norms, embeddings, custom ``autograd.Function``\\ s, other modules' weights)
-  gets its gradient in B, as in a fused backward.
+  Everything else (norms, embeddings, custom ``autograd.Function``\\ s, other modules' weights,
+  and a Linear whose weight is computed in the forward, a parametrization such as
+  ``weight_norm``) gets its gradient in B, as in a fused backward.
 * **W** runs the queued GEMMs ``grad_output^T @ input`` with no autograd graph and hands the
   results to autograd's own ``AccumulateGrad`` in one call, so ``.grad`` accumulates exactly as
   a fused backward would (layout contract, ``register_post_accumulate_grad_hook``, DTensor
@@ -27,15 +28,17 @@ Patching the module, not every op, keeps the cost to one Python check per Linear
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._compat import has_post_accumulate_grad_hooks
+from ._compat import has_post_accumulate_grad_hooks, post_accumulate_grad_hooks
 from .backward import accumulate_fresh
 from .saved import Holder, Observer
 
@@ -46,6 +49,8 @@ __all__ = [
     "StoreSlot",
     "WeightGradStore",
     "patch_linears",
+    "patched_linears",
+    "post_accumulate_hooks_parked",
     "unpatch_linears",
     "weight_census",
 ]
@@ -171,6 +176,13 @@ class _LinearFunction(torch.autograd.Function):
     ) -> Tensor:
         ctx.save_for_backward(x, weight)
         ctx.store = store
+        # A weight computed in the forward (a parametrization such as weight_norm) is not a leaf:
+        # B's autograd pass walks its small graph with no gradient and frees it, so W could not
+        # reach the parameters behind it. Its GEMM is computed in B, like a fused backward's.
+        ctx.deferrable = weight.grad_fn is None
+        # The weight W accumulates into. Not the saved one: non-reentrant activation
+        # checkpointing hands B a detached copy from its recompute in place of each saved tensor.
+        ctx.weight = weight
         device = x.device.type
         # Autocast casts inside F.linear; the backward (which autograd runs without autocast)
         # must compute in the same dtype, then cast back as autocast's _to_copy backward would.
@@ -193,8 +205,8 @@ class _LinearFunction(torch.autograd.Function):
             grad_b = g2d.sum(0) if dtype is None else g2d.sum(0).to(weight.dtype)
         if need_w:
             x2d = x.reshape(-1, x.shape[-1])
-            if ctx.store.deferring and not torch.is_grad_enabled():
-                ctx.store.put(weight, x2d, g2d, dtype)  # W computes it
+            if ctx.deferrable and ctx.store.deferring and not torch.is_grad_enabled():
+                ctx.store.put(ctx.weight, x2d, g2d, dtype)  # W computes it
             else:  # a fused backward, or create_graph=True: an ordinary Linear
                 grad_w = _weight_grad(g2d, x2d, dtype, weight.dtype)
         return grad_x, grad_w, grad_b, None
@@ -266,6 +278,35 @@ def patch_linears(module: nn.Module, slot: StoreSlot) -> int:
             lin.__class__ = _deferred_class(type(lin))
         lin._zbpipe_slot = slot  # type: ignore[assignment]
     return len(found)
+
+
+def patched_linears(module: nn.Module) -> list[nn.Module]:
+    """The Linears under ``module`` that :func:`patch_linears` patched."""
+    return [sub for sub in module.modules() if "_zbpipe_unpatched" in sub.__dict__]
+
+
+@contextlib.contextmanager
+def post_accumulate_hooks_parked(linears: Sequence[nn.Module]) -> Iterator[None]:
+    """Around B: hold back the ``register_post_accumulate_grad_hook`` hooks of ``linears``' weights.
+
+    Autograd runs a leaf's ``AccumulateGrad``, and with it the leaf's post-accumulate hooks, even
+    when the gradient reaching it is None, which is what B hands a weight whose GEMM it queued:
+    the hooks would fire in B on a ``.grad`` W has not written yet, then again in W. Parked, they
+    fire once, in W, after the accumulation (a weight that also gets a part of its gradient in
+    B, tied to an embedding say, fires in W too: after its last accumulation).
+    """
+    parked: list[tuple[dict, dict]] = []
+    for lin in linears:
+        weight = lin._parameters.get("weight")  # None under a parametrization: not deferred
+        hooks = post_accumulate_grad_hooks(weight)
+        if hooks:  # the dict autograd's C++ hook reads at call time: emptied in place
+            parked.append((hooks, dict(hooks)))
+            hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, saved in parked:
+            hooks.update(saved)
 
 
 def unpatch_linears(module: nn.Module) -> int:

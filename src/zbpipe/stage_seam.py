@@ -34,7 +34,14 @@ from torch.distributed.fsdp import FSDPModule
 
 from . import _compat as C
 from .backward import WeightGrad, backward_full, backward_input
-from .deferred import StoreSlot, WeightGradStore, patch_linears, weight_census
+from .deferred import (
+    StoreSlot,
+    WeightGradStore,
+    patch_linears,
+    patched_linears,
+    post_accumulate_hooks_parked,
+    weight_census,
+)
 from .saved import Observer, SavedTensors, param_storages
 
 logger = logging.getLogger(__name__)
@@ -100,10 +107,12 @@ class StageSeam:
         self._saved: dict[Key, SavedTensors] = {}
         self._stores: dict[Key, WeightGradStore] = {}
         self._slots: dict[int, StoreSlot] = {}
+        self._linears: dict[int, list[torch.nn.Module]] = {}
         if engine == "deferred":
             for st in stages:
                 slot = self._slots[st.stage_index] = StoreSlot()
                 n = patch_linears(st.submod, slot)
+                self._linears[st.stage_index] = patched_linears(st.submod)
                 logger.debug("zbpipe: stage %d: %d Linears defer their W", st.stage_index, n)
 
     # ------------------------------------------------------------------ F
@@ -157,7 +166,8 @@ class StageSeam:
             store = self._stores.pop(key)
             # Activation checkpointing recomputes forwards inside this pass: they must reach the
             # same store (and the same autograd.Function) as the original forward did.
-            with self._slot_holding(stage, store):
+            linears = self._linears[stage.stage_index]
+            with self._slot_holding(stage, store), post_accumulate_hooks_parked(linears):
                 store.deferring = True
                 try:
                     grads = backward_full(outputs, output_grads, input_values)
