@@ -9,7 +9,10 @@ Each step is measured two ways:
     bytes it saved that are still alive after the step and a ``gc.collect()`` (per-step growth);
   * an independent count: a weak reference to every tensor saved during the step (wrapped around
     ``zbpipe.saved.SavedTensors._pack``, which the meter's torch hook and zbpipe's runtime use),
-    counted alive after the step and ``gc.collect()``.
+    counted alive after the step and ``gc.collect()``. Of those, ``alive_input_buffers`` are the
+    stages' current input buffers (received, or handed over by the local stage in V placement):
+    torch's ``PipelineStage`` keeps them until the next step replaces them, m per stage at most,
+    so they are alive after every step of every schedule without growing.
 The two must agree on who leaks. Memory only: nothing here is timed.
 """
 
@@ -80,6 +83,14 @@ def measure(rank: int, world: int, schedule: str, steps: int) -> list[dict]:
         s = meter.end_step()
         alive = [r() for r in saved_refs]
         alive = [t for t in alive if t is not None]
+        inputs = {
+            storage_ptr(info.buffer)
+            for st in stages
+            for infos in st.args_recv_info.values()
+            for info in infos
+            if isinstance(info.buffer, torch.Tensor)
+        }
+        buffers = [t for t in alive if storage_ptr(t) in inputs]
         rows.append(
             {
                 "peak_bytes": s.peak_bytes,
@@ -88,6 +99,8 @@ def measure(rank: int, world: int, schedule: str, steps: int) -> list[dict]:
                 "saved_tensors": len(saved_refs),
                 "alive_tensors": len(alive),
                 "alive_bytes": sum(t.untyped_storage().nbytes() for t in alive),
+                "alive_input_buffers": len(buffers),
+                "alive_input_buffer_bytes": sum(t.untyped_storage().nbytes() for t in buffers),
             }
         )
     SavedTensors._pack = pack
@@ -110,9 +123,9 @@ def main() -> None:
         for r, rows in enumerate(per_rank):
             peaks = " ".join(f"{x['peak_bytes'] / mib:.2f}" for x in rows)
             grow = " ".join(f"{x['retained_bytes'] / mib:.2f}" for x in rows)
-            alive = " ".join(str(x["alive_tensors"]) for x in rows)
+            alive = " ".join(f"{x['alive_tensors']}({x['alive_input_buffers']})" for x in rows)
             print(f"{schedule:20s} rank {r}: peak MiB/step {peaks} | retained MiB/step {grow}")
-            print(f"{'':20s}         alive saved tensors after each step: {alive}")
+            print(f"{'':20s}         alive saved tensors (input buffers) after each step: {alive}")
     config = {"hidden": HIDDEN, "rows": ROWS, "microbatches": M, "ranks": 2, "steps": args.steps}
     print(f"wrote {write_result('torch_zbv_leak', {'config': config, 'results': out})}")
 
