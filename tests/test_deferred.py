@@ -58,7 +58,7 @@ def _holding(slot: StoreSlot, store: WeightGradStore, deferring: bool = False):
 
 
 class Deferred:
-    """A patched module driven like StageSeam drives a stage: ``forward``, ``backward`` (B), ``w``."""
+    """A patched module driven as StageSeam drives a stage: ``forward``, ``backward`` (B), ``w``."""
 
     def __init__(self, module: nn.Module, observer=None) -> None:
         self.module, self.slot = module, StoreSlot()
