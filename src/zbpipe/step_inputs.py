@@ -32,7 +32,7 @@ class MicrobatchInputs:
 
 
 def _as_list(value: Any, name: str, m: int, owner: str) -> list:
-    if not isinstance(value, (list, tuple)):
+    if not isinstance(value, list):
         raise TypeError(
             f"{owner}.step(): {name} must be a list with one entry per microbatch, got {type(value).__name__}"
         )
@@ -41,7 +41,7 @@ def _as_list(value: Any, name: str, m: int, owner: str) -> list:
             f"{owner}.step(): {name} has {len(value)} entries but the schedule runs n_microbatches={m}; "
             f"pass exactly {m} (or pass the whole batch positionally and let step() split it)"
         )
-    return list(value)
+    return value
 
 
 def microbatch_inputs(
@@ -53,51 +53,45 @@ def microbatch_inputs(
     kwarg_mbs: list | None,
     target_mbs: list | None,
 ) -> MicrobatchInputs:
-    """Either form of ``step()``'s inputs as per-microbatch lists.
+    """Either form of ``step()``'s inputs as per-microbatch lists, with torch 2.14's rules.
 
-    A role (positional inputs, keyword inputs, target) comes whole or split, never both: mixing
-    would leave it ambiguous which one the model sees. Whole inputs are split by torch's own
-    splitter (the schedule's ``args_chunk_spec`` / ``kwargs_chunk_spec``), a whole target along
-    dim 0 like torch.
+    Giving any of ``arg_mbs`` / ``kwarg_mbs`` / ``target_mbs`` selects the split form: then no
+    whole-batch input may be given (which one the model should see would be ambiguous), the
+    missing lists mean "nothing" (``()`` / ``{}`` / no target), ``arg_mbs`` holds tuples and
+    ``kwarg_mbs`` dicts. Otherwise the whole inputs are split by torch's own splitter (the
+    schedule's ``args_chunk_spec`` / ``kwargs_chunk_spec``) and the target along dim 0.
     """
     owner, m = type(sched).__name__, sched._n_microbatches
-    for given_whole, split, what in (
-        (bool(args), arg_mbs, "positional inputs and arg_mbs"),
-        (bool(kwargs), kwarg_mbs, "keyword inputs and kwarg_mbs"),
-        (target is not None, target_mbs, "target and target_mbs"),
-    ):
-        if given_whole and split is not None:
-            raise ValueError(
-                f"{owner}.step(): got both {what}; pass the whole batch or its microbatches, not both"
-            )
-    if arg_mbs is None and kwarg_mbs is None:
+    if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
         arg_split, kwarg_split = sched._split_inputs(args, kwargs)
-    else:
-        arg_split = (
-            [
-                tuple(a) if isinstance(a, (tuple, list)) else (a,)
-                for a in _as_list(arg_mbs, "arg_mbs", m, owner)
-            ]
-            if arg_mbs is not None
-            else None
+        targets = list(torch.tensor_split(target, m, 0)) if target is not None else None
+        return MicrobatchInputs(
+            arg_mbs=list(arg_split), kwarg_mbs=list(kwarg_split), target_mbs=targets
         )
-        kwarg_split = (
-            [dict(k or {}) for k in _as_list(kwarg_mbs, "kwarg_mbs", m, owner)]
-            if kwarg_mbs is not None
-            else None
-        )
-        if arg_split is None and args:
-            arg_split = sched._split_inputs(args, {})[0]
-        if kwarg_split is None and kwargs:
-            kwarg_split = sched._split_inputs((), kwargs)[1]
-    arg_split = arg_split if arg_split is not None else [()] * m
-    kwarg_split = kwarg_split if kwarg_split is not None else [{} for _ in range(m)]
-    if target_mbs is not None:
-        targets = _as_list(target_mbs, "target_mbs", m, owner)
-    elif target is not None:
-        targets = list(torch.tensor_split(target, m, 0))
-    else:
-        targets = None
+    for given, what in (
+        (bool(args), "positional inputs (use arg_mbs)"),
+        (bool(kwargs), f"keyword inputs {sorted(kwargs)} (use kwarg_mbs)"),
+        (target is not None, "target (use target_mbs)"),
+    ):
+        if given:
+            raise ValueError(
+                f"{owner}.step(): got microbatch lists and whole-batch {what}; "
+                "pass the whole batch or its microbatches, not both"
+            )
+    arg_split = _as_list(arg_mbs, "arg_mbs", m, owner) if arg_mbs is not None else [()] * m
+    kwarg_split = _as_list(kwarg_mbs, "kwarg_mbs", m, owner) if kwarg_mbs is not None else [{}] * m
+    for i, (a, k) in enumerate(zip(arg_split, kwarg_split)):
+        if not isinstance(a, tuple):
+            raise TypeError(
+                f"{owner}.step(): arg_mbs[{i}] is a {type(a).__name__}; each entry is the tuple of "
+                "one microbatch's positional inputs, e.g. arg_mbs=[(x0,), (x1,)]"
+            )
+        if not isinstance(k, dict):
+            raise TypeError(
+                f"{owner}.step(): kwarg_mbs[{i}] is a {type(k).__name__}; each entry is the dict of "
+                "one microbatch's keyword inputs"
+            )
+    targets = _as_list(target_mbs, "target_mbs", m, owner) if target_mbs is not None else None
     return MicrobatchInputs(
         arg_mbs=list(arg_split), kwarg_mbs=list(kwarg_split), target_mbs=targets
     )
