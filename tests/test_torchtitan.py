@@ -1,22 +1,16 @@
 """zbpipe.torchtitan: torchtitan 0.3.x's own pipeline code places, counts and builds zbpipe schedules.
 
-Needs the `torchtitan` extra (torchtitan 0.3.0 and the few packages its pipeline and llama3 code
-import); skipped with the import error when those are not installed.
+Needs torchtitan 0.3.0 and the few packages its pipeline and llama3 code import
+(recipes/torchtitan/requirements-ci.txt, which CI installs). Not skipped when they are missing:
+a broken integration must fail. torchtitan's Trainer runs are in test_torchtitan_trainer.py.
 """
 
 import numpy as np
 import pytest
-
-try:
-    import zbpipe.torchtitan as zt
-    import torchtitan.distributed.pipeline_parallel as tt_pp
-except ImportError as e:  # torchtitan or one of its imports is not installed
-    pytest.skip(
-        f"torchtitan cannot be imported ({e}); pip install -e '.[torchtitan]'",
-        allow_module_level=True,
-    )
+import torchtitan.distributed.pipeline_parallel as tt_pp
 
 import _torchtitan_cases as cases
+import zbpipe.torchtitan as zt
 from zbpipe.schedules import ScheduleZBH1
 from zbpipe.testing import run_ranks
 
@@ -79,6 +73,54 @@ def test_loss_is_logged_from_the_rank_holding_the_last_stage():
     assert (
         metrics._get_metrics_rank(parallel_dims=dims, pp_schedule="1F1B") == 3
     )  # torch's: unchanged
+
+
+def test_uninstall_gives_torchtitan_its_functions_back():
+    from torchtitan.components import metrics
+
+    wrapped = {
+        f: getattr(tt_pp, f)
+        for f in ("_get_pipeline_metadata", "_get_pp_rank_to_stage_indices_mapping")
+    }
+    wrapped["_get_metrics_rank"] = metrics._get_metrics_rank
+    try:
+        zt.uninstall()
+        for name, wrapper in wrapped.items():
+            module = metrics if name == "_get_metrics_rank" else tt_pp
+            assert getattr(module, name) is wrapper.__wrapped__, name
+        with pytest.raises(ValueError):
+            tt_pp.get_schedule_class("ZBH1")  # torch's own lookup again
+        assert tt_pp._get_pp_rank_to_stage_indices_mapping(0, 2, "Interleaved1F1B", 4) == (0, 2)
+    finally:
+        zt.install()
+    assert tt_pp._get_pp_rank_to_stage_indices_mapping(0, 2, V_NAME, 4) == (0, 3)
+
+
+PLAN_NAMES_TORCH_OWNS = {"1F1B"}  # torch's name wins: zbpipe never shadows torch's schedules
+PLAN_NAMES_NOT_TORCH_SHAPED = {"Continuous"}  # owns the optimizer step (recipes/torchtitan/README)
+
+
+@pytest.mark.parametrize(
+    "name", sorted(__import__("zbpipe.planning.registry", fromlist=["x"]).GENERATORS)
+)
+def test_every_plan_name_is_a_torchtitan_schedule_that_runs_that_plan(name, monkeypatch):
+    from zbpipe import Costs
+    from zbpipe.runtime import PlannedSchedule
+
+    if name in PLAN_NAMES_TORCH_OWNS:
+        assert not issubclass(tt_pp.get_schedule_class(name), PlannedSchedule)
+        return
+    if name in PLAN_NAMES_NOT_TORCH_SHAPED:
+        with pytest.raises(ValueError):
+            tt_pp.get_schedule_class(name)
+        return
+    cls = tt_pp.get_schedule_class(name)  # what torchtitan's builder calls
+    assert issubclass(cls, PlannedSchedule)
+    # torchtitan constructs cls(stages, n_microbatches=..., loss_fn=..., scale_grads=...) with no
+    # options: construct it that way, minus torch's stage setup, and ask for its plan.
+    monkeypatch.setattr(PlannedSchedule, "__init__", lambda self, *a, **k: None)
+    sched = cls([], n_microbatches=8, loss_fn=None, scale_grads=False)
+    assert sched.build_plan(4, 8, Costs()).name == name
 
 
 def _dims(pp, schedule):

@@ -220,6 +220,44 @@ _PipelineScheduleRuntime = _shimmed(_TorchPipelineScheduleRuntime)
 PipelineScheduleMultiBase = _shimmed(PipelineScheduleMulti)
 
 
+# ---------------------------------------------------------------- step() contract (issue 12)
+# torch 2.14's PipelineScheduleMulti.step() also takes microbatches already split (arg_mbs,
+# kwarg_mbs, target_mbs); torch 2.13's takes only a whole batch. zbpipe's schedules split (or
+# take) the microbatches themselves (zbpipe.step_inputs) and run them here, the body both
+# torch versions' step() share after splitting, so the accepted arguments never depend on the
+# installed torch.
+def run_microbatches(
+    sched: PipelineScheduleMulti,
+    arg_mbs: list,
+    kwarg_mbs: list,
+    target_mbs: list | None,
+    losses: list | None,
+    return_outputs: bool,
+    loss_kwargs: dict | None,
+) -> object:
+    """What torch's ``PipelineScheduleMulti.step`` does once its inputs are microbatches."""
+    import torch
+
+    if sched._has_backward and sched._backward_requires_autograd and not torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{type(sched).__name__}.step() runs a backward and needs autograd; do not call it under "
+            "torch.no_grad() (call eval() for a forward-only step)"
+        )
+    for stage in sched._stages:
+        stage.has_backward = sched._has_backward
+        stage.clear_runtime_states()
+    sched._step_microbatches(
+        arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs
+    )
+    for stage in sched._stages:
+        if stage.is_last and return_outputs:
+            return sched._merge_outputs(stage.output_chunks)
+    return None
+
+
+# ---------------------------------------------------------------- end of step() contract
+
+
 # =====================================================================================
 # Every private (underscore) torch name zbpipe touches, with what zbpipe relies on.
 # tests/test_compat_names.py checks each against the installed torch: a rename or a changed
@@ -241,6 +279,7 @@ PRIVATE_API: tuple[tuple[type, str, tuple[str, ...] | None], ...] = (
     (PipelineScheduleMulti, "_update_losses", ("stages", "losses")),
     (PipelineScheduleMulti, "_split_inputs", ("args", "kwargs")),
     (PipelineScheduleSingle, "_get_pipeline_order", ()),
+    (PipelineScheduleMulti, "_merge_outputs", ("output_chunks",)),
     # methods zbpipe calls on torch's stages
     (_PipelineStageBase, "_retrieve_recv_grads", ("bwd_chunk_id",)),
     (_PipelineStageBase, "_retrieve_recv_activations", ("fwd_chunk_id",)),
@@ -258,4 +297,5 @@ PRIVATE_SCHEDULE_ATTRIBUTES = (
     "_loss_fn",
     "_has_backward",
     "_internal_losses",
+    "_backward_requires_autograd",
 )

@@ -61,6 +61,7 @@ from .optim import PostValidatedStep, StepReport
 from .planning import Costs
 from .planning.continuous_plan import MODES, continuous_parts, plan_continuous, version_bound
 from .stage_seam import EVERY_KEY, Engine, Split, StageSeam, choose_engine
+from .step_inputs import microbatch_inputs
 from .validation import (
     check_not_compiled,
     check_peers_agree,
@@ -226,22 +227,38 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
         return version_bound(self.mode, self._num_stages, self.stage.stage_index)
 
     def step(
-        self, *args: Any, target: Any = None, losses: list | None = None, **kwargs: Any
+        self,
+        *args: Any,
+        target: Any = None,
+        losses: list | None = None,
+        loss_kwargs: dict[str, Any] | None = None,
+        arg_mbs: list | None = None,
+        kwarg_mbs: list | None = None,
+        target_mbs: list | None = None,
+        **kwargs: Any,
     ) -> list[LossRecord]:
         """Hand in one mini-batch and run everything it makes runnable on this rank.
+
+        The mini-batch comes whole (``step(x, target=y)``) or as its microbatches (``arg_mbs``,
+        ``kwarg_mbs``, ``target_mbs``: torch 2.14's form, see :mod:`zbpipe.step_inputs`);
+        ``loss_kwargs`` go to each of its microbatches' ``loss_fn``. torch's ``return_outputs``
+        does not apply: a continuous step finishes microbatches of earlier mini-batches, so it
+        returns losses, not this mini-batch's outputs.
 
         Returns (and appends to ``losses`` if given) ``(minibatch_index, [per-microbatch
         losses])`` for the mini-batches whose losses were completed during this call (last
         stage only; mini-batch indices count from the first step, across flushes).
         """
-        check_step_args(self, args, kwargs, target)
+        check_step_args(
+            self, args, kwargs, target, arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=target_mbs
+        )
         if not torch.is_grad_enabled():
             raise RuntimeError(
                 "ScheduleContinuous.step() trains and needs autograd; do not call it under torch.no_grad()"
             )
         m = self._n_microbatches
-        arg_mbs, kwarg_mbs = self._split_inputs(args, kwargs)
-        target_mbs = list(torch.tensor_split(target, m, 0)) if target is not None else None
+        mbs = microbatch_inputs(self, args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
+        arg_mbs, kwarg_mbs, target_mbs = mbs.arg_mbs, mbs.kwarg_mbs, mbs.target_mbs
         if not self._initialized:
             self._initialize(arg_mbs[0], kwarg_mbs[0], target_mbs[0] if target_mbs else None)
         start = self._given * m
@@ -253,6 +270,7 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
             self._kwargs[start + j] = kwarg_mbs[j]
             if target_mbs is not None:
                 self._targets[start + j] = target_mbs[j]
+                self._loss_kwargs[start + j] = dict(loss_kwargs or {})
         self._given += 1
         self._frontier.give(self._given)
         self._run(self._frontier.advance(self._given * m)[self.rank])
@@ -339,6 +357,7 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
         self._args: dict[int, Any] = {}
         self._kwargs: dict[int, Any] = {}
         self._targets: dict[int, Any] = {}
+        self._loss_kwargs: dict[int, dict[str, Any]] = {}  # step(loss_kwargs=...) per microbatch
         self._losses: dict[int, torch.Tensor] = {}
         self._loss_values: dict[int, torch.Tensor] = {}
         self._reported = 0
@@ -421,7 +440,7 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
         else:
             out = st.submod(*args, **kwargs)
         if st.is_last:
-            loss = self._loss_fn(out, self._targets.pop(g))
+            loss = self._loss_fn(out, self._targets.pop(g), **self._loss_kwargs.pop(g, {}))
             self._losses[g] = loss  # the graph, until B
             self._loss_values[g] = loss.detach()  # what the user gets
         return out

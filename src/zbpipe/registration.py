@@ -50,10 +50,13 @@ def original_get_schedule_class() -> Callable[[str], type]:
 
 
 def lookup_zbpipe(name: str) -> type | None:
-    """zbpipe's class for ``name`` (a ``SCHEDULES`` key or class name, any case), else ``None``."""
+    """zbpipe's class for ``name``, else ``None``: a ``SCHEDULES`` key, a plan name with its
+    option fixed (``ZB1P``, ``ZBVHalf``..., :mod:`zbpipe.plan_name_schedules`) or a class name,
+    any case."""
+    from .plan_name_schedules import find_plan_name_schedule
     from .schedules import find_schedule
 
-    return find_schedule(name, torch_shaped_only=True)
+    return find_schedule(name, torch_shaped_only=True) or find_plan_name_schedule(name)
 
 
 def _make_wrapper(original: Callable[[str], type]) -> Callable[[str], type]:

@@ -18,6 +18,7 @@ Concrete schedules (:mod:`zbpipe.schedules`) only say which plan to build.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Callable, ClassVar, Literal
 
@@ -31,6 +32,7 @@ from .planning import Costs, Layout, Plan
 from .planning.fuse import fuse_adjacent_backward
 from .profile import CostProfiler, ProfileConfig
 from .stage_seam import Engine, Split, StageSeam, choose_engine
+from .step_inputs import microbatch_inputs
 from .trace import Tracer
 from .validation import (
     check_not_compiled,
@@ -182,24 +184,34 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         losses: list | None = None,
         return_outputs: bool = True,
         loss_kwargs: dict[str, Any] | None = None,
+        arg_mbs: list | None = None,
+        kwarg_mbs: list | None = None,
+        target_mbs: list | None = None,
         **kwargs: Any,
     ) -> Any:
-        """Run one step over ``n_microbatches`` microbatches (torch's ``step`` contract).
+        """Run one step over ``n_microbatches`` microbatches (torch 2.14's ``step`` contract, on any torch).
 
-        The rank holding stage 0 passes the batch (``args``: tensors, or a dict / TensorDict that
-        stage 0 receives split into microbatches, see :mod:`zbpipe.inputs`); the rank holding the
-        last stage passes ``target`` and may pass a ``losses`` list to receive the per-microbatch losses.
+        The rank holding stage 0 passes the batch: whole (``args``: tensors, or a dict / TensorDict
+        that stage 0 receives split into microbatches, see :mod:`zbpipe.inputs`) or already split
+        (``arg_mbs``: one tuple per microbatch; ``kwarg_mbs``: one dict per microbatch). The rank
+        holding the last stage passes ``target`` (or ``target_mbs``) and may pass a ``losses`` list
+        to receive the per-microbatch losses; ``loss_kwargs`` go to every microbatch's
+        ``loss_fn(output, target, **loss_kwargs)``. See :mod:`zbpipe.step_inputs`.
         """
-        check_step_args(self, args, kwargs, target)
+        check_step_args(
+            self, args, kwargs, target, arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=target_mbs
+        )
+        # A whole dict/TensorDict batch goes to stage 0 by keyword (zbpipe.inputs).
         args, kwargs = self._batch_keywords.bind(args, kwargs, self._n_microbatches)
+        mbs = microbatch_inputs(self, args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
+        if arg_mbs is not None:  # dict/TensorDict microbatches reach stage 0 by keyword too
+            bound = [self._batch_keywords.bind(a, k, 1) for a, k in zip(mbs.arg_mbs, mbs.kwarg_mbs)]
+            mbs = dataclasses.replace(
+                mbs, arg_mbs=[a for a, _ in bound], kwarg_mbs=[k for _, k in bound]
+            )
         self.tracer.clear()
-        out = super().step(
-            *args,
-            target=target,
-            losses=losses,
-            return_outputs=return_outputs,
-            loss_kwargs=loss_kwargs,
-            **kwargs,
+        out = C.run_microbatches(
+            self, mbs.arg_mbs, mbs.kwarg_mbs, mbs.target_mbs, losses, return_outputs, loss_kwargs
         )
         if self._profiler is not None:
             self._profiler.after_step(self)  # collective on the profiling window's last step

@@ -157,27 +157,49 @@ def disagreement(group: Any, rank: int, value: str, shown: str) -> str | None:
     return "\n".join(f"  rank {r}: {s}" for r, _, s in sorted(gathered))
 
 
-def check_step_args(sched: Any, args: tuple, kwargs: dict, target: Any) -> None:
+def check_step_args(
+    sched: Any,
+    args: tuple,
+    kwargs: dict,
+    target: Any,
+    *,
+    arg_mbs: list | None = None,
+    kwarg_mbs: list | None = None,
+    target_mbs: list | None = None,
+) -> None:
     """``step()``'s inputs go to the rank holding stage 0, the target to the rank holding the last stage.
 
-    Stage 0 may get its batch positionally or by keyword (``step(batch=td)``); a target is needed on
-    the last stage only when the step runs a backward (not under torch's ``eval()``).
+    Either form counts: a whole batch (``args`` / ``kwargs`` / ``target``) or its microbatches
+    (``arg_mbs`` / ``kwarg_mbs`` / ``target_mbs``, torch 2.14's form). Stage 0 may get its batch
+    positionally or by keyword (``step(batch=td)``); a target is needed on the last stage only
+    when the step runs a backward (not under torch's ``eval()``).
     """
     stages = sched._stages
     name = type(sched).__name__
     has_first = any(st.is_first for st in stages)
     has_last = any(st.is_last for st in stages)
-    if args and not has_first:
+    positional = len(args) or max(
+        (len(a) for a in arg_mbs or () if isinstance(a, tuple)), default=0
+    )
+    if positional and not has_first:
         raise ValueError(
-            f"{name}.step(): rank {sched.rank} does not hold stage 0 but was given {len(args)} positional input(s); "
-            "pass inputs only on the rank holding stage 0 (call step(target=..., losses=...) or step() elsewhere)"
+            f"{name}.step(): rank {sched.rank} does not hold stage 0 but was given {positional} positional input(s); "
+            "pass inputs (or arg_mbs) only on the rank holding stage 0 "
+            "(call step(target=..., losses=...) or step() elsewhere)"
         )
-    if has_first and not args and not kwargs:
+    if has_first and not args and not kwargs and arg_mbs is None and kwarg_mbs is None:
         raise ValueError(
-            f"{name}.step(): rank {sched.rank} holds stage 0 and needs the batch: call step(x, ...)"
+            f"{name}.step(): rank {sched.rank} holds stage 0 and needs the batch: call step(x, ...) "
+            "or step(arg_mbs=[...])"
         )
-    if has_last and sched._loss_fn is not None and sched._has_backward and target is None:
+    if (
+        has_last
+        and sched._loss_fn is not None
+        and sched._has_backward
+        and target is None
+        and target_mbs is None
+    ):
         raise ValueError(
             f"{name}.step(): rank {sched.rank} holds the last stage and the schedule has a loss_fn, "
-            "but no target was given: call step(..., target=y)"
+            "but no target was given: call step(..., target=y) or step(..., target_mbs=[...])"
         )
