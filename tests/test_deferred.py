@@ -380,6 +380,18 @@ def test_autocast_bf16_grads_match_plain_autograd_under_autocast():
     torch.testing.assert_close(x_def.grad, x_ref.grad, rtol=2**-8, atol=1e-5)
 
 
+def test_autocast_saves_the_input_at_autocast_precision():
+    # What B keeps for W is the input autocast's own Linear would save (bf16), not the fp32 input.
+    d = Deferred(nn.Sequential(nn.Linear(8, 4)))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saved.append(t.dtype) or t, lambda t: t
+    ):
+        d.forward(torch.randn(6, 8, requires_grad=True), autocast=True)
+    assert saved and torch.float32 not in saved[:1]  # the input, saved first, is bf16
+    assert saved[0] == torch.bfloat16
+
+
 def test_weight_norm_parametrized_linear_original_params_get_correct_grads():
     from torch.nn.utils.parametrizations import weight_norm
 
@@ -494,6 +506,17 @@ def test_conv_heavy_stage_picks_graph_and_says_so(caplog):
 
 def test_embedding_does_not_count_as_other_weight_work():
     stage = nn.Sequential(nn.Embedding(1000, 64), nn.Linear(64, 64))
+    assert weight_census(stage) == (64 * 64, 0)
+    assert choose_engine("auto", _stages(stage), "Test") == "deferred"
+
+
+def test_compiled_blocks_count_as_neither_kind_so_auto_stays_deferred():
+    # torchtitan compiles each block in place; the graph engine refuses compiled regions, while
+    # the deferred one computes their weight gradients in B. auto must not pick the refusing one.
+    blocks = [nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(3)]
+    for b in blocks[:2]:
+        b.compile(backend="eager")
+    stage = nn.Sequential(*blocks)
     assert weight_census(stage) == (64 * 64, 0)
     assert choose_engine("auto", _stages(stage), "Test") == "deferred"
 

@@ -271,6 +271,7 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
             if target_mbs is not None:
                 self._targets[start + j] = target_mbs[j]
                 self._loss_kwargs[start + j] = dict(loss_kwargs or {})
+        self.seam.claim_linears()
         self._given += 1
         self._frontier.give(self._given)
         self._run(self._frontier.advance(self._given * m)[self.rank])

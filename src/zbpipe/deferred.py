@@ -65,13 +65,12 @@ class WeightGradStore:
     meter) is told the bytes the queue keeps alive until W.
     """
 
-    __slots__ = ("deferring", "_entries", "_observer", "_held")
+    __slots__ = ("deferring", "_entries", "_observer")
 
     def __init__(self, observer: Observer | None = None) -> None:
         self.deferring = False
-        self._entries: list[tuple[Tensor, Tensor, Tensor, torch.dtype | None]] | None = []
+        self._entries: list | None = []  # (weight, x2d, g2d, dtype, holders for the observer)
         self._observer = observer
-        self._held: list[Holder] = []  # the observer's view of the queued tensors
 
     @property
     def done(self) -> bool:
@@ -86,9 +85,10 @@ class WeightGradStore:
         """Queue ``weight``'s gradient ``g2d^T @ x2d`` (in ``dtype`` under autocast)."""
         if self._entries is None:
             raise RuntimeError("zbpipe: a weight gradient was queued after its W ran")
-        self._entries.append((weight, x2d, g2d, dtype))
+        held = None
         if self._observer is not None:
-            self._held += (Holder(x2d, self._observer), Holder(g2d, self._observer))
+            held = (Holder(x2d, self._observer), Holder(g2d, self._observer))
+        self._entries.append((weight, x2d, g2d, dtype, held))
 
     def run(self) -> None:
         """W: compute every queued GEMM and accumulate the results into the weights' ``.grad``."""
@@ -99,28 +99,34 @@ class WeightGradStore:
                 "runs once"
             )
         self._entries = None  # an exception below still leaves nothing queued
-        # One sum per weight, in queue order (a Linear applied twice: summed first, as autograd's
-        # input buffer sums the two before AccumulateGrad).
-        sums: dict[int, list] = {}
+        # A weight's products are summed in queue order (a Linear applied twice: summed first,
+        # as autograd's input buffer sums the two before AccumulateGrad) and accumulated as soon
+        # as its last product is in; each entry's activations are dropped right after its GEMM.
+        # So W holds at most one pending sum per weight used twice, not a copy of every gradient.
+        left: dict[int, int] = {}
+        for weight, *_ in entries:
+            left[id(weight)] = left.get(id(weight), 0) + 1
+        partial: dict[int, Tensor] = {}
+        later = []
         with torch.no_grad():
-            for weight, x, g, dtype in entries:
+            for i, (weight, x, g, dtype, held) in enumerate(entries):
+                entries[i] = None
                 dw = _weight_grad(g, x, dtype, weight.dtype)
-                pair = sums.get(id(weight))
-                if pair is None:
-                    sums[id(weight)] = [weight, dw]
-                else:
-                    pair[1] = pair[1] + dw
-            del entries
-            self._release_held()
-            # A leaf without post-accumulate hooks takes its sum as AccumulateGrad would (the
-            # fresh tensor is stolen when it has the weight's layout, else copied into it; later
-            # sums add in place): same bits, no engine call, and no copy, which handing the
-            # engine a tensor Python still references would force. Weights with hooks, and
-            # weights computed from a parameter (a parametrization: not leaves, their small
-            # weight-only graph still alive after B), go through autograd itself, in one call.
-            later = []
-            for weight, dw in sums.values():
-                if weight.grad_fn is None and not has_post_accumulate_grad_hooks(weight):
+                del x, g
+                if held is not None:
+                    for h in held:
+                        h.release()
+                key = id(weight)
+                if key in partial:
+                    dw = partial.pop(key) + dw
+                left[key] -= 1
+                if left[key]:
+                    partial[key] = dw
+                # A leaf without post-accumulate hooks takes its sum as AccumulateGrad would
+                # (stolen when it has the weight's layout, else copied; later sums add in place):
+                # same bits, and no copy, which handing the engine a tensor Python still
+                # references would force. Weights with hooks go through autograd itself.
+                elif not has_post_accumulate_grad_hooks(weight):
                     _accumulate(weight, dw)
                 else:
                     later.append((weight, dw))
@@ -129,13 +135,10 @@ class WeightGradStore:
 
     def release(self) -> None:
         """Drop whatever is still queued (a failed step) without computing it."""
+        for *_, held in self._entries or ():
+            for h in held or ():
+                h.release()
         self._entries = None
-        self._release_held()
-
-    def _release_held(self) -> None:
-        for h in self._held:
-            h.release()
-        self._held.clear()
 
 
 def _accumulate(weight: Tensor, dw: Tensor) -> None:
@@ -174,7 +177,6 @@ class _LinearFunction(torch.autograd.Function):
     def forward(
         ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, store: WeightGradStore
     ) -> Tensor:
-        ctx.save_for_backward(x, weight)
         ctx.store = store
         # A weight computed in the forward (a parametrization such as weight_norm) is not a leaf:
         # B's autograd pass walks its small graph with no gradient and frees it, so W could not
@@ -186,7 +188,12 @@ class _LinearFunction(torch.autograd.Function):
         device = x.device.type
         # Autocast casts inside F.linear; the backward (which autograd runs without autocast)
         # must compute in the same dtype, then cast back as autocast's _to_copy backward would.
-        ctx.dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        ctx.dtype, ctx.x_dtype = dtype, x.dtype
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        if dtype is not None and x.is_floating_point() and x.dtype != dtype:
+            x = x.to(dtype)  # saved (and held until W) at the size autocast's own Linear saves
+        ctx.save_for_backward(x, weight)
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -199,10 +206,12 @@ class _LinearFunction(torch.autograd.Function):
         if need_x:
             w = weight if dtype is None else weight.to(dtype)
             grad_x = grad_out.matmul(w)
-            if grad_x.dtype != x.dtype:
-                grad_x = grad_x.to(x.dtype)
+            if grad_x.dtype != ctx.x_dtype:
+                grad_x = grad_x.to(ctx.x_dtype)
         if need_b:
-            grad_b = g2d.sum(0) if dtype is None else g2d.sum(0).to(weight.dtype)
+            grad_b = g2d.sum(0)
+            if grad_b.dtype != ctx.bias_dtype:
+                grad_b = grad_b.to(ctx.bias_dtype)
         if need_w:
             x2d = x.reshape(-1, x.shape[-1])
             if ctx.deferrable and ctx.store.deferring and not torch.is_grad_enabled():
@@ -329,12 +338,17 @@ def weight_census(module: nn.Module) -> tuple[int, int]:
     work the deferred engine leaves in B. ``split="auto"`` compares the two.
     """
     in_linears = {id(p) for lin in _linears(module) for p in lin.parameters()}
+    # A compiled region's weight gradients are computed in B by either engine (the graph engine
+    # refuses it): neither kind of work, so it does not push auto towards the graph engine.
+    compiled = {id(p) for m in module.modules() if is_compiled(m) for p in m.parameters()}
     in_embeddings = {
         id(p) for m in module.modules() if isinstance(m, nn.Embedding) for p in m.parameters()
     }
     linear = other = 0
     for p in module.parameters():
         if not p.requires_grad:
+            continue
+        if id(p) in compiled:
             continue
         if id(p) in in_linears:
             linear += p.numel() if p.dim() >= 2 else 0

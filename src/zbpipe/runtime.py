@@ -246,6 +246,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
     ) -> None:
         # torch's custom-function context carries no return_outputs / loss_kwargs: keep them here.
         self._step_opts = (return_outputs, loss_kwargs)
+        self.seam.claim_linears()
         try:
             super()._step_microbatches(
                 arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs

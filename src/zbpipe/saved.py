@@ -51,8 +51,9 @@ class Holder:
 
     def __init__(self, tensor: torch.Tensor, observer: Observer | None) -> None:
         self.tensor: torch.Tensor | None = tensor
+        local = _local(tensor)  # a DTensor's bytes are its local shard's
         try:
-            storage = tensor.untyped_storage()
+            storage = local.untyped_storage()
             self.storage, self.nbytes = storage.data_ptr(), storage.nbytes()
         except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
             self.storage, self.nbytes = 0, 0
@@ -69,6 +70,17 @@ class Holder:
             self.tensor = None
             if self._finalizer is not None:
                 self._finalizer()  # tell the observer now, and only once
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    if type(t) is torch.Tensor:
+        return t
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        with torch.no_grad():
+            return t.to_local()
+    return t
 
 
 def storage_ptr(t: torch.Tensor) -> int | None:

@@ -115,6 +115,18 @@ class StageSeam:
                 self._linears[st.stage_index] = patched_linears(st.submod)
                 logger.debug("zbpipe: stage %d: %d Linears defer their W", st.stage_index, n)
 
+    def claim_linears(self) -> None:
+        """Point this rank's patched Linears at this seam's slots again (call per step).
+
+        A second schedule built on the same modules takes their Linears over (``patch_linears``
+        re-points them); without this, this schedule would silently stop deferring.
+        """
+        for idx, linears in self._linears.items():
+            slot = self._slots[idx]
+            if linears and linears[0].__dict__.get("_zbpipe_slot") is not slot:
+                for lin in linears:
+                    lin._zbpipe_slot = slot
+
     # ------------------------------------------------------------------ F
     @contextlib.contextmanager
     def forward(self, stage: Any, mb: int) -> Iterator[None]:
@@ -160,10 +172,12 @@ class StageSeam:
             outputs, output_grads = (loss,), None
         else:
             outputs, output_grads = stage_output, C.received_grads(stage, mb)
-        _prepare_fsdp(stage, unshard=True)
+        # The graph engine collects the unsharded parameters (the graph's leaves) before B; the
+        # deferred B is an ordinary autograd pass, unsharded by FSDP2's own pre-backward hooks.
+        _prepare_fsdp(stage, unshard=self.engine == "graph")
         saved = self._saved.get(key)
         if self.engine == "deferred":
-            store = self._stores.pop(key)
+            store = self._pending[key] = self._stores.pop(key)  # clear() frees it if B fails
             # Activation checkpointing recomputes forwards inside this pass: they must reach the
             # same store (and the same autograd.Function) as the original forward did.
             linears = self._linears[stage.stage_index]
@@ -173,7 +187,6 @@ class StageSeam:
                     grads = backward_full(outputs, output_grads, input_values)
                 finally:
                     store.deferring = False
-            self._pending[key] = store
             if saved is not None:  # B freed the graph; only the store's tensors remain
                 saved.release_all()
         else:
