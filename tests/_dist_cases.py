@@ -61,18 +61,33 @@ def grads_match_reference(rank, world, schedule, m, options=None, seed=1):
 
     ``options`` go to the schedule, except ``checkpoint`` ("reentrant" / "non-reentrant"):
     each block of the pipelined stages runs under ``torch.utils.checkpoint`` (the reference
-    does not). Returns the largest absolute difference seen; raises if any grad is off.
+    does not); and ``hooks=True``: every Linear weight's ``register_post_accumulate_grad_hook``
+    must fire once per microbatch (once per W, or per fused BW), never in a B.
+    Returns the largest absolute difference seen; raises if any grad is off.
     """
     cls = getattr(zbpipe, schedule)
     options = dict(options or {})
     checkpointing = options.pop("checkpoint", None)
+    count_hooks = options.pop("hooks", False)
     num_stages = world * cls.stages_per_rank
     mods = build_stages(CFG, num_stages, seed=seed)
     ids, tgt = synthetic_batch(CFG, batch=2 * m, step=seed)
     ref, ref_losses = reference_grads(mods, ids, tgt, m)
     if checkpointing is not None:
         _checkpoint_blocks(mods, reentrant=checkpointing == "reentrant")
+    fired: dict[str, int] = {}
+    if count_hooks:
+        for s, mod in enumerate(mods):
+            for name, lin in mod.named_modules():
+                if isinstance(lin, nn.Linear):
+                    key = f"stage {s} {name}.weight"
+                    fired[key] = 0
+                    lin.weight.register_post_accumulate_grad_hook(
+                        lambda p, key=key: fired.__setitem__(key, fired[key] + 1)
+                    )
     mine, losses, _ = run_pipeline_step(rank, world, cls, m, mods, ids, tgt, **options)
+    mine_fired = {k: n for k, n in fired.items() if int(k.split()[1]) in mine}
+    assert all(n == m for n in mine_fired.values()), f"{schedule}{options}: hooks {mine_fired}"
     worst = 0.0
     for s in mine:
         for (name, p), (_, q) in zip(mods[s].named_parameters(), ref[s].named_parameters()):

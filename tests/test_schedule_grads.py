@@ -58,7 +58,9 @@ def test_zbv_all_memory_modes_grads_equal_reference_on_2_ranks():
         2,
         [c for mode in ("zb", "half", "min") for c in _cases("ScheduleZBV", ms, {"memory": mode})]
         + _cases("ScheduleZBV", (3, 8), {"memory": "zb", **GRAPH})
-        + _cases("ScheduleZBV", (4,), {"memory": "min", **GRAPH}),
+        + _cases("ScheduleZBV", (4,), {"memory": "min", **GRAPH})
+        # post-accumulate hooks of Linear weights fire once per W (deferred engine)
+        + _cases("ScheduleZBV", (4,), {"memory": "zb", "split": "deferred", "hooks": True}),
     )
 
 
