@@ -208,6 +208,7 @@ def pp_fsdp_case(
                 mismatches.append(f"stage {s} {name}: {str(e).splitlines()[2:4]}")
             worst = max(worst, (g - q.grad).abs().max().item())
     return {
+        "split": sched.split,
         "mismatches": mismatches,
         "worst": worst,
         "log": ev.log,
@@ -334,6 +335,7 @@ def pp_tp_case(
             )
             worst = max(worst, (g - q.grad).abs().max().item())
     return {
+        "split": sched.split,
         "worst": worst,
         "dtensor_params": n_dtensor,
         "dtensor_inputs": received,

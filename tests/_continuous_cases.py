@@ -37,12 +37,17 @@ def batch(k: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _schedule(
-    rank: int, world: int, m: int, mode: str, opt: str, seed: int = SEED
+    rank: int, world: int, m: int, mode: str, opt: str, seed: int = SEED, split: str = "auto"
 ) -> ScheduleContinuous:
     mod = build_stages(CFG, world, seed=seed)[rank]
     stage = PipelineStage(mod, rank, world, torch.device("cpu"))
     return ScheduleContinuous(
-        [stage], m, loss_fn=lm_loss, mode=mode, optimizer=lambda ps: make_optimizer(opt, ps)
+        [stage],
+        m,
+        loss_fn=lm_loss,
+        mode=mode,
+        optimizer=lambda ps: make_optimizer(opt, ps),
+        split=split,
     )
 
 
@@ -61,12 +66,13 @@ def _params(sched: ScheduleContinuous) -> dict:
     return {n: p.detach().numpy().copy() for n, p in sched.stage.submod.named_parameters()}
 
 
-def train(rank: int, world: int, m: int, n: int, mode: str, opt: str) -> dict:
+def train(rank: int, world: int, m: int, n: int, mode: str, opt: str, split: str = "auto") -> dict:
     """n mini-batches then flush; this stage's parameters, the losses per call, live versions."""
-    sched = _schedule(rank, world, m, mode, opt)
+    sched = _schedule(rank, world, m, mode, opt, split=split)
     records = _feed(sched, rank, world, m, range(n))
     flushed = [(kk, [float(x) for x in ls]) for kk, ls in sched.flush()]
     return dict(
+        split=sched.split,
         params=_params(sched),
         records=records,
         flushed=flushed,

@@ -36,29 +36,69 @@ def run_pipeline_step(rank, world, cls, m, mods, ids, tgt, **options):
     return mine, losses, sched
 
 
+class Checkpointed(nn.Module):
+    """``torch.utils.checkpoint`` around one block: its forward is recomputed during B."""
+
+    def __init__(self, block: nn.Module, reentrant: bool) -> None:
+        super().__init__()
+        self.block, self.reentrant = block, reentrant
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=self.reentrant)
+
+
+def _checkpoint_blocks(mods: list[nn.Module], reentrant: bool) -> None:
+    from zbpipe.testing.models import Block
+
+    for mod in mods:
+        for i, layer in enumerate(mod):
+            if isinstance(layer, Block):
+                mod[i] = Checkpointed(layer, reentrant)
+
+
 def grads_match_reference(rank, world, schedule, m, options=None, seed=1):
     """Run one step of ``schedule`` and compare every local parameter's grad with the reference.
 
+    ``options`` go to the schedule, except ``checkpoint`` ("reentrant" / "non-reentrant"):
+    each block of the pipelined stages runs under ``torch.utils.checkpoint`` (the reference
+    does not); and ``hooks=True``: every Linear weight's ``register_post_accumulate_grad_hook``
+    must fire once per microbatch (once per W, or per fused BW), never in a B.
     Returns the largest absolute difference seen; raises if any grad is off.
     """
     cls = getattr(zbpipe, schedule)
-    options = options or {}
+    options = dict(options or {})
+    checkpointing = options.pop("checkpoint", None)
+    count_hooks = options.pop("hooks", False)
     num_stages = world * cls.stages_per_rank
     mods = build_stages(CFG, num_stages, seed=seed)
     ids, tgt = synthetic_batch(CFG, batch=2 * m, step=seed)
     ref, ref_losses = reference_grads(mods, ids, tgt, m)
+    if checkpointing is not None:
+        _checkpoint_blocks(mods, reentrant=checkpointing == "reentrant")
+    fired: dict[str, int] = {}
+    if count_hooks:
+        for s, mod in enumerate(mods):
+            for name, lin in mod.named_modules():
+                if isinstance(lin, nn.Linear):
+                    key = f"stage {s} {name}.weight"
+                    fired[key] = 0
+                    lin.weight.register_post_accumulate_grad_hook(
+                        lambda p, key=key: fired.__setitem__(key, fired[key] + 1)
+                    )
     mine, losses, _ = run_pipeline_step(rank, world, cls, m, mods, ids, tgt, **options)
+    mine_fired = {k: n for k, n in fired.items() if int(k.split()[1]) in mine}
+    assert all(n == m for n in mine_fired.values()), f"{schedule}{options}: hooks {mine_fired}"
     worst = 0.0
     for s in mine:
         for (name, p), (_, q) in zip(mods[s].named_parameters(), ref[s].named_parameters()):
-            assert p.grad is not None, f"{schedule} m={m}: stage {s} {name} has no grad"
+            assert p.grad is not None, f"{schedule}{options} m={m}: stage {s} {name} has no grad"
             # fp32, same ops, only the summation order across microbatches can differ.
             torch.testing.assert_close(
                 p.grad,
                 q.grad,
                 rtol=1e-5,
                 atol=1e-6,
-                msg=lambda e: f"{schedule} m={m} stage {s} {name}: {e}",
+                msg=lambda e: f"{schedule}{options} m={m} stage {s} {name}: {e}",
             )
             worst = max(worst, (p.grad - q.grad).abs().max().item())
     if num_stages - 1 in mine:
@@ -85,23 +125,31 @@ def _torch_1f1b_grads(rank, world, m, mods, ids, tgt):
 
 def bitwise_equal_to_1f1b(rank, world, m):
     """ZBH1(exact=True) gives gradients bitwise equal to 1F1B's on the same model and data: both
-    zbpipe's Schedule1F1BMulti and torch's own Schedule1F1B."""
+    zbpipe's Schedule1F1BMulti and torch's own Schedule1F1B, under either backward engine."""
     num_stages = world
     cfg = TinyGPTConfig(tricky=False)
     out = {}
-    for name, opts in (("Schedule1F1BMulti", {}), ("ScheduleZBH1", {"exact": True})):
+    runs = (
+        ("Schedule1F1BMulti", {}),
+        ("ScheduleZBH1", {"exact": True, "split": "deferred"}),
+        ("ScheduleZBH1 graph", {"exact": True, "split": "graph"}),
+    )
+    for name, opts in runs:
         mods = build_stages(cfg, num_stages, seed=3)
         ids, tgt = synthetic_batch(cfg, batch=2 * m, step=3)
         mine, _, _ = run_pipeline_step(
-            rank, world, getattr(zbpipe, name), m, mods, ids, tgt, **opts
+            rank, world, getattr(zbpipe, name.split()[0]), m, mods, ids, tgt, **opts
         )
         out[name] = [p.grad.clone() for s in mine for p in mods[s].parameters()]
     mods = build_stages(cfg, num_stages, seed=3)
     ids, tgt = synthetic_batch(cfg, batch=2 * m, step=3)
     out["torch Schedule1F1B"] = _torch_1f1b_grads(rank, world, m, mods, ids, tgt)
     for ref in ("Schedule1F1BMulti", "torch Schedule1F1B"):
-        same = [torch.equal(a, b) for a, b in zip(out[ref], out["ScheduleZBH1"], strict=True)]
-        assert all(same), f"rank {rank}: {same.count(False)} of {len(same)} grads differ from {ref}"
+        for zb in ("ScheduleZBH1", "ScheduleZBH1 graph"):
+            same = [torch.equal(a, b) for a, b in zip(out[ref], out[zb], strict=True)]
+            assert all(same), (
+                f"rank {rank}: {zb}: {same.count(False)} of {len(same)} grads differ from {ref}"
+            )
     return len(out["ScheduleZBH1"])
 
 

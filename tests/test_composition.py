@@ -70,15 +70,26 @@ def test_reduce_violations_detects_early_and_double_reduction():
     assert any("before its last W" in v for v in reduce_violations(before_w, {0: 2}, m=2))
 
 
+# Both backward engines, in one process group per test (spawning 4 processes is the slow part):
+# every case runs once per split.
+SPLITS = ("deferred", "graph")
+
+
+def _per_split(case_list: list[tuple]) -> list[tuple]:
+    return [(s, m, {**o, "split": split}, x) for split in SPLITS for s, m, o, x in case_list]
+
+
 def test_pp_x_fsdp2_grads_and_reduce_scatter_after_last_w():
     # (schedule, n_microbatches, options, reshard_after_forward of the blocks)
-    case_list = [
-        ("ScheduleZBH1", 4, {}, False),  # torchtitan's default under PP: blocks stay unsharded
-        ("ScheduleZBV", 4, {}, False),
-        ("ScheduleZBH1", 4, {}, True),  # ZeRO-3 style: blocks resharded after every forward
-        ("ScheduleZBV", 5, {"memory": "half"}, True),
-    ]
-    results = run_ranks(cases.fsdp_cases, WORLD, case_list, timeout=150)
+    case_list = _per_split(
+        [
+            ("ScheduleZBH1", 4, {}, False),  # torchtitan's default under PP: blocks unsharded
+            ("ScheduleZBV", 4, {}, False),
+            ("ScheduleZBH1", 4, {}, True),  # ZeRO-3 style: blocks resharded after every forward
+            ("ScheduleZBV", 5, {"memory": "half"}, True),
+        ]
+    )
+    results = run_ranks(cases.fsdp_cases, WORLD, case_list, timeout=300)
     for rank, per_case in enumerate(results):
         for (schedule, m, options, raf), r in zip(case_list, per_case):
             where = f"rank {rank} {schedule}{options} m={m} reshard_after_forward={raf}"
@@ -86,20 +97,24 @@ def test_pp_x_fsdp2_grads_and_reduce_scatter_after_last_w():
                 f"{where}: gradients differ from the reference: {r['mismatches']}"
             )
             assert reduce_violations(r["log"], r["groups"], m) == [], f"{where}: {r['log']}"
+            assert r["split"] == options["split"], where
 
 
 def test_pp_x_tp_grads_equal_reference():
     # (schedule, n_microbatches, options, DTensor activations between stages)
-    case_list = [
-        ("ScheduleZBH1", 4, {}, False),
-        ("ScheduleZBV", 4, {}, False),
-        ("ScheduleZBH1", 4, {}, True),
-        ("ScheduleZBV", 4, {}, True),
-    ]
-    results = run_ranks(cases.tp_cases, WORLD, case_list, timeout=150)
+    case_list = _per_split(
+        [
+            ("ScheduleZBH1", 4, {}, False),
+            ("ScheduleZBV", 4, {}, False),
+            ("ScheduleZBH1", 4, {}, True),
+            ("ScheduleZBV", 4, {}, True),
+        ]
+    )
+    results = run_ranks(cases.tp_cases, WORLD, case_list, timeout=300)
     for rank, per_case in enumerate(results):
-        for (schedule, m, _, dtensor_boundary), r in zip(case_list, per_case):
-            where = f"rank {rank} {schedule} m={m} dtensor_boundary={dtensor_boundary}"
+        for (schedule, m, options, dtensor_boundary), r in zip(case_list, per_case):
+            where = f"rank {rank} {schedule}{options} m={m} dtensor_boundary={dtensor_boundary}"
+            assert r["split"] == options["split"], where
             # fc and out of every block are sharded over tp: 4 DTensor params per block.
             assert r["dtensor_params"] == 4 * 2 * len(r["mine"]), where
             received = r["dtensor_inputs"]

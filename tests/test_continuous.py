@@ -22,13 +22,16 @@ pytestmark = pytest.mark.dist
 
 N = 5
 MB = {2: 3, 4: 4}  # microbatches per mini-batch for each world size
+# (mode, optimizer, split): the default engine for this model is the deferred one; the last
+# case keeps the graph engine covered.
 CASES = [
-    ("sync", "sgd"),
-    ("sync", "adamw"),
-    ("sync", "sgd"),
-    ("2bw", "sgd"),
-    ("stash", "adamw"),
-    ("2bw", "adamw"),
+    ("sync", "sgd", "auto"),
+    ("sync", "adamw", "auto"),
+    ("sync", "sgd", "auto"),
+    ("2bw", "sgd", "auto"),
+    ("stash", "adamw", "auto"),
+    ("2bw", "adamw", "auto"),
+    ("2bw", "sgd", "graph"),
 ]
 
 
@@ -36,7 +39,8 @@ CASES = [
 def runs(request):
     world = request.param
     m = MB[world]
-    out = run_ranks(cc.train_cases, world, [(m, N, mode, opt) for mode, opt in CASES], timeout=240)
+    cases = [(m, N, mode, opt, split) for mode, opt, split in CASES]
+    out = run_ranks(cc.train_cases, world, cases, timeout=240)
     return world, m, {i: [out[r][i] for r in range(world)] for i in range(len(CASES))}
 
 
@@ -82,7 +86,7 @@ def _assert_params(world, per_rank, ref, opt, tol, what):
 @pytest.mark.parametrize("case", [0, 1], ids=["sgd-momentum", "adamw"])
 def test_sync_equals_plain_training_loop(runs, case):
     world, m, res = runs
-    mode, opt = CASES[case]
+    mode, opt, _ = CASES[case]
     ref = cc.plain_loop(world, m, N, opt)
     _assert_params(world, res[case], ref, opt, TOL[opt], f"sync {opt} on {world} ranks")
     assert all(r["steps"] == N for r in res[case])
@@ -122,9 +126,19 @@ def test_losses_tagged_with_their_minibatch(runs):
 @pytest.mark.parametrize("case", [3, 5], ids=["sgd-momentum", "adamw"])
 def test_2bw_follows_its_version_rule(runs, case):
     world, m, res = runs
-    _, opt = CASES[case]
+    _, opt, _ = CASES[case]
     ref, _ = cc.reference(world, m, N, opt, lambda s, g: max(g // m - 1, 0))  # k runs on W(k-1)
     _assert_params(world, res[case], ref, opt, TOL[opt], f"2bw {opt}")
+
+
+def test_graph_engine_follows_the_same_version_rule(runs):
+    """2bw with split="graph" (case 3 runs the same with the default, deferred, engine)."""
+    world, m, res = runs
+    assert all(r["split"] == "graph" for r in res[6]) and all(
+        r["split"] == "deferred" for r in res[3]
+    )
+    ref, _ = cc.reference(world, m, N, "sgd", lambda s, g: max(g // m - 1, 0))
+    _assert_params(world, res[6], ref, "sgd", TOL["sgd"], "2bw sgd, graph engine")
 
 
 def test_stash_follows_its_version_rule(runs):

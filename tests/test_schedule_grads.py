@@ -3,6 +3,8 @@
 Real processes, gloo, one thread each. The model has an embedding, LayerNorms, a Linear used
 twice per block, a custom autograd.Function and a buffer (zbpipe.testing.models, tricky=True).
 Each test runs several cases in one process group: starting processes is the slow part.
+The default engine for this model is the deferred one (split="auto"); cases with
+split="graph" keep the graph engine covered on every schedule family.
 """
 
 import pytest
@@ -12,6 +14,9 @@ from zbpipe.testing import run_ranks
 import _dist_cases as cases
 
 pytestmark = pytest.mark.dist
+
+
+GRAPH = {"split": "graph"}
 
 
 def _cases(schedule, microbatches, options=None):
@@ -26,7 +31,13 @@ def _run(world, case_list, timeout=240):
 @pytest.mark.parametrize("world", [2, 4])
 def test_zbh1_grads_equal_unpipelined_reference(world):
     ms = (world, 2 * world, 3 * world + 1)
-    _run(world, _cases("ScheduleZBH1", ms) + _cases("ScheduleZBH1", ms, {"exact": True}))
+    _run(
+        world,
+        _cases("ScheduleZBH1", ms)
+        + _cases("ScheduleZBH1", ms, {"exact": True})
+        + _cases("ScheduleZBH1", (3 * world + 1,), GRAPH)
+        + _cases("ScheduleZBH1", (2 * world,), {"exact": True, **GRAPH}),
+    )
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -36,7 +47,8 @@ def test_zbh2_and_auto_grads_equal_unpipelined_reference(world):
         world,
         _cases("ScheduleZBH2", ms)
         + _cases("ScheduleZBAuto", ms, {"memory_limit": "1p"})
-        + _cases("ScheduleZBAuto", ms, {"memory_limit": "2p"}),
+        + _cases("ScheduleZBAuto", ms, {"memory_limit": "2p"})
+        + _cases("ScheduleZBAuto", (2 * world + 1,), {"memory_limit": "1p", **GRAPH}),
     )
 
 
@@ -44,12 +56,16 @@ def test_zbv_all_memory_modes_grads_equal_reference_on_2_ranks():
     ms = (1, 3, 4, 8)
     _run(
         2,
-        [c for mode in ("zb", "half", "min") for c in _cases("ScheduleZBV", ms, {"memory": mode})],
+        [c for mode in ("zb", "half", "min") for c in _cases("ScheduleZBV", ms, {"memory": mode})]
+        + _cases("ScheduleZBV", (3, 8), {"memory": "zb", **GRAPH})
+        + _cases("ScheduleZBV", (4,), {"memory": "min", **GRAPH})
+        # post-accumulate hooks of Linear weights fire once per W (deferred engine)
+        + _cases("ScheduleZBV", (4,), {"memory": "zb", "split": "deferred", "hooks": True}),
     )
 
 
 def test_zbv_grads_equal_reference_on_4_ranks():
-    _run(4, _cases("ScheduleZBV", (4, 8, 9)))
+    _run(4, _cases("ScheduleZBV", (4, 8, 9)) + _cases("ScheduleZBV", (9,), GRAPH))
 
 
 def test_v_half_and_v_min_grads_equal_reference_on_4_ranks():
@@ -74,6 +90,22 @@ def test_v_saved_activation_peak_within_the_plans_budget_on_4_ranks():
 
 def test_1f1b_multi_grads_equal_unpipelined_reference():
     _run(2, _cases("Schedule1F1BMulti", (2, 5)))
+
+
+def test_activation_checkpointed_stages_grads_equal_reference_under_both_engines():
+    """torch.utils.checkpoint around every block: the recompute runs inside B (the deferred
+    engine's Linears queue their GEMMs from it); the reference runs without checkpointing.
+
+    Non-reentrant only: torch's PipelineStage infers gradient shapes with autograd.grad, which
+    reentrant checkpointing refuses (tests/test_deferred.py covers reentrant on one stage)."""
+    _run(
+        2,
+        [
+            (schedule, 4, {"checkpoint": "non-reentrant", "split": split})
+            for schedule in ("ScheduleZBH1", "ScheduleZBV")
+            for split in ("deferred", "graph")
+        ],
+    )
 
 
 def test_zbh1_exact_is_bitwise_identical_to_1f1b():
