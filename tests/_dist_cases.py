@@ -421,7 +421,11 @@ def v_saved_peak_within_budget(rank, world, m, modes):
     x = torch.randn(m * rows, 64)
     for mode in modes:
         stages = [PipelineStage(_v_chunk(s), s, n_stages, torch.device("cpu")) for s in mine]
-        sched = zbpipe.ScheduleZBV(stages, m, loss_fn=_mean_loss, memory=mode)
+        # The graph engine: its B frees only activation-only tensors, as the plan's memory model
+        # (F allocates 1 unit, W frees it) assumes. The deferred engine's B frees every saved
+        # tensor but keeps each Linear's input and output gradient for W: on these tiny
+        # Linear-GELU-Linear chunks that is more than the forward saved (docs/backward.md).
+        sched = zbpipe.ScheduleZBV(stages, m, loss_fn=_mean_loss, memory=mode, split="graph")
         meter = SavedActivationMeter()
         sched.attach_meter(meter)
         meter.begin_step()

@@ -109,7 +109,10 @@ def test_heavier_last_stage_is_measured_heavier(two_ranks, case):
     c = two_ranks[0][case]["measured"]
     # The last stage runs 7 blocks and the head against 1 block (+ embedding) elsewhere.
     assert c.f[-1] > 2 * max(c.f[:-1]), c
-    assert c.b[-1] + c.w[-1] > 2 * max(b + w for b, w in zip(c.b[:-1], c.w[:-1])), c
+    # Backward: only "heavier", not 2x. Under the deferred engine stage 0's B also accumulates
+    # the embedding's dense (vocab x hidden) gradient, which the graph engine left to W, and the
+    # passes of these tiny blocks are mostly per-op overhead.
+    assert c.b[-1] + c.w[-1] > max(b + w for b, w in zip(c.b[:-1], c.w[:-1])), c
 
 
 @pytest.mark.dist
