@@ -265,9 +265,12 @@ def main() -> None:
             "/".join(f"{b / 2**20:.1f}" for b in r["peak_saved_bytes_per_rank"]),
         )
     Console().print(table)
-    os.makedirs(os.path.dirname(out_path), exist_ok=True)
-    with open(out_path, "w") as f:
-        json.dump({"config": asdict(cfg), "results": res}, f, indent=1)
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from results_io import write_result
+
+    write_result("", {"config": asdict(cfg), "results": res}, path=out_path)
 
 
 if __name__ == "__main__":
