@@ -141,12 +141,8 @@ def test_zbv_trains_like_torchtitans_interleaved_1f1b(run):
     _assert_same_losses(run("ZBV", "full"), run("Interleaved1F1B", "full"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="zbpipe's weight pass runs a second backward through torchtitan's selective activation "
-    "checkpointing regions, which torch forbids ('Trying to backward an extra time'); full AC and "
-    "no AC train. Open: the split backward must keep SAC's recomputed tensors until W.",
-)
 def test_zbh1_with_torchtitans_default_selective_ac(run):
+    """torchtitan's default selective activation checkpointing trains with the default (deferred)
+    split: its B is one autograd pass. (The graph engine's W would backward a second time through
+    SAC's regions, which torch forbids.)"""
     _assert_same_losses(run("ZBH1", "selective"), run("1F1B", "selective"))
