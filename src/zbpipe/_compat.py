@@ -142,28 +142,11 @@ class _LocalNeighbourInit:
 
 
 class _LossKwargs:
-    """``loss_kwargs`` on a torch whose schedules have none (2.11): ``step()`` keeps them and
-    the loss is computed with them; torch's own methods are called with the arguments they take.
+    """``loss_kwargs`` on a torch whose schedules have none (2.11).
+
+    zbpipe's runtime passes them to ``_maybe_compute_loss`` itself (``step()`` keeps them; see
+    ``run_microbatches``); torch's own methods are called with the arguments they take.
     """
-
-    _compat_loss_kwargs: dict[str, Any] | None = None
-
-    def step(
-        self,
-        *args: Any,
-        target: Any = None,
-        losses: list | None = None,
-        return_outputs: bool = True,
-        loss_kwargs: dict[str, Any] | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        self._compat_loss_kwargs = loss_kwargs
-        try:
-            return super().step(  # type: ignore[misc]
-                *args, target=target, losses=losses, return_outputs=return_outputs, **kwargs
-            )
-        finally:
-            self._compat_loss_kwargs = None
 
     def _step_microbatches(
         self,
@@ -181,7 +164,6 @@ class _LossKwargs:
     def _maybe_compute_loss(
         self, stage: Any, output: Any, target_mbs: Any, mb_index: int, loss_kwargs: Any = None
     ) -> None:
-        loss_kwargs = loss_kwargs or self._compat_loss_kwargs
         if not loss_kwargs:
             return super()._maybe_compute_loss(stage, output, target_mbs, mb_index)  # type: ignore[misc]
         if stage.is_last and self._loss_fn is not None:  # torch 2.11's body, with the keywords

@@ -19,7 +19,6 @@ Concrete schedules (:mod:`zbpipe.schedules`) only say which plan to build.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any, Callable, ClassVar, Literal
 
 import torch
@@ -42,8 +41,6 @@ from .validation import (
     check_step_args,
     config_fingerprint,
 )
-
-logger = logging.getLogger(__name__)
 
 
 def plan_to_torch_actions(plan: Plan) -> dict[int, list[Any]]:
