@@ -16,54 +16,16 @@ checkpointing, dataloader), with two changes CPU forces:
   for language models, so the inner attention module's config is swapped after the model config
   is built (the rest of the model is untouched). Unlike FlexAttention's document mask, causal
   SDPA attends across the packed documents of a sequence; the reference runs do the same;
-* :func:`use_cpu_device`: torchtitan 0.3.0 has no CPU device: ``torchtitan.tools.utils`` picks
-  ``"cuda"`` (and ``torch.cuda``) when no accelerator is found, its modules import those names at
-  import time, and its device memory monitor calls CUDA-only functions. The CPU module given
-  instead reports no memory statistics (torchtitan logs -1 for them).
+* :func:`torchtitan_cpu.use_cpu_device`: torchtitan 0.3.0 has no CPU device and would ask CUDA
+  for one (``torchtitan_cpu.py``, shared with the torchtitan 0.2.x recipe, says what changes).
 """
 
 from __future__ import annotations
 
-import os
-import sys
-from types import ModuleType, SimpleNamespace
-
 import torch
+from torchtitan_cpu import use_cpu_device
 
 import zbpipe.torchtitan  # noqa: F401  (the integration: registers zbpipe's names, patches torchtitan)
-
-
-def _cpu_device_module() -> SimpleNamespace:
-    # torch.cpu plus the CUDA-only calls torchtitan's Trainer and memory monitor make.
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    base = {k: getattr(torch.cpu, k) for k in dir(torch.cpu) if not k.startswith("__")}
-    return SimpleNamespace(
-        **{
-            **base,
-            "get_device_name": lambda device=None: "cpu",
-            "current_device": lambda: 0,
-            "device_count": lambda: 1,
-            "set_device": lambda device: None,
-            "get_device_properties": lambda device=None: SimpleNamespace(total_memory=total),
-            "memory_stats": lambda device=None: {},
-            "reset_peak_memory_stats": lambda device=None: None,
-            "empty_cache": lambda: None,
-        }
-    )
-
-
-def use_cpu_device() -> None:
-    """Make every loaded torchtitan module see ``device_type = "cpu"`` (CPU runs only)."""
-    if torch.accelerator.is_available():
-        return
-    cpu = _cpu_device_module()
-    for name, module in list(sys.modules.items()):
-        if not (name.startswith("torchtitan") and isinstance(module, ModuleType)):
-            continue
-        if getattr(module, "device_type", None) == "cuda":
-            module.device_type = "cpu"
-        if getattr(module, "device_module", None) is torch.cuda:
-            module.device_module = cpu
 
 
 def llama3_debugmodel_cpu():
