@@ -14,7 +14,10 @@ repetition runs, on fresh forwards of the same module and data, interleaved in a
 Stages: Linear+GELU stacks (hidden 256 and 1024; 32 and 512 rows; a middle stage, whose input
 needs a gradient, and stage 0, whose input does not) and Llama-style blocks (RMSNorm, causal
 SDPA, SwiGLU; benchmarks/llama_blocks.py). Reported: medians (min, max) of (B + W) / fused over
-repetitions, each pass's time, and the largest gradient difference from the fused backward.
+repetitions, twice: for the first microbatch of a step (no ``.grad`` yet: every pass creates it)
+and for the others (``.grad`` exists: every pass accumulates into it, which the deferred engine
+does inside its GEMM), with each pass's time and the largest gradient difference from the
+fused backward.
 
 On CPU the clock is the thread's CPU time (one intra-op thread: the compute a pass costs, not
 time another process took the core). On CUDA each pass reports device time (CUDA events) and host
@@ -123,13 +126,18 @@ def one_rep(
     first: bool,
     engines: tuple[str, ...],
     clock: Clock,
+    accumulate: bool = False,
 ) -> tuple[dict, dict]:
-    """Each engine once on a fresh forward: {pass: seconds} (device) and the gradients."""
+    """Each engine once on a fresh forward: {pass: seconds} (device) and the gradients.
+
+    ``accumulate``: the weights already hold a gradient (zeros), as in every microbatch of a
+    pipeline step but the first, so each pass adds to ``.grad`` instead of creating it.
+    """
     times: dict[str, tuple[float, float]] = {}
     grads: dict[str, list[torch.Tensor]] = {}
     params = list(m.parameters())
     for engine in engines:
-        m.zero_grad(set_to_none=True)
+        m.zero_grad(set_to_none=not accumulate)
         x = x0.detach().clone().requires_grad_(not first)
         store = WeightGradStore()
         slot.store = store if engine == "deferred" else None
@@ -175,51 +183,61 @@ def measure(case: dict, reps: int, warmup: int, device: torch.device, dtype: tor
         g = torch.randn_like(m(x0))
     engines = ENGINES if not case["first"] else ENGINES[:3]
     clock = Clock(device)
-    samples: dict[str, list[tuple[float, float]]] = {}
+    samples: dict[bool, dict[str, list[tuple[float, float]]]] = {False: {}, True: {}}
     worst = {e: 0.0 for e in engines[1:]}
     for rep in range(warmup + reps):
         k = rep % len(engines)
-        times, grads = one_rep(m, slot, x0, g, case["first"], engines[k:] + engines[:k], clock)
-        for e in engines[1:]:
-            assert len(grads[e]) == len(grads["fused"]), f"{case['name']}: {e} lost a gradient"
-            scale = max(r.abs().max().item() for r in grads["fused"])
-            diff = max((a - r).abs().max().item() for a, r in zip(grads[e], grads["fused"]))
-            worst[e] = max(worst[e], diff / scale)
-        if rep >= warmup:
-            for name, t in times.items():
-                samples.setdefault(name, []).append(t)
-    row: dict = {"name": case["name"], "passes_s": {}, "host_s": {}, "ratio": {}}
-    for name, ts in samples.items():
+        for accumulate in (rep % 2 == 1, rep % 2 == 0):  # which goes first alternates too
+            times, grads = one_rep(
+                m, slot, x0, g, case["first"], engines[k:] + engines[:k], clock, accumulate
+            )
+            for e in engines[1:]:
+                assert len(grads[e]) == len(grads["fused"]), f"{case['name']}: {e} lost a grad"
+                scale = max(r.abs().max().item() for r in grads["fused"])
+                diff = max((a - r).abs().max().item() for a, r in zip(grads[e], grads["fused"]))
+                worst[e] = max(worst[e], diff / scale)
+            if rep >= warmup:
+                for name, t in times.items():
+                    samples[accumulate].setdefault(name, []).append(t)
+    row: dict = {"name": case["name"], "passes_s": {}, "host_s": {}}
+    for name, ts in samples[False].items():
         row["passes_s"][name] = statistics.median(t[0] for t in ts)
         row["host_s"][name] = statistics.median(t[1] for t in ts)
-    fused = [t[0] for t in samples["fused"]]
-    for e in engines[1:]:
-        r = [b[0] + w[0] for b, w in zip(samples[f"{e} B"], samples[f"{e} W"])]
-        ratios = [s / f for s, f in zip(r, fused)]
-        row["ratio"][e] = {
-            "median": statistics.median(ratios),
-            "min": min(ratios),
-            "max": max(ratios),
-        }
+    # "ratio": the first microbatch of a step (no .grad yet); "ratio_accumulating": the others
+    for key, accumulate in (("ratio", False), ("ratio_accumulating", True)):
+        got = samples[accumulate]
+        fused = [t[0] for t in got["fused"]]
+        row[key] = {}
+        for e in engines[1:]:
+            r = [b[0] + w[0] for b, w in zip(got[f"{e} B"], got[f"{e} W"])]
+            row[key][e] = _spread([s / f for s, f in zip(r, fused)])
     row["max_rel_grad_diff"] = worst
     return row
 
 
+def _spread(ratios: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+
+
 def print_rows(rows: list[dict], cuda: bool) -> None:
     print(
-        f"{'stage':34} {'engine':9} {'(B+W)/fused median (min-max)':30} {'B ms':>8} {'W ms':>8}"
+        f"{'stage':34} {'engine':9} {'(B+W)/fused: first mb':24} {'accumulating':24}"
+        f" {'B ms':>8} {'W ms':>8}"
         + (f" {'B host ms':>10}" if cuda else "")
         + f" {'grad diff':>10}"
     )
     for row in rows:
         fused = row["passes_s"]["fused"] * 1e3
-        print(f"{row['name']:34} {'fused':9} {'':30} {fused:8.3f}")
+        print(f"{row['name']:34} {'fused':9} {'':49} {fused:8.3f}")
         for e, r in row["ratio"].items():
             b, w = row["passes_s"][f"{e} B"] * 1e3, row["passes_s"][f"{e} W"] * 1e3
-            spread = f"{r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f})"
+            spreads = [
+                f"{q['median']:.3f} ({q['min']:.2f}-{q['max']:.2f})"
+                for q in (r, row["ratio_accumulating"][e])
+            ]
             host = f" {row['host_s'][f'{e} B'] * 1e3:10.3f}" if cuda else ""
             print(
-                f"{'':34} {e:9} {spread:30} {b:8.3f} {w:8.3f}{host} "
+                f"{'':34} {e:9} {spreads[0]:24} {spreads[1]:24} {b:8.3f} {w:8.3f}{host} "
                 f"{row['max_rel_grad_diff'][e]:10.1e}"
             )
 

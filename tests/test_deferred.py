@@ -6,9 +6,11 @@ store in the stage's slot around F and around B (activation checkpointing recomp
 B), ``deferring=True`` and the Linear weights' post-accumulate hooks parked during B only,
 then ``store.run()`` as W. Single process, fp32 on CPU.
 
-Exactness: W's GEMM is the one autograd's AddmmBackward runs for a Linear's weight
-(``grad_output^T @ input`` on the same saved tensors) and AccumulateGrad adds it, so results are
-asserted bitwise equal (``torch.equal``) unless a test says why not.
+Exactness: with ``exact=True`` (the stores here, unless a test says otherwise) W's GEMM is the
+one autograd's AddmmBackward runs for a Linear's weight (``grad_output^T @ input`` on the same
+saved tensors) and it is added as AccumulateGrad adds it, so results are asserted bitwise equal
+(``torch.equal``). The default store (``exact=False``) accumulates inside the GEMM
+(``grad.addmm_``): the tests of that path assert the same sums to fp32 rounding, in place.
 """
 
 from __future__ import annotations
@@ -60,14 +62,14 @@ def _holding(slot: StoreSlot, store: WeightGradStore, deferring: bool = False):
 class Deferred:
     """A patched module driven as StageSeam drives a stage: ``forward``, ``backward`` (B), ``w``."""
 
-    def __init__(self, module: nn.Module, observer=None) -> None:
+    def __init__(self, module: nn.Module, observer=None, exact: bool = True) -> None:
         self.module, self.slot = module, StoreSlot()
         self.num_patched = patch_linears(module, self.slot)
-        self.observer = observer
+        self.observer, self.exact = observer, exact
         self.store: WeightGradStore | None = None
 
     def forward(self, *inputs, autocast: bool = False):
-        self.store = WeightGradStore(observer=self.observer)
+        self.store = WeightGradStore(observer=self.observer, exact=self.exact)
         with _holding(self.slot, self.store), _autocast(autocast):
             return self.module(*inputs)
 
@@ -136,7 +138,7 @@ def test_linear_applied_twice_queues_two_gemms_and_matches_bitwise():
 
 
 def _twice(d: Deferred, x: torch.Tensor) -> torch.Tensor:
-    d.store = WeightGradStore()
+    d.store = WeightGradStore(exact=d.exact)
     with _holding(d.slot, d.store):
         return d.module(torch.tanh(d.module(x)))
 
@@ -163,6 +165,53 @@ def test_w_accumulates_onto_existing_grad_across_microbatches_like_autograd(orde
         for s in stores:
             s.run()
     _assert_grads_equal(mod, ref)
+
+
+@pytest.mark.parametrize("twice", [False, True], ids=["once", "applied-twice"])
+def test_default_w_accumulates_inside_the_gemm_in_place(twice):
+    """exact=False: a weight that has a .grad gets the GEMM's sum in that same tensor (no new
+    tensor, no second pass), equal to autograd's accumulation to fp32 rounding. 512 rows: the
+    GEMM's blocked sum differs from autograd's in the last bits, so exact=True (which must stay
+    bitwise) is checked on the same data."""
+    torch.manual_seed(0)
+    mod = nn.Linear(64, 64)
+    mod.weight.grad, mod.bias.grad = torch.randn(64, 64), torch.randn(64)
+    x, g = torch.randn(512, 64), torch.randn(512, 64)
+    ref = copy.deepcopy(mod)
+    ref.weight.grad, ref.bias.grad = mod.weight.grad.clone(), mod.bias.grad.clone()
+    for exact in (False, True):
+        m = copy.deepcopy(ref)
+        m.weight.grad, m.bias.grad = ref.weight.grad.clone(), ref.bias.grad.clone()
+        grad_before = m.weight.grad
+        d = Deferred(m, exact=exact)
+        out = _twice(d, _leaf(x)) if twice else d.forward(_leaf(x))
+        d.backward(out, g).run()
+        if not exact:
+            assert m.weight.grad is grad_before, "W replaced .grad instead of adding into it"
+            fast = m.weight.grad
+        else:
+            exact_grad = m.weight.grad
+    (ref(torch.tanh(ref(_leaf(x)))) if twice else ref(_leaf(x))).backward(g)
+    assert torch.equal(exact_grad, ref.weight.grad)
+    torch.testing.assert_close(fast, ref.weight.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_default_w_steals_when_there_is_no_grad_yet_and_fires_hooks_once():
+    torch.manual_seed(0)
+    mod = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+    ref = copy.deepcopy(mod)
+    fired = Counter()
+    for name, p in mod.named_parameters():
+        if name.endswith("2.weight"):
+            p.register_post_accumulate_grad_hook(lambda p, n=name: fired.update([n]))
+    d = Deferred(mod, exact=False)
+    mbs = [(torch.randn(5, 8), torch.randn(5, 8)) for _ in range(3)]
+    for x, g in mbs:
+        ref(x).backward(g)
+        d.backward(d.forward(x), g).run()
+    assert fired == {"2.weight": 3}
+    for p, q in zip(mod.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6)
 
 
 def test_running_w_twice_raises():

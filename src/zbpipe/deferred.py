@@ -63,12 +63,21 @@ class WeightGradStore:
     GEMM then, and computes it on the spot at any other time (a fused backward, a second
     backward with ``create_graph=True``). ``observer`` (a :class:`zbpipe.memory`
     meter) is told the bytes the queue keeps alive until W.
+
+    ``exact=False`` (the default) lets a GEMM whose weight already has a gradient accumulate
+    into it in the same call (``grad.addmm_(g^T, x)``, as Megatron's gradient-accumulation
+    fusion does): no temporary the size of the weight, no second pass over ``.grad``. The sum is
+    the same up to rounding (the GEMM adds ``.grad`` inside its blocked inner loop).
+    ``exact=True`` computes each product apart and adds it the way ``AccumulateGrad`` does, so
+    the bits equal a fused backward's (``ScheduleZBH1(exact=True)`` asks for this).
     """
 
-    __slots__ = ("deferring", "_entries", "_observer")
+    __slots__ = ("deferring", "exact", "_entries", "_observer")
 
-    def __init__(self, observer: Observer | None = None) -> None:
+    def __init__(self, observer: Observer | None = None, *, exact: bool = False) -> None:
         self.deferring = False
+        #: True: accumulate as a fused backward does, bit for bit (see :meth:`run`)
+        self.exact = exact
         self._entries: list | None = []  # (weight, x2d, g2d, dtype, holders for the observer)
         self._observer = observer
 
@@ -83,12 +92,13 @@ class WeightGradStore:
 
     def put(self, weight: Tensor, x2d: Tensor, g2d: Tensor, dtype: torch.dtype | None) -> None:
         """Queue ``weight``'s gradient ``g2d^T @ x2d`` (in ``dtype`` under autocast)."""
-        if self._entries is None:
+        entries = self._entries
+        if entries is None:
             raise RuntimeError("zbpipe: a weight gradient was queued after its W ran")
         held = None
         if self._observer is not None:
             held = (Holder(x2d, self._observer), Holder(g2d, self._observer))
-        self._entries.append((weight, x2d, g2d, dtype, held))
+        entries.append((weight, x2d, g2d, dtype, held))
 
     def run(self) -> None:
         """W: compute every queued GEMM and accumulate the results into the weights' ``.grad``."""
@@ -99,6 +109,9 @@ class WeightGradStore:
                 "runs once"
             )
         self._entries = None  # an exception below still leaves nothing queued
+        if not self.exact:
+            _run_accumulating(entries)
+            return
         # A weight's products are summed in queue order (a Linear applied twice: summed first,
         # as autograd's input buffer sums the two before AccumulateGrad) and accumulated as soon
         # as its last product is in; each entry's activations are dropped right after its GEMM.
@@ -130,8 +143,7 @@ class WeightGradStore:
                     _accumulate(weight, dw)
                 else:
                     later.append((weight, dw))
-        if later:
-            torch.autograd.backward([w for w, _ in later], [dw for _, dw in later])
+        _accumulate_hooked(later)
 
     def release(self) -> None:
         """Drop whatever is still queued (a failed step) without computing it."""
@@ -139,6 +151,45 @@ class WeightGradStore:
             for h in held or ():
                 h.release()
         self._entries = None
+
+
+def _run_accumulating(entries: list) -> None:
+    """W with each GEMM accumulating into ``.grad`` where it can (``WeightGradStore.exact=False``).
+
+    A weight used twice takes its products one at a time (the first one stolen, the next added
+    by the GEMM itself): the same sum as autograd's, in another order.
+    """
+    later = []
+    with torch.no_grad():
+        for i, (weight, x, g, dtype, held) in enumerate(entries):
+            entries[i] = None
+            grad = weight.grad
+            hooked = has_post_accumulate_grad_hooks(weight)
+            if (
+                not hooked
+                and dtype is None
+                and type(grad) is Tensor
+                and type(x) is Tensor
+                and grad.dtype == x.dtype
+            ):
+                grad.addmm_(g.t(), x)
+            else:
+                dw = _weight_grad(g, x, dtype, weight.dtype)
+                if hooked:
+                    later.append((weight, dw))
+                else:
+                    _accumulate(weight, dw)
+            del x, g
+            if held is not None:
+                for h in held:
+                    h.release()
+    _accumulate_hooked(later)
+
+
+def _accumulate_hooked(later: list) -> None:
+    """Hand the products of weights with post-accumulate hooks to autograd, which fires them."""
+    if later:
+        torch.autograd.backward([w for w, _ in later], [dw for _, dw in later])
 
 
 def _accumulate(weight: Tensor, dw: Tensor) -> None:
@@ -171,51 +222,60 @@ def _weight_grad(g2d: Tensor, x2d: Tensor, dtype: torch.dtype | None, out: torch
 
 
 class _LinearFunction(torch.autograd.Function):
-    """``F.linear`` whose weight gradient waits in a :class:`WeightGradStore` during B."""
+    """``F.linear`` whose weight gradient waits in a :class:`WeightGradStore` during B.
+
+    Runs once per Linear call in F and in B, so it is written for speed: one context attribute,
+    no reshape of 2-D tensors (docs/backward.md has the per-call costs).
+    """
 
     @staticmethod
     def forward(
         ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, store: WeightGradStore
     ) -> Tensor:
-        ctx.store = store
-        # A weight computed in the forward (a parametrization such as weight_norm) is not a leaf:
-        # B's autograd pass walks its small graph with no gradient and frees it, so W could not
-        # reach the parameters behind it. Its GEMM is computed in B, like a fused backward's.
-        ctx.deferrable = weight.grad_fn is None
-        # The weight W accumulates into. Not the saved one: non-reentrant activation
-        # checkpointing hands B a detached copy from its recompute in place of each saved tensor.
-        ctx.weight = weight
         device = x.device.type
         # Autocast casts inside F.linear; the backward (which autograd runs without autocast)
         # must compute in the same dtype, then cast back as autocast's _to_copy backward would.
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-        ctx.dtype, ctx.x_dtype = dtype, x.dtype
-        ctx.bias_dtype = bias.dtype if bias is not None else None
-        if dtype is not None and x.is_floating_point() and x.dtype != dtype:
+        x_dtype = x.dtype
+        if dtype is not None and x_dtype != dtype and x.is_floating_point():
             x = x.to(dtype)  # saved (and held until W) at the size autocast's own Linear saves
         ctx.save_for_backward(x, weight)
+        # (store, the weight W accumulates into, whether W may compute it, autocast dtype,
+        # input dtype, bias dtype). The weight is kept apart from the saved one: non-reentrant
+        # activation checkpointing hands B a detached copy from its recompute in place of each
+        # saved tensor. A weight computed in the forward (a parametrization such as
+        # weight_norm) is not a leaf: B's autograd pass walks its small graph and frees it, so
+        # W could not reach the parameters behind it; its GEMM is computed in B, like a fused
+        # backward's.
+        ctx.state = (
+            store,
+            weight,
+            weight.grad_fn is None,
+            dtype,
+            x_dtype,
+            None if bias is None else bias.dtype,
+        )
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         x, weight = ctx.saved_tensors
+        store, leaf_weight, deferrable, dtype, x_dtype, bias_dtype = ctx.state
         need_x, need_w, need_b, _ = ctx.needs_input_grad
-        dtype = ctx.dtype
-        g2d = grad_out.reshape(-1, grad_out.shape[-1])
+        g2d = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_w = grad_b = None
         if need_x:
-            w = weight if dtype is None else weight.to(dtype)
-            grad_x = grad_out.matmul(w)
-            if grad_x.dtype != ctx.x_dtype:
-                grad_x = grad_x.to(ctx.x_dtype)
+            grad_x = grad_out.matmul(weight if dtype is None else weight.to(dtype))
+            if grad_x.dtype != x_dtype:
+                grad_x = grad_x.to(x_dtype)
         if need_b:
             grad_b = g2d.sum(0)
-            if grad_b.dtype != ctx.bias_dtype:
-                grad_b = grad_b.to(ctx.bias_dtype)
+            if grad_b.dtype != bias_dtype:
+                grad_b = grad_b.to(bias_dtype)
         if need_w:
-            x2d = x.reshape(-1, x.shape[-1])
-            if ctx.deferrable and ctx.store.deferring and not torch.is_grad_enabled():
-                ctx.store.put(ctx.weight, x2d, g2d, dtype)  # W computes it
+            x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+            if deferrable and store.deferring and not torch.is_grad_enabled():
+                store.put(leaf_weight, x2d, g2d, dtype)  # W computes it
             else:  # a fused backward, or create_graph=True: an ordinary Linear
                 grad_w = _weight_grad(g2d, x2d, dtype, weight.dtype)
         return grad_x, grad_w, grad_b, None

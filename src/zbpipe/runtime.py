@@ -61,6 +61,8 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
     plan_name: ClassVar[str]
     layout: ClassVar[Layout] = "loop"
     stages_per_rank: ClassVar[int] = 1
+    #: True: weight gradients bitwise equal to a fused backward's (``ScheduleZBH1(exact=True)``)
+    exact: bool = False
 
     def __init__(
         self,
@@ -116,7 +118,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
             )
             summary = f"{type(self).__name__}(n_microbatches={n_microbatches}, stages={self._num_stages}, plan {fingerprint})"
             check_peers_agree(type(self), stages[0].group, self.rank, fingerprint, summary)
-        self.seam = StageSeam(stages, self.split)
+        self.seam = StageSeam(stages, self.split, exact=self.exact)
         self._lower(self.plan)
         self.tracer = Tracer(rank=self.rank, enabled=trace or profiling, device=stages[0].device)
         self._profiler = (

@@ -27,7 +27,8 @@ class ScheduleZBH1(PlannedSchedule):
     deferred into the pipeline's bubbles. Peak activation memory equals 1F1B's.
 
     One stage per rank (loop placement). ``exact=True`` keeps 1F1B's weight-gradient
-    accumulation order, so gradients are bitwise identical to 1F1B's.
+    accumulation order and its way of adding (no accumulation inside the deferred engine's
+    GEMMs), so gradients are bitwise identical to 1F1B's.
     """
 
     plan_name = "ZBH1"

@@ -95,11 +95,14 @@ class StageSeam:
     """Runs F, B, W and BW of this rank's stages with one backward engine.
 
     ``split_keys``: the ``(stage, microbatch)`` keys whose backward the plan splits into B and
-    W (the others run a fused BW, which needs neither a store nor early release).
+    W (the others run a fused BW, which needs neither a store nor early release). ``exact``:
+    the deferred engine's W adds each weight gradient as a fused backward does, bit for bit,
+    instead of accumulating inside its GEMM (:class:`~zbpipe.deferred.WeightGradStore`).
     """
 
-    def __init__(self, stages: Sequence[Any], engine: Engine) -> None:
+    def __init__(self, stages: Sequence[Any], engine: Engine, *, exact: bool = False) -> None:
         self.engine: Engine = engine
+        self.exact = exact
         self.stages = {st.stage_index: st for st in stages}
         self.split_keys: Container[Key] = ()
         self.meter: Observer | None = None
@@ -141,7 +144,7 @@ class StageSeam:
                 saved = self._saved[key] = SavedTensors(observer=self.meter, skip=skip)
                 scope.enter_context(saved.hooks())
             if split and self.engine == "deferred":
-                store = self._stores[key] = WeightGradStore(observer=self.meter)
+                store = self._stores[key] = WeightGradStore(self.meter, exact=self.exact)
                 scope.enter_context(self._slot_holding(stage, store))
             yield
 
