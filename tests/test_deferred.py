@@ -44,7 +44,7 @@ from zbpipe.deferred import (
 from zbpipe.memory import SavedActivationMeter
 from zbpipe.planning import Action, Costs, Plan, plan, simulate
 from zbpipe.planning.fuse import fuse_adjacent_backward
-from zbpipe.stage_seam import choose_engine
+from zbpipe.stage_seam import StageSeam, choose_engine
 
 # ---------------------------------------------------------------------------------------------
 # harness: the seam's F / B / W on one module, and the plain reference
@@ -611,6 +611,21 @@ def test_fuse_hand_worked_plan():
     assert fused.order[1] == p.order[1]
     costs = Costs()
     assert simulate(fused, costs).makespan == simulate(p, costs).makespan
+
+
+@pytest.mark.parametrize(
+    "engine, exact, store_bw",
+    [("deferred", False, {(0, 1), (1, 2)}), ("deferred", True, set()), ("graph", False, set())],
+)
+def test_seam_runs_every_bw_but_a_stages_first_through_the_store(engine, exact, store_bw):
+    """Hand-worked order of one rank with two stages. Stage 0's first backward is BW0 (torch's
+    fused backward: no .grad yet); its BW1 and stage 1's BW2 (stage 1's first backward is the
+    split B0) go through the deferred store, where W accumulates inside the GEMMs. exact=True
+    and the graph engine keep torch's fused backward for every BW."""
+    seam = StageSeam([], engine, exact=exact)
+    seam.assign(_acts("0F0 1F0 1B0 0BW0 1W0 0F1 0BW1 1F2 1BW2 0F2 0B2 0W2"))
+    assert seam.split_keys == {(1, 0), (0, 2)}
+    assert seam.store_bw_keys == store_bw
 
 
 def test_fuse_v_turn_on_one_rank():

@@ -141,9 +141,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
     def _lower(self, plan: Plan) -> None:
         # Run a W that directly follows its own B as one fused BW: same place, less work.
         executed = fuse_adjacent_backward(plan)
-        self.seam.split_keys = {
-            (a.stage, a.microbatch) for a in executed.order[self.rank] if a.kind == "B"
-        }
+        self.seam.assign(executed.order[self.rank])
         torch_order = plan_to_torch_actions(executed)
         self.pipeline_order = {r: list(acts) for r, acts in torch_order.items()}
         self._prepare_schedule_with_comms(torch_order)

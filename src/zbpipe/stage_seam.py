@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Container, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from typing import Any, Literal
 
 import torch
@@ -95,7 +95,9 @@ class StageSeam:
     """Runs F, B, W and BW of this rank's stages with one backward engine.
 
     ``split_keys``: the ``(stage, microbatch)`` keys whose backward the plan splits into B and
-    W (the others run a fused BW, which needs neither a store nor early release). ``exact``:
+    W; ``store_bw_keys``: the keys whose fused BW runs as the deferred engine's B then W at once
+    (:meth:`assign` fills both from a rank's order). Other BWs are torch's fused backward, which
+    needs neither a store nor early release. ``exact``:
     the deferred engine's W adds each weight gradient as a fused backward does, bit for bit,
     instead of accumulating inside its GEMM (:class:`~zbpipe.deferred.WeightGradStore`).
     """
@@ -105,6 +107,7 @@ class StageSeam:
         self.exact = exact
         self.stages = {st.stage_index: st for st in stages}
         self.split_keys: Container[Key] = ()
+        self.store_bw_keys: Container[Key] = ()
         self.meter: Observer | None = None
         self._pending: dict[Key, WeightGrad | WeightGradStore] = {}
         self._saved: dict[Key, SavedTensors] = {}
@@ -117,6 +120,30 @@ class StageSeam:
                 n = patch_linears(st.submod, slot)
                 self._linears[st.stage_index] = patched_linears(st.submod)
                 logger.debug("zbpipe: stage %d: %d Linears defer their W", st.stage_index, n)
+
+    def assign(self, actions: Iterable[Any]) -> None:
+        """Set :attr:`split_keys` and :attr:`store_bw_keys` from this rank's compute actions.
+
+        With the deferred engine (and not ``exact``), every BW but a stage's first backward of
+        the step runs as B then W: W adds into the ``.grad`` the first backward created inside
+        its GEMMs, where torch's fused backward writes a weight-sized product and adds it in a
+        second pass. A stage's first backward usually finds no ``.grad`` (``zero_grad`` sets
+        them to None), so both ways create it alike and torch's, with no Python per Linear, is
+        kept.
+        """
+        split: set[Key] = set()
+        store_bw: set[Key] = set()
+        seen: set[int] = set()
+        fast_bw = self.engine == "deferred" and not self.exact
+        for a in actions:
+            key = (a.stage, a.microbatch)
+            if a.kind == "B":
+                split.add(key)
+            elif a.kind == "BW" and a.stage in seen and fast_bw:
+                store_bw.add(key)
+            if a.kind in ("B", "BW"):
+                seen.add(a.stage)
+        self.split_keys, self.store_bw_keys = split, store_bw
 
     def claim_linears(self) -> None:
         """Point this rank's patched Linears at this seam's slots again (call per step).
@@ -135,7 +162,7 @@ class StageSeam:
     def forward(self, stage: Any, mb: int) -> Iterator[None]:
         """Around the forward of ``stage`` on ``mb`` (and its loss, on the last stage)."""
         key = (stage.stage_index, mb)
-        split = key in self.split_keys and stage.has_backward
+        split = stage.has_backward and (key in self.split_keys or key in self.store_bw_keys)
         with contextlib.ExitStack() as scope:
             if stage.has_backward and (
                 (split and self.engine == "graph") or self.meter is not None
@@ -220,7 +247,11 @@ class StageSeam:
     def full_backward(
         self, stage: Any, mb: int, loss: torch.Tensor | None, last_backward: bool
     ) -> None:
-        """BW, torch's fused backward of ``stage`` on ``mb`` (weights accumulate at once)."""
+        """BW of ``stage`` on ``mb``: torch's fused backward, or B then W (:meth:`assign`)."""
+        if (stage.stage_index, mb) in self._stores:  # F opened a store: a store_bw_keys key
+            self.backward_input(stage, mb, loss)
+            self.backward_weight(stage, mb)
+            return
         stage.backward_one_chunk(mb, loss=loss, full_backward=True, last_backward=last_backward)
         self.release((stage.stage_index, mb))
         self._hand_backward(stage, mb)
