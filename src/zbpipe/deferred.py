@@ -72,12 +72,17 @@ class WeightGradStore:
     the bits equal a fused backward's (``ScheduleZBH1(exact=True)`` asks for this).
     """
 
-    __slots__ = ("deferring", "exact", "_entries", "_observer")
+    __slots__ = ("deferring", "exact", "immediate", "_entries", "_observer")
 
     def __init__(self, observer: Observer | None = None, *, exact: bool = False) -> None:
         self.deferring = False
         #: True: accumulate as a fused backward does, bit for bit (see :meth:`run`)
         self.exact = exact
+        #: True (a fused BW, W right after B): a GEMM that can accumulate inside ``.grad`` runs
+        #: at once, in B, instead of being queued: nothing is held, the operands are still hot.
+        #: Only where no post-accumulate hook is parked (the seam checks; parked hooks are
+        #: invisible during B)
+        self.immediate = False
         self._entries: list | None = []  # (weight, x2d, g2d, dtype, holders for the observer)
         self._observer = observer
 
@@ -95,6 +100,9 @@ class WeightGradStore:
         entries = self._entries
         if entries is None:
             raise RuntimeError("zbpipe: a weight gradient was queued after its W ran")
+        if self.immediate and not self.exact and _accumulates_in_gemm(weight, x2d, dtype):
+            weight.grad.addmm_(g2d.t(), x2d)
+            return
         held = None
         if self._observer is not None:
             held = (Holder(x2d, self._observer), Holder(g2d, self._observer))
@@ -163,19 +171,11 @@ def _run_accumulating(entries: list) -> None:
     with torch.no_grad():
         for i, (weight, x, g, dtype, held) in enumerate(entries):
             entries[i] = None
-            grad = weight.grad
-            hooked = has_post_accumulate_grad_hooks(weight)
-            if (
-                not hooked
-                and dtype is None
-                and type(grad) is Tensor
-                and type(x) is Tensor
-                and grad.dtype == x.dtype
-            ):
-                grad.addmm_(g.t(), x)
+            if _accumulates_in_gemm(weight, x, dtype):
+                weight.grad.addmm_(g.t(), x)
             else:
                 dw = _weight_grad(g, x, dtype, weight.dtype)
-                if hooked:
+                if has_post_accumulate_grad_hooks(weight):
                     later.append((weight, dw))
                 else:
                     _accumulate(weight, dw)
@@ -184,6 +184,19 @@ def _run_accumulating(entries: list) -> None:
                 for h in held:
                     h.release()
     _accumulate_hooked(later)
+
+
+def _accumulates_in_gemm(weight: Tensor, x: Tensor, dtype: torch.dtype | None) -> bool:
+    """Whether ``weight``'s gradient can be added inside the GEMM: a plain ``.grad`` already
+    there in the input's dtype, no autocast cast, no post-accumulate hook to fire."""
+    grad = weight.grad
+    return (
+        type(grad) is Tensor
+        and type(x) is Tensor
+        and dtype is None
+        and grad.dtype == x.dtype
+        and not has_post_accumulate_grad_hooks(weight)
+    )
 
 
 def _accumulate_hooked(later: list) -> None:
@@ -355,14 +368,15 @@ def patched_linears(module: nn.Module) -> list[nn.Module]:
 
 
 @contextlib.contextmanager
-def post_accumulate_hooks_parked(linears: Sequence[nn.Module]) -> Iterator[None]:
+def post_accumulate_hooks_parked(linears: Sequence[nn.Module]) -> Iterator[bool]:
     """Around B: hold back the ``register_post_accumulate_grad_hook`` hooks of ``linears``' weights.
 
     Autograd runs a leaf's ``AccumulateGrad``, and with it the leaf's post-accumulate hooks, even
     when the gradient reaching it is None, which is what B hands a weight whose GEMM it queued:
     the hooks would fire in B on a ``.grad`` W has not written yet, then again in W. Parked, they
     fire once, in W, after the accumulation (a weight that also gets a part of its gradient in
-    B, tied to an embedding say, fires in W too: after its last accumulation).
+    B, tied to an embedding say, fires in W too: after its last accumulation). Yields whether
+    any hook was parked (a store must then not accumulate during B: see ``immediate``).
     """
     parked: list[tuple[dict, dict]] = []
     for lin in linears:
@@ -372,7 +386,7 @@ def post_accumulate_hooks_parked(linears: Sequence[nn.Module]) -> Iterator[None]
             parked.append((hooks, dict(hooks)))
             hooks.clear()
     try:
-        yield
+        yield bool(parked)
     finally:
         for hooks, saved in parked:
             hooks.update(saved)

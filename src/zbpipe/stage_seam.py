@@ -211,7 +211,8 @@ class StageSeam:
             # Activation checkpointing recomputes forwards inside this pass: they must reach the
             # same store (and the same autograd.Function) as the original forward did.
             linears = self._linears[stage.stage_index]
-            with self._slot_holding(stage, store), post_accumulate_hooks_parked(linears):
+            with self._slot_holding(stage, store), post_accumulate_hooks_parked(linears) as hooked:
+                store.immediate = store.immediate and not hooked  # hooks fire in W, after all
                 store.deferring = True
                 try:
                     grads = backward_full(outputs, output_grads, input_values)
@@ -248,7 +249,9 @@ class StageSeam:
         self, stage: Any, mb: int, loss: torch.Tensor | None, last_backward: bool
     ) -> None:
         """BW of ``stage`` on ``mb``: torch's fused backward, or B then W (:meth:`assign`)."""
-        if (stage.stage_index, mb) in self._stores:  # F opened a store: a store_bw_keys key
+        store = self._stores.get((stage.stage_index, mb))
+        if store is not None:  # F opened a store: a store_bw_keys key
+            store.immediate = True  # its GEMMs accumulate during B, none is held for W
             self.backward_input(stage, mb, loss)
             self.backward_weight(stage, mb)
             return
