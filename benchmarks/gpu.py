@@ -5,11 +5,11 @@ CUDA tensors), so the GPU test is a one-rank pipeline holding several stages: lo
 instead of messages, every kernel on the one device.
 
 (a) split backward: a stage of bf16 Llama-style blocks (RMSNorm, causal SDPA, SwiGLU) at hidden
-    512, 1024, 2048, 4096 (seq = hidden). The fused backward (zbpipe's Schedule1F1BMulti: one BW
-    per microbatch) against the split B + W of every engine in ``ENGINES`` (ScheduleZBH1 with
-    ``split=engine``), all in one-rank one-stage pipelines: device time and host time per pass
-    (medians over microbatches and repetitions), and the largest gradient difference from the
-    fused backward (relative to the largest gradient).
+    512, 1024, 2048, 4096 (seq = hidden). The fused backward (``torch.autograd.backward``)
+    against B + W of every engine in ``ENGINES``, each called directly on fresh forwards (the
+    measurement of benchmarks/split_backward.py): device time and host time per pass (medians
+    over repetitions), for a step's first microbatch and for the accumulating ones, and the
+    largest gradient difference from the fused backward (relative to the largest gradient).
 (b) pipelines: the same model (``--blocks`` blocks) split into as many stages as each schedule
     places on one rank: every zbpipe schedule against torch's Schedule1F1B,
     ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and a plain

@@ -130,7 +130,7 @@ def bitwise_equal_to_1f1b(rank, world, m):
     cfg = TinyGPTConfig(tricky=False)
     out = {}
     runs = (
-        ("Schedule1F1BMulti", {}),
+        ("Schedule1F1BMulti", {"exact": True}),
         ("ScheduleZBH1", {"exact": True, "split": "deferred"}),
         ("ScheduleZBH1 graph", {"exact": True, "split": "graph"}),
     )

@@ -6,8 +6,9 @@ same model's plain loop (``loss / m`` backward per microbatch, the scaling torch
 apply). Checked: the gradients (fp32 rounding: the GEMM adds inside its blocked loop), that the
 later BWs really took the store (the Linear weights' ``.grad`` is the tensor the first BW
 created, added to in place), that a post-accumulate hook fires once per microbatch as in the
-plain loop (parked hooks turn the in-B accumulation off), and that ``split="graph"`` keeps
-torch's fused backward.
+plain loop (its weight's GEMMs wait for W, which fires it), that a tensor hook
+(``register_hook``) that doubles the gradient sees it every microbatch (such a weight is not
+deferred), and the same for ``split="graph"``.
 """
 
 import copy
@@ -39,7 +40,11 @@ def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (out - target).pow(2).mean()
 
 
-def _one_rank(rank: int, world: int, split: str, hook: bool) -> dict:
+def _count(fired: dict, key: str) -> None:
+    fired[key] += 1
+
+
+def _one_rank(rank: int, world: int, split: str, hook: str | None) -> dict:
     from torch.distributed.pipelining import PipelineStage
 
     import zbpipe
@@ -49,10 +54,12 @@ def _one_rank(rank: int, world: int, split: str, hook: bool) -> dict:
     ref = copy.deepcopy(model)
     x, y = torch.randn(M * 3, 16), torch.randn(M * 3, 8)
     fired = {"pipe": 0, "ref": 0}
-    if hook:
-        for net, key in ((model, "pipe"), (ref, "ref")):
-            net[3].weight.register_post_accumulate_grad_hook(
-                lambda p, k=key: fired.__setitem__(k, fired[k] + 1)
+    for net, key in ((model, "pipe"), (ref, "ref")):
+        if hook == "post-accumulate":
+            net[3].weight.register_post_accumulate_grad_hook(lambda p, k=key: _count(fired, k))
+        elif hook == "tensor":  # changes the gradient: deferral must not skip it
+            net[3].weight.register_hook(
+                lambda g, k=key: fired.__setitem__(k, fired[k] + 1) or 2 * g
             )
     for xs, ys in zip(x.chunk(M), y.chunk(M), strict=True):
         (_mse(ref(xs), ys) / M).backward()
@@ -79,16 +86,30 @@ def _one_rank(rank: int, world: int, split: str, hook: bool) -> dict:
     return {"diffs": diffs, "fired": fired, "same_tensor": same_tensor, "split": sched.split}
 
 
-@pytest.mark.parametrize("split", ["deferred", "graph"])
-@pytest.mark.parametrize("hook", [False, True], ids=["no-hook", "hook"])
-def test_bw_through_store_matches_the_plain_loop(split, hook):
-    (res,) = run_ranks(_one_rank, 1, split, hook, timeout=120)
-    assert res["split"] == split
-    worst = max(res["diffs"].values())
-    assert worst < 1e-5, res["diffs"]
-    if hook:
-        assert res["fired"] == {"pipe": M, "ref": M}, res["fired"]
-    # Linear weights: the first BW created .grad; later BWs added into that very tensor (the
-    # store's addmm_ with the deferred engine, AccumulateGrad's in-place add with the graph one)
-    linear_weights = {n: s for n, s in res["same_tensor"].items() if n in ("0.weight", "3.weight")}
-    assert linear_weights and all(linear_weights.values()), res["same_tensor"]
+CASES = [
+    ("deferred", None),
+    ("deferred", "post-accumulate"),
+    ("deferred", "tensor"),
+    ("graph", None),
+    ("graph", "tensor"),
+]
+
+
+def _all_cases(rank: int, world: int) -> list[dict]:
+    return [_one_rank(rank, world, split, hook) for split, hook in CASES]
+
+
+def test_bw_through_store_matches_the_plain_loop():
+    """Every case in one process (starting one is the slow part)."""
+    (results,) = run_ranks(_all_cases, 1, timeout=180)
+    for (split, hook), res in zip(CASES, results, strict=True):
+        case = f"split={split} hook={hook}"
+        assert res["split"] == split, case
+        worst = max(res["diffs"].values())
+        assert worst < 1e-5, (case, res["diffs"])
+        if hook:
+            assert res["fired"] == {"pipe": M, "ref": M}, (case, res["fired"])
+        # Linear weights: the first BW created .grad; later BWs added into that very tensor
+        # (inside the GEMM with the deferred engine, AccumulateGrad's in-place add with graph)
+        linear = {n: v for n, v in res["same_tensor"].items() if n in ("0.weight", "3.weight")}
+        assert linear and all(linear.values()), (case, res["same_tensor"])

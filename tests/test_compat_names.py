@@ -47,3 +47,15 @@ def test_no_private_torch_import_outside_compat():
             ):
                 offenders.append(f"{path.name}: {line.strip()}")
     assert not offenders, offenders
+
+
+def test_tensor_hook_attributes_zbpipe_reads_see_the_hooks():
+    """The deferred engine reads two private tensor attributes to decide what W may do."""
+    import torch
+
+    w = torch.nn.Parameter(torch.randn(2, 2))
+    assert not C.has_grad_hooks(w) and not C.has_post_accumulate_grad_hooks(w)
+    w.register_hook(lambda g: g)
+    w.register_post_accumulate_grad_hook(lambda p: None)
+    assert C.has_grad_hooks(w), "torch no longer keeps register_hook hooks in _backward_hooks"
+    assert C.has_post_accumulate_grad_hooks(w), "torch renamed _post_accumulate_grad_hooks"

@@ -214,6 +214,56 @@ def test_default_w_steals_when_there_is_no_grad_yet_and_fires_hooks_once():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6)
 
 
+def test_immediate_store_accumulates_during_b_and_queues_only_parked_weights():
+    """A BW through the store: each GEMM is accumulated in B (created when .grad is None, added
+    in place after), nothing is held for W, except the weights whose post-accumulate hooks B
+    parked, which W computes and whose hooks it fires."""
+    torch.manual_seed(0)
+    mod = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 4))
+    ref = copy.deepcopy(mod)
+    fired = Counter()
+    mod[2].weight.register_post_accumulate_grad_hook(lambda p: fired.update(["2"]))
+    d = Deferred(mod, exact=False)
+    for step in range(2):
+        x, g = torch.randn(5, 8), torch.randn(5, 4)
+        ref(x).backward(g)
+        out = d.forward(x)
+        d.store.immediate = True
+        with (
+            _holding(d.slot, d.store, deferring=True),
+            post_accumulate_hooks_parked(patched_linears(mod)) as parked,
+        ):
+            d.store.parked = parked
+            out.backward(g)
+        assert parked == {id(mod[2].weight)}
+        assert d.store.num_gemms == 1, "only the hooked weight's GEMM may wait for W"
+        assert mod[0].weight.grad is not None, f"step {step}: not accumulated during B"
+        d.store.run()
+    assert fired == {"2": 2}
+    for p, q in zip(mod.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_weights_with_tensor_hooks_or_complex_values_get_their_gradient_in_b():
+    """register_hook hooks see the gradient B hands a weight; a deferred GEMM would leave it None
+    (a hook doubling it would be skipped or crash). Complex weights need the conjugate, which W's
+    GEMM does not take. Both are computed in B, as a fused backward does."""
+    torch.manual_seed(0)
+    hooked = nn.Linear(6, 6)
+    hooked.weight.register_hook(lambda g: 2 * g)
+    cplx = nn.Linear(6, 6, dtype=torch.complex64)
+    for mod, x in ((hooked, torch.randn(3, 6)), (cplx, torch.randn(3, 6, dtype=torch.complex64))):
+        ref = copy.deepcopy(mod)
+        if mod is hooked:
+            ref.weight.register_hook(lambda g: 2 * g)
+        ref(x).abs().sum().backward()
+        d = Deferred(mod)
+        store = d.backward(d.forward(x).abs().sum())
+        assert store.num_gemms == 0 and mod.weight.grad is not None
+        store.run()
+        torch.testing.assert_close(mod.weight.grad, ref.weight.grad)
+
+
 def test_running_w_twice_raises():
     d = Deferred(nn.Linear(4, 4))
     store = d.backward(d.forward(torch.randn(2, 4)).sum())

@@ -80,6 +80,11 @@ def has_post_accumulate_grad_hooks(t: Any) -> bool:
     return bool(post_accumulate_grad_hooks(t))
 
 
+def has_grad_hooks(t: Any) -> bool:
+    """Whether ``t.register_hook`` put a hook on ``t``'s gradient (autograd calls it first)."""
+    return bool(getattr(t, "_backward_hooks", None))
+
+
 # =====================================================================================
 # torch 2.11 - 2.15 differences (issue 14). One shim per difference, detected by feature.
 # Call sites: runtime.py and continuous.py inherit the base classes below; runtime.py and

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._compat import has_post_accumulate_grad_hooks, post_accumulate_grad_hooks
+from ._compat import has_grad_hooks, has_post_accumulate_grad_hooks, post_accumulate_grad_hooks
 from .backward import accumulate_fresh
 from .saved import Holder, Observer
 
@@ -72,17 +72,19 @@ class WeightGradStore:
     the bits equal a fused backward's (``ScheduleZBH1(exact=True)`` asks for this).
     """
 
-    __slots__ = ("deferring", "exact", "immediate", "_entries", "_observer")
+    __slots__ = ("deferring", "exact", "immediate", "parked", "_entries", "_observer")
 
     def __init__(self, observer: Observer | None = None, *, exact: bool = False) -> None:
         self.deferring = False
         #: True: accumulate as a fused backward does, bit for bit (see :meth:`run`)
         self.exact = exact
-        #: True (a fused BW, W right after B): a GEMM that can accumulate inside ``.grad`` runs
-        #: at once, in B, instead of being queued: nothing is held, the operands are still hot.
-        #: Only where no post-accumulate hook is parked (the seam checks; parked hooks are
-        #: invisible during B)
+        #: True (a fused BW, W right after B): each GEMM is computed and accumulated at once, in
+        #: B, instead of being queued: nothing is held, the operands are still hot, and
+        #: ``.grad`` sees each microbatch as a fused backward's would (FSDP2's post-backward
+        #: upcasts each). Not for the weights in :attr:`parked`
         self.immediate = False
+        #: ids of the weights whose post-accumulate hooks B parked: always queued, so W fires them
+        self.parked: frozenset[int] = frozenset()
         self._entries: list | None = []  # (weight, x2d, g2d, dtype, holders for the observer)
         self._observer = observer
 
@@ -100,8 +102,11 @@ class WeightGradStore:
         entries = self._entries
         if entries is None:
             raise RuntimeError("zbpipe: a weight gradient was queued after its W ran")
-        if self.immediate and not self.exact and _accumulates_in_gemm(weight, x2d, dtype):
-            weight.grad.addmm_(g2d.t(), x2d)
+        if self.immediate and id(weight) not in self.parked:
+            if not self.exact and _accumulates_in_gemm(weight, x2d, dtype):
+                weight.grad.addmm_(g2d.t(), x2d)
+            else:
+                _accumulate(weight, _weight_grad(g2d, x2d, dtype, weight.dtype))
             return
         held = None
         if self._observer is not None:
@@ -186,6 +191,15 @@ def _run_accumulating(entries: list) -> None:
     _accumulate_hooked(later)
 
 
+def _deferrable(weight: Tensor) -> bool:
+    """Whether W may compute ``weight``'s gradient. Not: a weight computed in the forward (a
+    parametrization such as weight_norm: B's autograd pass walks its small graph and frees it,
+    so W could not reach the parameters behind it); a weight with ``register_hook`` hooks
+    (autograd calls them with the gradient B computes, which a deferred GEMM would leave None).
+    Complex Linears never get here: :class:`DeferredLinear` runs them as plain ``F.linear``."""
+    return weight.grad_fn is None and not has_grad_hooks(weight)
+
+
 def _accumulates_in_gemm(weight: Tensor, x: Tensor, dtype: torch.dtype | None) -> bool:
     """Whether ``weight``'s gradient can be added inside the GEMM: a plain ``.grad`` already
     there in the input's dtype, no autocast cast, no post-accumulate hook to fire."""
@@ -195,6 +209,7 @@ def _accumulates_in_gemm(weight: Tensor, x: Tensor, dtype: torch.dtype | None) -
         and type(x) is Tensor
         and dtype is None
         and grad.dtype == x.dtype
+        and grad.layout == torch.strided
         and not has_post_accumulate_grad_hooks(weight)
     )
 
@@ -256,14 +271,12 @@ class _LinearFunction(torch.autograd.Function):
         # (store, the weight W accumulates into, whether W may compute it, autocast dtype,
         # input dtype, bias dtype). The weight is kept apart from the saved one: non-reentrant
         # activation checkpointing hands B a detached copy from its recompute in place of each
-        # saved tensor. A weight computed in the forward (a parametrization such as
-        # weight_norm) is not a leaf: B's autograd pass walks its small graph and frees it, so
-        # W could not reach the parameters behind it; its GEMM is computed in B, like a fused
-        # backward's.
+        # saved tensor. Some weights get their gradient in B, like a fused backward's
+        # (:func:`_deferrable`).
         ctx.state = (
             store,
             weight,
-            weight.grad_fn is None,
+            _deferrable(weight),
             dtype,
             x_dtype,
             None if bias is None else bias.dtype,
@@ -305,7 +318,8 @@ class DeferredLinear(nn.Linear):
 
     def forward(self, input: Tensor) -> Tensor:
         store = self._zbpipe_slot.store
-        if store is None:
+        # Complex weights: autograd's gradients take conjugates, which this engine's GEMMs do not.
+        if store is None or self.weight.is_complex():
             return F.linear(input, self.weight, self.bias)
         return _LinearFunction.apply(input, self.weight, self.bias, store)
 
@@ -368,25 +382,27 @@ def patched_linears(module: nn.Module) -> list[nn.Module]:
 
 
 @contextlib.contextmanager
-def post_accumulate_hooks_parked(linears: Sequence[nn.Module]) -> Iterator[bool]:
+def post_accumulate_hooks_parked(linears: Sequence[nn.Module]) -> Iterator[frozenset[int]]:
     """Around B: hold back the ``register_post_accumulate_grad_hook`` hooks of ``linears``' weights.
 
     Autograd runs a leaf's ``AccumulateGrad``, and with it the leaf's post-accumulate hooks, even
     when the gradient reaching it is None, which is what B hands a weight whose GEMM it queued:
     the hooks would fire in B on a ``.grad`` W has not written yet, then again in W. Parked, they
     fire once, in W, after the accumulation (a weight that also gets a part of its gradient in
-    B, tied to an embedding say, fires in W too: after its last accumulation). Yields whether
-    any hook was parked (a store must then not accumulate during B: see ``immediate``).
+    B, tied to an embedding say, fires in W too: after its last accumulation). Yields the ids
+    of the weights whose hooks it parked (a store must queue those: see ``immediate``).
     """
     parked: list[tuple[dict, dict]] = []
+    ids = set()
     for lin in linears:
         weight = lin._parameters.get("weight")  # None under a parametrization: not deferred
         hooks = post_accumulate_grad_hooks(weight)
         if hooks:  # the dict autograd's C++ hook reads at call time: emptied in place
             parked.append((hooks, dict(hooks)))
+            ids.add(id(weight))
             hooks.clear()
     try:
-        yield bool(parked)
+        yield frozenset(ids)
     finally:
         for hooks, saved in parked:
             hooks.update(saved)

@@ -61,8 +61,6 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
     plan_name: ClassVar[str]
     layout: ClassVar[Layout] = "loop"
     stages_per_rank: ClassVar[int] = 1
-    #: True: weight gradients bitwise equal to a fused backward's (``ScheduleZBH1(exact=True)``)
-    exact: bool = False
 
     def __init__(
         self,
@@ -81,8 +79,12 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         trace: bool = True,
         check_peers: bool = True,
         split: Split = "auto",
+        exact: bool = False,
         **plan_options: Any,
     ) -> None:
+        #: True: weight gradients bitwise equal to a fused backward's: every BW is torch's fused
+        #: backward and W adds as AccumulateGrad does (no accumulation inside the GEMMs)
+        self.exact = exact
         # costs="profile": plan for equal costs now, measure real ones on the first steps, re-plan
         # (zbpipe.profile). Everything else about construction is unchanged.
         profiling = _check_profile_args(type(self), costs, profile)

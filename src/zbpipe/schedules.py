@@ -33,10 +33,6 @@ class ScheduleZBH1(PlannedSchedule):
 
     plan_name = "ZBH1"
 
-    def __init__(self, *args: Any, exact: bool = False, **kwargs: Any) -> None:
-        self.exact = exact
-        super().__init__(*args, **kwargs)
-
     def build_plan(self, num_ranks: int, n_microbatches: int, costs: Costs, **options: Any) -> Plan:
         return super().build_plan(num_ranks, n_microbatches, costs, exact=self.exact, **options)
 

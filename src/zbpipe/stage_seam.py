@@ -13,7 +13,8 @@ the compute, so F, B (with either engine), W and BW are written once:
   loss), runs the engine's input pass, fills the stage's ``bwd_cache`` for the send, frees what
   only B needed, and hands the input gradient to a local previous stage.
 * **W**: :meth:`StageSeam.backward_weight` runs the pending weight pass, then frees what it held.
-* **BW**: :meth:`StageSeam.full_backward`, torch's fused backward.
+* **BW**: :meth:`StageSeam.full_backward`: torch's fused backward, or (deferred engine, every
+  BW but a stage's first of the step) B with each weight GEMM accumulated at once.
 
 Two engines (:mod:`zbpipe.deferred`, :mod:`zbpipe.backward`; docs/backward.md says when each is
 right): ``"deferred"`` makes B one ordinary autograd pass in which Linears queue their weight
@@ -137,9 +138,11 @@ class StageSeam:
         fast_bw = self.engine == "deferred" and not self.exact
         for a in actions:
             key = (a.stage, a.microbatch)
+            # A stage built with torch's dw_builder runs its own weight pass in torch's BW.
+            own_bw = getattr(self.stages.get(a.stage), "dw_builder", None) is not None
             if a.kind == "B":
                 split.add(key)
-            elif a.kind == "BW" and a.stage in seen and fast_bw:
+            elif a.kind == "BW" and a.stage in seen and fast_bw and not own_bw:
                 store_bw.add(key)
             if a.kind in ("B", "BW"):
                 seen.add(a.stage)
@@ -212,7 +215,7 @@ class StageSeam:
             # same store (and the same autograd.Function) as the original forward did.
             linears = self._linears[stage.stage_index]
             with self._slot_holding(stage, store), post_accumulate_hooks_parked(linears) as hooked:
-                store.immediate = store.immediate and not hooked  # hooks fire in W, after all
+                store.parked = hooked  # those weights' GEMMs wait for W, which fires the hooks
                 store.deferring = True
                 try:
                     grads = backward_full(outputs, output_grads, input_values)
@@ -251,7 +254,7 @@ class StageSeam:
         """BW of ``stage`` on ``mb``: torch's fused backward, or B then W (:meth:`assign`)."""
         store = self._stores.get((stage.stage_index, mb))
         if store is not None:  # F opened a store: a store_bw_keys key
-            store.immediate = True  # its GEMMs accumulate during B, none is held for W
+            store.immediate = True  # its GEMMs accumulate during B; only hooked ones wait for W
             self.backward_input(stage, mb, loss)
             self.backward_weight(stage, mb)
             return
