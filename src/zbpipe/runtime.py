@@ -61,6 +61,9 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
     plan_name: ClassVar[str]
     layout: ClassVar[Layout] = "loop"
     stages_per_rank: ClassVar[int] = 1
+    #: weight gradients bitwise equal to a fused backward's (the ``exact=`` option; set per
+    #: instance in ``__init__``, before the plan is built)
+    exact: bool = False
 
     def __init__(
         self,
