@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from llama_blocks import build_chunks, mse_loss
+from results_io import paired_ratios
 
 #: The split-backward engines to compare: values of the schedules' ``split=`` option. Add an
 #: engine here and both tables pick it up. A zbpipe without the option runs its one engine,
@@ -348,11 +349,6 @@ def timeline(tracer: Any) -> dict[str, Any] | None:
         "busy_s": {k: trace.busy(k)[0] for k in ("F", "B", "W", "BW") if trace.busy(k)[0]},
         "events": [[e.kind, e.stage, e.microbatch, e.start, e.end] for e in events],
     }
-
-
-def paired_ratios(times: list[float], base: list[float]) -> dict[str, float]:
-    r = [a / b for a, b in zip(times, base)]
-    return {"min": min(r), "median": statistics.median(r), "max": max(r)}
 
 
 def pipelines(cfg: Config, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:

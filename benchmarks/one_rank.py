@@ -28,7 +28,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from llama_blocks import build_chunks, mse_loss  # noqa: E402
-from results_io import write_result  # noqa: E402
+from results_io import paired_ratios, write_result  # noqa: E402
 
 import zbpipe  # noqa: E402
 
@@ -89,14 +89,9 @@ def main() -> None:
     results = {}
     print(f"{'schedule':14} {'step ms':>9}   vs {names[0]} median (min-max)")
     for name in names:
-        ratios = [t / b for t, b in zip(times[name], times[names[0]])]
         results[name] = {
             "step_cpu_s": times[name],
-            "ratio_to_first": {
-                "median": statistics.median(ratios),
-                "min": min(ratios),
-                "max": max(ratios),
-            },
+            "ratio_to_first": paired_ratios(times[name], times[names[0]]),
         }
         q = results[name]["ratio_to_first"]
         print(

@@ -202,14 +202,11 @@ def _rank_main(rank: int, world: int, cfg: Config) -> dict | None:
             "bubble_rate": bubbles,
             "peak_saved_bytes_per_rank": peaks,
         }
+    from results_io import paired_ratios
+
     base = out[cfg.schedules[0]]["step_time_s"]
     for name in cfg.schedules:
-        ratios = [t / b for t, b in zip(out[name]["step_time_s"], base)]
-        out[name]["ratio_to_first"] = {
-            "min": min(ratios),
-            "median": statistics.median(ratios),
-            "max": max(ratios),
-        }
+        out[name]["ratio_to_first"] = paired_ratios(out[name]["step_time_s"], base)
     return out
 
 

@@ -12,6 +12,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -54,3 +55,9 @@ def write_result(name: str, data: dict[str, Any], path: str | Path | None = None
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta(), **data}, indent=1) + "\n")
     return out
+
+
+def paired_ratios(times: list[float], base: list[float]) -> dict[str, float]:
+    """Median, min and max of ``times[i] / base[i]``: repetitions paired with the baseline's."""
+    r = [a / b for a, b in zip(times, base, strict=True)]
+    return {"median": statistics.median(r), "min": min(r), "max": max(r)}

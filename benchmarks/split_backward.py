@@ -45,7 +45,7 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from llama_blocks import build_chunks  # noqa: E402
-from results_io import write_result  # noqa: E402
+from results_io import paired_ratios, write_result  # noqa: E402
 
 from zbpipe.backward import backward_full, backward_input  # noqa: E402
 from zbpipe.deferred import StoreSlot, WeightGradStore, patch_linears  # noqa: E402
@@ -210,13 +210,9 @@ def measure(case: dict, reps: int, warmup: int, device: torch.device, dtype: tor
         row[key] = {}
         for e in engines[1:]:
             r = [b[0] + w[0] for b, w in zip(got[f"{e} B"], got[f"{e} W"])]
-            row[key][e] = _spread([s / f for s, f in zip(r, fused)])
+            row[key][e] = paired_ratios(r, fused)
     row["max_rel_grad_diff"] = worst
     return row
-
-
-def _spread(ratios: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
 
 
 def print_rows(rows: list[dict], cuda: bool) -> None:

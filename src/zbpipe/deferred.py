@@ -102,11 +102,10 @@ class WeightGradStore:
         entries = self._entries
         if entries is None:
             raise RuntimeError("zbpipe: a weight gradient was queued after its W ran")
-        if self.immediate and id(weight) not in self.parked:
-            if not self.exact and _accumulates_in_gemm(weight, x2d, dtype):
-                weight.grad.addmm_(g2d.t(), x2d)
-            else:
-                _accumulate(weight, _weight_grad(g2d, x2d, dtype, weight.dtype))
+        if self.immediate and not self.exact and id(weight) not in self.parked:
+            dw = _add_product(weight, x2d, g2d, dtype)
+            if dw is not None:  # post-accumulate hooks B did not park: autograd fires them
+                _accumulate_hooked([(weight, dw)])
             return
         held = None
         if self._observer is not None:
@@ -176,19 +175,28 @@ def _run_accumulating(entries: list) -> None:
     with torch.no_grad():
         for i, (weight, x, g, dtype, held) in enumerate(entries):
             entries[i] = None
-            if _accumulates_in_gemm(weight, x, dtype):
-                weight.grad.addmm_(g.t(), x)
-            else:
-                dw = _weight_grad(g, x, dtype, weight.dtype)
-                if has_post_accumulate_grad_hooks(weight):
-                    later.append((weight, dw))
-                else:
-                    _accumulate(weight, dw)
+            dw = _add_product(weight, x, g, dtype)
+            if dw is not None:
+                later.append((weight, dw))
             del x, g
             if held is not None:
                 for h in held:
                     h.release()
     _accumulate_hooked(later)
+
+
+def _add_product(weight: Tensor, x: Tensor, g: Tensor, dtype: torch.dtype | None) -> Tensor | None:
+    """Add ``weight``'s gradient ``g^T @ x`` to its ``.grad``: inside the GEMM where it can,
+    else as ``AccumulateGrad`` would. A weight with post-accumulate hooks gets nothing: the
+    product is returned, for autograd to add and fire them (:func:`_accumulate_hooked`)."""
+    if _accumulates_in_gemm(weight, x, dtype):
+        weight.grad.addmm_(g.t(), x)
+        return None
+    dw = _weight_grad(g, x, dtype, weight.dtype)
+    if has_post_accumulate_grad_hooks(weight):
+        return dw
+    _accumulate(weight, dw)
+    return None
 
 
 def _deferrable(weight: Tensor) -> bool:

@@ -85,9 +85,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         exact: bool = False,
         **plan_options: Any,
     ) -> None:
-        #: True: weight gradients bitwise equal to a fused backward's: every BW is torch's fused
-        #: backward and W adds as AccumulateGrad does (no accumulation inside the GEMMs)
-        self.exact = exact
+        self.exact = exact  # every BW torch's fused one; W adds as AccumulateGrad does
         # costs="profile": plan for equal costs now, measure real ones on the first steps, re-plan
         # (zbpipe.profile). Everything else about construction is unchanged.
         profiling = _check_profile_args(type(self), costs, profile)

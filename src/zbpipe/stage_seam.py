@@ -136,13 +136,13 @@ class StageSeam:
         store_bw: set[Key] = set()
         seen: set[int] = set()
         fast_bw = self.engine == "deferred" and not self.exact
+        # Stages built with torch's dw_builder run their own weight pass in torch's BW.
+        own_w = {i for i, st in self.stages.items() if getattr(st, "dw_builder", None) is not None}
         for a in actions:
             key = (a.stage, a.microbatch)
-            # A stage built with torch's dw_builder runs its own weight pass in torch's BW.
-            own_bw = getattr(self.stages.get(a.stage), "dw_builder", None) is not None
             if a.kind == "B":
                 split.add(key)
-            elif a.kind == "BW" and a.stage in seen and fast_bw and not own_bw:
+            elif a.kind == "BW" and fast_bw and a.stage in seen and a.stage not in own_w:
                 store_bw.add(key)
             if a.kind in ("B", "BW"):
                 seen.add(a.stage)
