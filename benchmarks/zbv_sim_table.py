@@ -21,19 +21,6 @@ COMMAND = "PYTHONPATH=src python benchmarks/zbv_sim_table.py"
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def model_costs(chunk: Costs) -> Costs:
-    c = chunk.stage(0)
-    return Costs(
-        f=2 * c.f,
-        b=2 * c.b,
-        w=2 * c.w,
-        comm=c.comm,
-        mem_f=2 * c.mem_f,
-        mem_b=2 * c.mem_b,
-        mem_w=2 * c.mem_w,
-    )
-
-
 def rows(chunk: Costs) -> list[dict]:
     unit = 2 * chunk.stage(0).mem_f
     out = []
@@ -45,7 +32,7 @@ def rows(chunk: Costs) -> list[dict]:
                 "ZBVHalf": (plan_zbv(p, m, chunk, memory="half"), chunk),
                 "ZBVMin": (plan_zbv(p, m, chunk, memory="min"), chunk),
                 "torch:ZBVZeroBubble": (plan("torch:ZBVZeroBubble", p, m), chunk),
-                "1F1B": (plan_1f1b(p, m, model_costs(chunk)), model_costs(chunk)),
+                "1F1B": (plan_1f1b(p, m, chunk.joined(2)), chunk.joined(2)),
             }
             for name, (pl, c) in runs.items():
                 r = simulate(pl, c)

@@ -21,6 +21,7 @@ import pytest
 import torch
 from torch import nn
 
+from _custom_function import Scale
 from zbpipe.backward import WeightGrad, backward_full, backward_input
 
 RTOL, ATOL = 1e-6, 1e-7
@@ -178,20 +179,6 @@ def test_weight_used_twice_on_first_stage():
     _compare(_TwiceLinear(), [torch.randn(8, 16)], [torch.randn(8, 16)])
 
 
-class _Scale(torch.autograd.Function):
-    """y = x * w (w a vector), with a hand-written backward."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        return x * w
-
-    @staticmethod
-    def backward(ctx, gy):
-        x, w = ctx.saved_tensors
-        return gy * w, (gy * x).sum(0)
-
-
 class _WithCustom(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -200,7 +187,7 @@ class _WithCustom(nn.Module):
         self.b = nn.Linear(16, 16)
 
     def forward(self, x):
-        return self.b(_Scale.apply(torch.relu(self.a(x)), self.w))
+        return self.b(Scale.apply(torch.relu(self.a(x)), self.w))
 
 
 def test_custom_autograd_function_middle_stage():

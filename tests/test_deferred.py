@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from _custom_function import Scale
 from zbpipe.deferred import (
     DeferredLinear,
     StoreSlot,
@@ -276,20 +277,6 @@ def test_running_w_twice_raises():
 # what B computes, what W computes
 
 
-class _Scale(torch.autograd.Function):
-    """x * s with a hand-written backward: a custom Function with a parameter."""
-
-    @staticmethod
-    def forward(ctx, x, s):
-        ctx.save_for_backward(x, s)
-        return x * s
-
-    @staticmethod
-    def backward(ctx, g):
-        x, s = ctx.saved_tensors
-        return g * s, (g * x).sum(0)
-
-
 class _Mixed(nn.Module):
     """Embedding, LayerNorm, BatchNorm (running-stat buffers), a custom Function with a
     parameter, a plain buffer, and Linears."""
@@ -305,7 +292,7 @@ class _Mixed(nn.Module):
         self.out = nn.Linear(8, 3)
 
     def forward(self, ids):
-        h = _Scale.apply(self.ln(self.emb(ids)), self.scale) * self.gain
+        h = Scale.apply(self.ln(self.emb(ids)), self.scale) * self.gain
         return self.out(self.bn(F.gelu(self.fc(h))))
 
 

@@ -46,7 +46,7 @@ def test_zb_family_never_slower_than_1f1b(gen, p, m, costs):
 @given(p=st.integers(1, 6), m=st.integers(1, 16), costs=costs_st)
 def test_zbv_never_slower_than_1f1b_on_the_same_model(p, m, costs):
     # V runs the same model in 2p half-size chunks; 1F1B runs it in p stages.
-    whole = Costs(f=2 * costs.f, b=2 * costs.b, w=2 * costs.w, comm=costs.comm)
+    whole = costs.joined(2)
     r = simulate(plan_zbv(p, m, costs, memory="zb"), costs)
     assert r.makespan <= onef1b_makespan(p, m, whole) + EPS
 

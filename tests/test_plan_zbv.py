@@ -11,21 +11,6 @@ from zbpipe.planning.onef1b import plan_1f1b
 from zbpipe.planning.simulator import simulate
 from zbpipe.planning.zbv import plan_zbv
 
-
-def model_costs(chunk: Costs) -> Costs:
-    """The same model cut into p stages (two chunks each): double time and memory, same comm."""
-    c = chunk.stage(0)
-    return Costs(
-        f=2 * c.f,
-        b=2 * c.b,
-        w=2 * c.w,
-        comm=c.comm,
-        mem_f=2 * c.mem_f,
-        mem_b=2 * c.mem_b,
-        mem_w=2 * c.mem_w,
-    )
-
-
 UNIT = Costs()
 CASES = [(p, m) for p in (2, 3, 4, 6, 8) for m in (2 * p, 3 * p)]
 
@@ -33,7 +18,7 @@ CASES = [(p, m) for p in (2, 3, 4, 6, 8) for m in (2 * p, 3 * p)]
 @pytest.mark.parametrize("p,m", CASES)
 def test_zbv_unit_costs_zero_bubble_and_1f1b_memory(p: int, m: int) -> None:
     r = simulate(plan_zbv(p, m, UNIT), UNIT)
-    ref = simulate(plan_1f1b(p, m, model_costs(UNIT)), model_costs(UNIT))
+    ref = simulate(plan_1f1b(p, m, UNIT.joined(2)), UNIT.joined(2))
     assert r.bubble_rate <= 0.01  # the paper: zero bubble for F = B = W and m >= 2p
     for rank in range(p):
         assert r.peak_memory[rank] <= ref.peak_memory[0] + 1e-9  # 1F1B's busiest rank
@@ -124,7 +109,7 @@ def test_any_case_complete_deadlock_free_within_budget(p, m, costs, mode) -> Non
 @given(p=st.integers(1, 8), m=st.integers(1, 32), costs=costs_st)
 def test_zbv_makespan_not_worse_than_1f1b(p, m, costs) -> None:
     r = simulate(plan_zbv(p, m, costs), costs)
-    ref = simulate(plan_1f1b(p, m, model_costs(costs)), model_costs(costs))
+    ref = simulate(plan_1f1b(p, m, costs.joined(2)), costs.joined(2))
     assert r.makespan <= ref.makespan + 1e-6
 
 
@@ -137,7 +122,7 @@ def test_v_half_min_faster_than_1f1b_with_equal_costs(p, mode) -> None:
     costs = Costs()
     for m in (2 * p, 3 * p):
         r = simulate(plan_zbv(p, m, costs, memory=mode), costs)
-        ref = simulate(plan_1f1b(p, m, model_costs(costs)), model_costs(costs))
+        ref = simulate(plan_1f1b(p, m, costs.joined(2)), costs.joined(2))
         assert r.makespan < ref.makespan
 
 
@@ -155,7 +140,7 @@ def test_v_half_min_paper_table_at_equal_costs(p, mode, units) -> None:
         pl = plan_zbv(p, m, UNIT, memory=mode)
         r = simulate(pl, UNIT, memory_limit=units(p) * unit)
         assert r.bubble_rate <= bubble(m) + 1e-9
-        ref = simulate(plan_1f1b(p, m, model_costs(UNIT)), model_costs(UNIT))
+        ref = simulate(plan_1f1b(p, m, UNIT.joined(2)), UNIT.joined(2))
         assert r.makespan < ref.makespan
 
 

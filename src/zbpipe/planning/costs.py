@@ -163,6 +163,30 @@ class Costs:
             mem_w=div(self.mem_w),
         )
 
+    def joined(self, k: int) -> Costs:
+        """The inverse of :meth:`split`: every ``k`` consecutive stages become one.
+
+        Times and memory add up; ``comm`` is the last joined stage's (the message that leaves
+        the new stage). A V schedule over ``2p`` chunks compares with 1F1B over
+        ``costs.joined(2)``: the same model in ``p`` stages. Scalars describe stages all alike.
+        """
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"Costs.joined: k must be an integer >= 1, got {k!r}")
+        n = self.num_stages
+        if n is not None and n % k:
+            raise ValueError(
+                f"Costs.joined({k}): the costs describe {n} stages, not a multiple of {k}"
+            )
+
+        def join(name: str, v: PerStage) -> PerStage:
+            if isinstance(v, (int, float)):
+                return v if name == "comm" else k * v
+            if name == "comm":
+                return tuple(v[k - 1 :: k])
+            return tuple(sum(v[i : i + k]) for i in range(0, len(v), k))
+
+        return Costs(**{f.name: join(f.name, getattr(self, f.name)) for f in fields(self)})
+
     @classmethod
     def parse(cls, text: str) -> Costs:
         """Parse ``"f=1,b=1.2,w=0.6,comm=0.05"`` (the CLI's ``--costs``)."""
