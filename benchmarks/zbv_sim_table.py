@@ -63,12 +63,12 @@ NOTES = [
     "Paper targets (Qi et al. 2024, F = B = W): V-Half bubble about p/(2m) at (p+2)/2 units, V-Min about "
     "2p/(3m) at (p+4)/3 units. At unit costs both are met for every row below (p/(2m) = 0.25 at m = 2p, "
     "0.167 at 3p, 0.125 at 4p; 2p/(3m) = 0.333, 0.222, 0.167). V-Min reaches them through the building-block "
-    "candidates (`zbpipe.planning.vblocks`): before them it missed from p = 16 on (0.287 at p=16, m=48; 0.271 at "
-    "p=32, m=128; now 0.170 and 0.138).",
+    "candidates (`zbpipe.planning.vblocks`): before them it missed from p = 16 on (at p=16, m=48 and p=32, "
+    "m=128; now 0.170 and 0.138).",
     "",
     "Known gap at f=1, b=1.2, w=0.6, comm=0.05: V-Min is slower than 1F1B in every row but p=4, m=8, and "
     "V-Half from m = 3p on for p >= 8. Part of it is a memory bound: rank 0 holds each chunk-0 activation for "
-    "the whole chain (about 2p(f+comm) + 2p(b+comm) = 4.6p), so keeping up with a period of 5.6 needs about "
+    "the whole chain (about 2p(f+comm) + 2p(b+comm) = 4.6p), so keeping up with one microbatch every 2(f + b + w) needs about "
     "0.41p units in flight, more than V-Min's (p+4)/3 once p > 16. Below that the gap is the construction's "
     "(block collisions with unequal pass lengths, the greedy's tie-breaks); the paper's table assumes F = B = W.",
     "",
