@@ -30,6 +30,7 @@ FORWARD = _ComputationType.FORWARD
 BACKWARD_INPUT = _ComputationType.BACKWARD_INPUT
 BACKWARD_WEIGHT = _ComputationType.BACKWARD_WEIGHT
 FULL_BACKWARD = _ComputationType.FULL_BACKWARD
+REDUCE_GRAD = _ComputationType.REDUCE_GRAD
 
 #: zbpipe's paper letters -> torch's computation types (lossless both ways).
 KIND_TO_TORCH = {kind: _ComputationType.from_str(t) for kind, t in TORCH_LETTERS.items()}

@@ -137,6 +137,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
             (C.BACKWARD_INPUT, self._run_backward_input),
             (C.BACKWARD_WEIGHT, self._run_backward_weight),
             (C.FULL_BACKWARD, self._run_full_backward),
+            (C.REDUCE_GRAD, self._run_reduce_grad),
         ):
             self.register_custom_function(kind, fn)
 
@@ -255,9 +256,28 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
                 raise RuntimeError(
                     f"zbpipe: weight passes never ran for (stage, microbatch) {pending}"
                 )
+            if self.scale_grads and self._n_microbatches != 1:
+                self._scale_grads_once()
         finally:
             # A failed step must not leak autograd graphs or saved activations into the next one.
             self.seam.clear()
+
+    def _scale_grads_once(self) -> None:
+        """Divide each parameter's gradient by ``n_microbatches``, once per parameter.
+
+        torch divides at each stage's REDUCE_GRAD action, parameter by parameter of that stage: a
+        parameter shared by two stages of this rank (a tied embedding on a V schedule's first and
+        last stage) would be divided twice, the first time before the other stage has added its
+        part. Here the division waits for the end of the step and sees every parameter once.
+        """
+        seen: set[int] = set()
+        for stage in self.seam.stages.values():
+            if not stage.has_backward:  # a forward-only step leaves gradients alone
+                continue
+            for p in stage.submod.parameters():
+                if p.grad is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    p.grad.div_(self._n_microbatches)
 
     def attach_meter(self, meter: SavedActivationMeter) -> None:
         """Count this rank's saved-activation bytes with ``meter`` (see :mod:`zbpipe.memory`)."""
@@ -310,6 +330,11 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         self.backward_counter[s] += 1  # torch counts W and BW alike
         with self.tracer.span("W", s, mb):
             self.seam.backward_weight(stage, mb)
+
+    def _run_reduce_grad(self, action: Any, ctx: Any) -> None:
+        # FSDP's post-backward (gradient reduce-scatter), as torch runs it, without torch's
+        # division by n_microbatches: _scale_grads_once divides at the end of the step.
+        self.seam.stages[action.stage_index].perform_reduce_grad(1)
 
     def _run_full_backward(self, action: Any, ctx: Any) -> None:
         s, mb = action.stage_index, action.microbatch_index
