@@ -67,7 +67,7 @@ def test_v_half_and_v_min_within_their_budget(mode, units, p, m, costs):
 def test_v_half_and_v_min_may_be_slower_than_1f1b():
     # Issue 13's case: p = 8, m = 24, f = 1, b = 1.2, w = 0.6, comm = 0.05 per chunk.
     chunk = Costs(f=1, b=1.2, w=0.6, comm=0.05)
-    whole = Costs(f=2, b=2.4, w=1.2, comm=0.05)
+    whole = chunk.joined(2)
     base = onef1b_makespan(8, 24, whole)
     slower = [
         mode

@@ -338,6 +338,8 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
 
     def _run_full_backward(self, action: Any, ctx: Any) -> None:
         s, mb = action.stage_index, action.microbatch_index
+        if not self.seam.stages[s].has_backward:  # eval(), or no loss_fn: forward only
+            return
         stage = self._backward_stage(s, mb)
         self.backward_counter[s] += 1
         last = self.backward_counter[s] == self._n_microbatches

@@ -164,7 +164,7 @@ class Costs:
         )
 
     def joined(self, k: int) -> Costs:
-        """The inverse of :meth:`split`: every ``k`` consecutive stages become one.
+        """The inverse of :meth:`split` (to rounding): every ``k`` consecutive stages become one.
 
         Times and memory add up; ``comm`` is the last joined stage's (the message that leaves
         the new stage). A V schedule over ``2p`` chunks compares with 1F1B over
