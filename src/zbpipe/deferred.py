@@ -189,13 +189,12 @@ def _add_product(weight: Tensor, x: Tensor, g: Tensor, dtype: torch.dtype | None
     """Add ``weight``'s gradient ``g^T @ x`` to its ``.grad``: inside the GEMM where it can,
     else as ``AccumulateGrad`` would. A weight with post-accumulate hooks gets nothing: the
     product is returned, for autograd to add and fire them (:func:`_accumulate_hooked`)."""
+    if has_post_accumulate_grad_hooks(weight):
+        return _weight_grad(g, x, dtype, weight.dtype)
     if _accumulates_in_gemm(weight, x, dtype):
         weight.grad.addmm_(g.t(), x)
-        return None
-    dw = _weight_grad(g, x, dtype, weight.dtype)
-    if has_post_accumulate_grad_hooks(weight):
-        return dw
-    _accumulate(weight, dw)
+    else:
+        _accumulate(weight, _weight_grad(g, x, dtype, weight.dtype))
     return None
 
 
@@ -210,7 +209,7 @@ def _deferrable(weight: Tensor) -> bool:
 
 def _accumulates_in_gemm(weight: Tensor, x: Tensor, dtype: torch.dtype | None) -> bool:
     """Whether ``weight``'s gradient can be added inside the GEMM: a plain ``.grad`` already
-    there in the input's dtype, no autocast cast, no post-accumulate hook to fire."""
+    there in the input's dtype, no autocast cast."""
     grad = weight.grad
     return (
         type(grad) is Tensor
@@ -218,7 +217,6 @@ def _accumulates_in_gemm(weight: Tensor, x: Tensor, dtype: torch.dtype | None) -
         and dtype is None
         and grad.dtype == x.dtype
         and grad.layout == torch.strided
-        and not has_post_accumulate_grad_hooks(weight)
     )
 
 
