@@ -21,7 +21,7 @@ _LAZY: dict[str, str] = {
     "ScheduleZBV": "zbpipe.schedules",
     "ScheduleZBAuto": "zbpipe.schedules",
     "ScheduleContinuous": "zbpipe.continuous",
-    "get_schedule_class": "zbpipe.schedules",
+    "get_schedule_class": "zbpipe.schedule_names",
     "PlannedSchedule": "zbpipe.runtime",
     "PostValidatedStep": "zbpipe.optim",
     "Tracer": "zbpipe.trace",
