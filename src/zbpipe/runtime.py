@@ -214,7 +214,8 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         out = C.run_microbatches(
             self, mbs.arg_mbs, mbs.kwarg_mbs, mbs.target_mbs, losses, return_outputs, loss_kwargs
         )
-        if self._profiler is not None:
+        if self._profiler is not None and self._has_backward:
+            # A forward-only step (eval()) is not what the plan runs: it is not profiled.
             self._profiler.after_step(self)  # collective on the profiling window's last step
         return out
 
@@ -222,6 +223,12 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         # torch hands the losses over (and clears its own list) here: check them first, whether
         # or not the caller asked for them.
         self._report_nonfinite_losses(self._internal_losses)
+        if not self._internal_losses and not self._has_backward:
+            # A forward-only step without a target computed no loss: there is none to return
+            # (torch's check would count zero losses against n_microbatches and raise).
+            if losses is not None:
+                losses.clear()
+            return
         super()._update_losses(stages, losses)
 
     def _report_nonfinite_losses(self, losses: list) -> None:
@@ -303,7 +310,9 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
             output = stage.forward_one_chunk(
                 mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb], save_forward_output=return_outputs
             )
-            self._maybe_compute_loss(stage, output, ctx.target_mbs, mb, loss_kwargs)
+            # eval(x) without a target: outputs only (torch would index the missing targets)
+            if ctx.target_mbs is not None or stage.has_backward:
+                self._maybe_compute_loss(stage, output, ctx.target_mbs, mb, loss_kwargs)
         self.seam.hand_forward(stage, output, mb)
 
     def _backward_stage(self, s: int, mb: int) -> Any:
@@ -313,9 +322,22 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
             self._wait_recv(self.bwd_recv_ops, s, mb, "backward")
         return stage
 
+    def _skip_backward(self, s: int, mb: int) -> None:
+        """A forward-only step's B or BW: nothing to compute, but torch's RECV_B was posted.
+
+        torch lowers a receive before every B/BW that is not fed by a local stage, and posts it
+        even in a forward-only step (an empty batch then: a stage without backward receives no
+        gradient). Its own B pops that entry; skipping the pop left it behind, and the next
+        step's receive failed with torch's "Recv twice ... without executing backward".
+        """
+        pending = self.bwd_recv_ops.pop((s, mb), None)
+        if pending is not None:
+            C._wait_batch_p2p(pending)
+
     def _run_backward_input(self, action: Any, ctx: Any) -> None:
         s, mb = action.stage_index, action.microbatch_index
         if not self.seam.stages[s].has_backward:  # eval(), or no loss_fn: forward only, like torch
+            self._skip_backward(s, mb)
             return
         stage = self._backward_stage(s, mb)
         with self.tracer.span("B", s, mb):
@@ -339,6 +361,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
     def _run_full_backward(self, action: Any, ctx: Any) -> None:
         s, mb = action.stage_index, action.microbatch_index
         if not self.seam.stages[s].has_backward:  # eval(), or no loss_fn: forward only
+            self._skip_backward(s, mb)
             return
         stage = self._backward_stage(s, mb)
         self.backward_counter[s] += 1
