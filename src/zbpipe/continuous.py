@@ -143,6 +143,13 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
             raise ValueError(
                 "ScheduleContinuous: post_validate is supported in mode='sync' only; drop it or use sync"
             )
+        if mode != "sync" and any(getattr(st, "dw_builder", None) is not None for st in stages):
+            # 2bw/stash run the forward on separate weight versions; a dw_builder's runner
+            # writes the module's own .grad, which those modes never read.
+            raise ValueError(
+                f"ScheduleContinuous: a stage built with dw_builder runs in mode='sync' only, got mode={mode!r}; "
+                "use mode='sync' or build the stage without dw_builder"
+            )
         super().__init__(
             stages=stages,
             n_microbatches=n_microbatches,

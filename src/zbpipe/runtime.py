@@ -350,8 +350,9 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
             return
         self._assert_unsharded(stage)
         self.backward_counter[s] += 1  # torch counts W and BW alike
+        last = self.backward_counter[s] == self._n_microbatches
         with self.tracer.span("W", s, mb):
-            self.seam.backward_weight(stage, mb)
+            self.seam.backward_weight(stage, mb, last_backward=last)
 
     def _run_reduce_grad(self, action: Any, ctx: Any) -> None:
         # FSDP's post-backward (gradient reduce-scatter), as torch runs it, without torch's
