@@ -61,7 +61,7 @@ from .optim import PostValidatedStep, StepReport
 from .planning import Costs
 from .planning.continuous_plan import MODES, continuous_parts, plan_continuous, version_bound
 from .stage_seam import EVERY_KEY, Engine, Split, StageSeam, choose_engine
-from .step_inputs import microbatch_inputs
+from .step_inputs import drop_inputs_off_stage0, microbatch_inputs
 from .validation import (
     check_not_compiled,
     check_peers_agree,
@@ -200,6 +200,7 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
         self.step_reports: list[StepReport] = []
         self._versions = WeightVersions(self.stage.submod, mode) if mode != "sync" else None
         self._initialized = False
+        self._warned_ignored_inputs = False  # step(x) on a rank without stage 0: warned once
         self._base = 0  # mini-batches completed by earlier (flushed) streams
         self._reset_stream()
 
@@ -258,6 +259,9 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
         """
         check_step_args(
             self, args, kwargs, target, arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=target_mbs
+        )
+        args, arg_mbs, self._warned_ignored_inputs = drop_inputs_off_stage0(
+            self, args, arg_mbs, self._warned_ignored_inputs
         )
         if not torch.is_grad_enabled():
             raise RuntimeError(

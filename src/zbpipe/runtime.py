@@ -31,7 +31,7 @@ from .planning import Costs, Layout, Plan
 from .planning.fuse import fuse_adjacent_backward
 from .profile import CostProfiler, ProfileConfig
 from .stage_seam import Engine, Split, StageSeam, choose_engine
-from .step_inputs import microbatch_inputs
+from .step_inputs import drop_inputs_off_stage0, microbatch_inputs
 from .trace import Tracer
 from .validation import (
     check_not_compiled,
@@ -130,6 +130,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         # dict/TensorDict batches reach stage 0 by keyword (torch stages take only tensors positionally)
         self._batch_keywords = FirstStageKeywords(stages)
         self._step_opts: tuple[bool, dict[str, Any] | None] = (True, None)
+        self._warned_ignored_inputs = False  # step(x) on a rank without stage 0: warned once
         # NaN/Inf losses of the last step, checked on the device and resolved when read
         self._nonfinite = NonfiniteLosses(self.rank)
         for kind, fn in (
@@ -201,6 +202,9 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         """
         check_step_args(
             self, args, kwargs, target, arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=target_mbs
+        )
+        args, arg_mbs, self._warned_ignored_inputs = drop_inputs_off_stage0(
+            self, args, arg_mbs, self._warned_ignored_inputs
         )
         # A whole dict/TensorDict batch goes to stage 0 by keyword (zbpipe.inputs).
         args, kwargs = self._batch_keywords.bind(args, kwargs, self._n_microbatches)

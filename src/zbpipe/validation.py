@@ -167,26 +167,19 @@ def check_step_args(
     kwarg_mbs: list | None = None,
     target_mbs: list | None = None,
 ) -> None:
-    """``step()``'s inputs go to the rank holding stage 0, the target to the rank holding the last stage.
+    """The rank holding stage 0 needs the batch, the rank holding the last stage the target.
 
     Either form counts: a whole batch (``args`` / ``kwargs`` / ``target``) or its microbatches
     (``arg_mbs`` / ``kwarg_mbs`` / ``target_mbs``, torch 2.14's form). Stage 0 may get its batch
     positionally or by keyword (``step(batch=td)``); a target is needed on the last stage only
-    when the step runs a backward (not under torch's ``eval()``).
+    when the step runs a backward (not under torch's ``eval()``). Positional inputs on a rank
+    without stage 0 are not an error: torch ignores them there, and so does zbpipe
+    (:func:`zbpipe.step_inputs.drop_inputs_off_stage0`).
     """
     stages = sched._stages
     name = type(sched).__name__
     has_first = any(st.is_first for st in stages)
     has_last = any(st.is_last for st in stages)
-    positional = len(args) or max(
-        (len(a) for a in arg_mbs or () if isinstance(a, tuple)), default=0
-    )
-    if positional and not has_first:
-        raise ValueError(
-            f"{name}.step(): rank {sched.rank} does not hold stage 0 but was given {positional} positional input(s); "
-            "pass inputs (or arg_mbs) only on the rank holding stage 0 "
-            "(call step(target=..., losses=...) or step() elsewhere)"
-        )
     if has_first and not args and not kwargs and arg_mbs is None and kwarg_mbs is None:
         raise ValueError(
             f"{name}.step(): rank {sched.rank} holds stage 0 and needs the batch: call step(x, ...) "
