@@ -50,6 +50,7 @@ from .deferred import (
     weight_census,
 )
 from .saved import Observer, SavedTensors, param_storages
+from .validation import compiled_submodule
 
 logger = logging.getLogger(__name__)
 
@@ -75,12 +76,26 @@ def choose_engine(split: str, stages: Sequence[Any], owner: str) -> Engine:
     ``auto`` counts weight elements (:func:`zbpipe.deferred.weight_census`): where matrix-like
     weights outside ``nn.Linear`` (convolutions, custom matmuls) outnumber the Linears', the
     deferred engine would leave most weight-gradient work in B, so the graph engine is chosen
-    and a log line says why.
+    and a log line says why. A stage with a ``torch.compile``d submodule always gets the
+    deferred engine: the graph engine cannot split a compiled region and refuses it.
     """
     if split not in SPLITS:
         raise ValueError(f"{owner}: split must be one of {SPLITS}, got {split!r}")
     if split != "auto":
         return split  # type: ignore[return-value]
+    compiled = [
+        getattr(st, "stage_index", i)
+        for i, st in enumerate(stages)
+        if compiled_submodule(st.submod) is not None
+    ]
+    if compiled:
+        logger.info(
+            "zbpipe %s: split='auto' chose the deferred engine: stage(s) %s hold torch.compile'd "
+            "submodules, which the graph engine cannot split (their weight gradients come in B)",
+            owner,
+            compiled,
+        )
+        return "deferred"
     linear = other = 0
     for st in stages:
         a, b = weight_census(st.submod)

@@ -98,27 +98,39 @@ def check_plan_for_runtime(plan: Plan, stages: Sequence[Any]) -> None:
         )
 
 
-def check_not_compiled(cls: type, stages: Sequence[Any]) -> None:
-    """Refuse ``torch.compile``d submodules where the split backward must see the real graph.
+def compiled_submodule(module: Any) -> str | None:
+    """The name of ``module``'s first ``torch.compile``d submodule (``""``: itself), else None.
 
-    A compiled region is one opaque autograd node: the input pass cannot stop before its
-    weight-gradient work, so B and W would each run the whole region's backward. Both
-    ``torch.compile(module)`` (an ``OptimizedModule``) and in-place ``module.compile()`` (the way
-    torchtitan compiles; it sets ``_compiled_call_impl``) are caught.
+    Both ``torch.compile(module)`` (an ``OptimizedModule``) and in-place ``module.compile()``
+    (the way torchtitan compiles; it sets ``_compiled_call_impl``) count.
+    """
+    for name, mod in module.named_modules():
+        if type(mod).__name__ == "OptimizedModule" or (
+            getattr(mod, "_compiled_call_impl", None) is not None
+        ):
+            return name
+    return None
+
+
+def check_not_compiled(cls: type, stages: Sequence[Any]) -> None:
+    """Refuse ``torch.compile``d submodules under the graph engine, which must see the real graph.
+
+    A compiled region is one opaque autograd node: the graph engine's input pass cannot stop
+    before its weight-gradient work, so B and W would each run the whole region's backward.
+    The deferred engine needs no graph surgery and accepts them (the region's weight gradients
+    are computed in B; ``split="auto"`` chooses it for such stages), so only ``split="graph"``
+    with a plan that splits the backward calls this.
     """
     for st in stages:
-        for name, mod in st.submod.named_modules():
-            compiled = (
-                type(mod).__name__ == "OptimizedModule"
-                or getattr(mod, "_compiled_call_impl", None) is not None
+        name = compiled_submodule(st.submod)
+        if name is not None:
+            where = name or "the stage module itself"
+            raise ValueError(
+                f"{cls.__name__}: stage {st.stage_index} submodule {where!r} is torch.compile'd, which hides the "
+                "autograd graph the graph engine's split backward (B/W) needs; use split='deferred' (compiled "
+                "regions then compute their weight gradients in B), remove the compile, or use a "
+                "fused-backward schedule (Schedule1F1BMulti)"
             )
-            if compiled:
-                where = name or "the stage module itself"
-                raise ValueError(
-                    f"{cls.__name__}: stage {st.stage_index} submodule {where!r} is torch.compile'd, which hides the "
-                    "autograd graph the split backward (B/W) needs; compile after pipelining is not supported by "
-                    "split-backward schedules: remove the compile, or use a fused-backward schedule (Schedule1F1BMulti)"
-                )
 
 
 def config_fingerprint(cls: type, n_microbatches: int, num_stages: int, plan: Plan) -> str:
