@@ -288,6 +288,19 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
         self._run(self._frontier.advance(self._given * m)[self.rank])
         return self._report(losses)
 
+    def eval(self, *args: Any, **kwargs: Any) -> Any:
+        """Not supported: a continuous schedule only trains (torch's ``eval()`` would train here).
+
+        Evaluate after :meth:`flush` with the stage modules themselves, or with a
+        :class:`~zbpipe.Schedule1F1BMulti` built on new ``PipelineStage`` objects over the same
+        modules (this schedule re-keys its stages' buffers).
+        """
+        raise RuntimeError(
+            "ScheduleContinuous.eval() is not supported: the continuous schedule only trains; "
+            "call flush(), then evaluate with the modules or with a Schedule1F1BMulti built on new "
+            "PipelineStages of the same modules"
+        )
+
     def flush(self, losses: list | None = None) -> list[LossRecord]:
         """Finish every mini-batch given: run the drain, wait for all sends, validate the last step.
 
