@@ -61,6 +61,15 @@ def received_grads(stage: _PipelineStageBase, mb: int) -> tuple:
     return stage._retrieve_recv_grads(mb)
 
 
+def received_grad_buffers(stage: _PipelineStageBase, mb: int) -> tuple:
+    """The receive buffers of a stage's output gradients for ``mb``, None where none is expected.
+
+    What :func:`received_grads` would return, before torch rebuilds DTensors from them: enough
+    to tell a missing gradient, for no per-microbatch work.
+    """
+    return tuple(info.buffer for info in stage.grad_recv_info[mb])
+
+
 def received_activations(stage: _PipelineStageBase, mb: int) -> tuple:
     """The activations a stage received for microbatch ``mb`` (torch's receive buffers)."""
     return stage._retrieve_recv_activations(mb)

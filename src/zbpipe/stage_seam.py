@@ -305,7 +305,7 @@ class StageSeam:
         """torch's ``backward_one_chunk``: fused (``full``), or a ``dw_builder`` stage's B."""
         if not stage.is_last:
             stage_output, _ = stage.fwd_cache[mb]
-            check_output_grads(stage, mb, stage_output, C.received_grads(stage, mb))
+            check_output_grads(stage, mb, stage_output, C.received_grad_buffers(stage, mb))
         stage.backward_one_chunk(mb, loss=loss, full_backward=full, last_backward=last_backward)
         if full:
             self.release((stage.stage_index, mb))
