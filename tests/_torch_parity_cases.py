@@ -223,6 +223,39 @@ def dw_builder_grads(rank, world, schedule, m, options, steps=2):
 
 
 # ------------------------------------------------------------------ ScheduleContinuous
+def continuous_dw_builder(rank, world, m, n=3):
+    """ScheduleContinuous (sync) trains dw_builder stages like a plain SGD loop; 2bw refuses."""
+    torch.manual_seed(12)
+    width = 16
+    mods = [DwChunk(width) for _ in range(world)]
+    ref = copy.deepcopy(nn.Sequential(*mods))
+    for layer in ref.modules():
+        if isinstance(layer, DwLinear):
+            layer.reference = True
+    stage = PipelineStage(mods[rank], rank, world, CPU, dw_builder=mods[rank].dw_builder)
+    try:
+        zbpipe.ScheduleContinuous([stage], m, loss_fn=_mse, mode="2bw", optimizer=lambda ps: None)
+    except ValueError as e:
+        assert "dw_builder runs in mode='sync' only" in str(e), e
+    else:
+        raise AssertionError("2bw accepted a dw_builder stage")
+    sched = zbpipe.ScheduleContinuous(
+        [stage], m, loss_fn=_mse, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1)
+    )
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for k in range(n):
+        gen = torch.Generator().manual_seed(50 + k)
+        x, y = torch.randn(2 * m, width, generator=gen), torch.randn(2 * m, width, generator=gen)
+        sched.step(*((x,) if rank == 0 else ()), target=y if rank == world - 1 else None)
+        ref_opt.zero_grad()
+        (sum(_mse(ref(a), b) for a, b in zip(x.chunk(m), y.chunk(m))) / m).backward()
+        ref_opt.step()
+    sched.flush()
+    for (name, p), (_, q) in zip(mods[rank].named_parameters(), ref[rank].named_parameters()):
+        _close(p.detach(), q.detach(), f"continuous dw_builder stage {rank} {name}")
+    return n
+
+
 def continuous_eval_refused(rank, world):
     """ScheduleContinuous only trains: torch's eval() raises instead of training."""
     stage = PipelineStage(build_stages(TinyGPTConfig(), world)[rank], rank, world, CPU)

@@ -5,7 +5,7 @@
   training step gives its gradients; ``step(x, target=y)`` is called on every rank, the torch way.
 * a schedule without loss_fn steps forward-only again and again;
 * stages built with torch's ``dw_builder`` get their weight gradients under every class;
-* ScheduleContinuous refuses eval() (it would train);
+* ScheduleContinuous trains dw_builder stages (sync mode) and refuses eval() (it would train);
 * a stage output that requires grad but receives no gradient is an error, not a silent None.
 
 Real processes, gloo, one thread each; the cases of one world size share one process group.
@@ -24,6 +24,7 @@ def test_eval_train_cycles_and_dw_builder_on_2_ranks():
         *cases.every_class(m=4),
         ("dw_builder_grads", "ScheduleZBH1", 4, {"split": "graph"}),
         ("dw_builder_grads", "ScheduleZBV", 3, {"memory": "min"}),
+        ("continuous_dw_builder", 4),
         ("continuous_eval_refused",),
     ]
     per_rank = run_ranks(cases.parity_cases, 2, case_list, timeout=240)
