@@ -56,7 +56,7 @@ TORCH_TO_KIND = {v: k for k, v in KIND_TO_TORCH.items()}
 
 
 def stage_message_bytes(stage: _PipelineStageBase, which: str) -> int:
-    """Bytes of one microbatch's activations a stage receives (``"inputs"``) or sends (``"outputs"``).
+    """Bytes of a microbatch's activations a stage receives (``"inputs"``) or sends (``"outputs"``).
 
     Read from the tensor metadata torch infers on the first step (private: see
     :func:`stage_metas`); 0 before that. Used by :mod:`zbpipe.profile` to time messages of the
@@ -223,7 +223,7 @@ def wrap_shape_inference(stage: _PipelineStageBase, make: Callable[[Any], Any]) 
     return wrap(stage, "_prepare_forward_infra", make)
 
 
-# --- torch's own schedule orders, generated without a process group --------------------------------
+# --- torch's own schedule orders, generated without a process group -------------------------------
 
 
 def single_stage_order(cls: type, num_stages: int, n_microbatches: int) -> dict[int, list]:
@@ -401,8 +401,8 @@ def run_microbatches(
 
     if sched._has_backward and sched._backward_requires_autograd and not torch.is_grad_enabled():
         raise RuntimeError(
-            f"{type(sched).__name__}.step() runs a backward and needs autograd; do not call it under "
-            "torch.no_grad() (call eval() for a forward-only step)"
+            f"{type(sched).__name__}.step() runs a backward and needs autograd; "
+            "do not call it under torch.no_grad() (call eval() for a forward-only step)"
         )
     for stage in sched._stages:
         stage.has_backward = sched._has_backward

@@ -1,4 +1,4 @@
-"""The torch-facing runtime: run a zbpipe :class:`~zbpipe.planning.Plan` with torch's action runtime.
+"""The torch-facing runtime: run a :class:`~zbpipe.planning.Plan` with torch's action runtime.
 
 :class:`PlannedSchedule` is a ``PipelineScheduleMulti`` (through torch's private
 ``_PipelineScheduleRuntime``). It never decides an order: a plan generator does, every rank
@@ -19,7 +19,8 @@ Concrete schedules (:mod:`zbpipe.schedules`) only say which plan to build.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, ClassVar, Literal
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -44,7 +45,7 @@ from .validation import (
 
 
 def plan_to_torch_actions(plan: Plan) -> dict[int, list[Any]]:
-    """The plan as torch's compute-only action lists (lossless: see ``zbpipe._compat.KIND_TO_TORCH``)."""
+    """The plan as torch's compute-only action lists (lossless: see ``_compat.KIND_TO_TORCH``)."""
     return {
         rank: [C._Action(a.stage, C.KIND_TO_TORCH[a.kind], a.microbatch) for a in actions]
         for rank, actions in plan.order.items()
@@ -119,7 +120,10 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
             fingerprint = config_fingerprint(
                 type(self), n_microbatches, self._num_stages, self.plan
             )
-            summary = f"{type(self).__name__}(n_microbatches={n_microbatches}, stages={self._num_stages}, plan {fingerprint})"
+            summary = (
+                f"{type(self).__name__}(n_microbatches={n_microbatches}, "
+                f"stages={self._num_stages}, plan {fingerprint})"
+            )
             check_peers_agree(type(self), stages[0].group, self.rank, fingerprint, summary)
         self.seam = StageSeam(stages, self.split, exact=self.exact)
         self._lower(self.plan)
@@ -127,7 +131,8 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         self._profiler = (
             CostProfiler(profile or ProfileConfig(), keep_tracing=trace) if profiling else None
         )
-        # dict/TensorDict batches reach stage 0 by keyword (torch stages take only tensors positionally)
+        # dict/TensorDict batches reach stage 0 by keyword (torch stages take only tensors
+        # positionally)
         self._batch_keywords = FirstStageKeywords(stages)
         self._step_opts: tuple[bool, dict[str, Any] | None] = (True, None)
         self._warned_ignored_inputs = False  # step(x) on a rank without stage 0: warned once
@@ -191,7 +196,8 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         target_mbs: list | None = None,
         **kwargs: Any,
     ) -> Any:
-        """Run one step over ``n_microbatches`` microbatches (torch 2.14's ``step`` contract, on any torch).
+        """Run one step over ``n_microbatches`` microbatches (torch 2.14's ``step`` contract, on
+        any torch).
 
         The rank holding stage 0 passes the batch: whole (``args``: tensors, or a dict / TensorDict
         that stage 0 receives split into microbatches, see :mod:`zbpipe.inputs`) or already split
@@ -298,7 +304,8 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         key = (stage_idx, mb)
         if key not in ops:
             raise RuntimeError(
-                f"zbpipe: rank {self.rank} ran {what} of stage {stage_idx} mb {mb} before its receive"
+                f"zbpipe: rank {self.rank} ran {what} of stage {stage_idx} mb {mb} "
+                "before its receive"
             )
         C._wait_batch_p2p(ops.pop(key))
 
@@ -389,6 +396,7 @@ def _check_profile_args(cls: type, costs: Any, profile: Any) -> bool:
         return True
     if profile is not None:
         raise ValueError(
-            f"{cls.__name__}: profile= only applies with costs='profile'; pass costs='profile' or drop it"
+            f"{cls.__name__}: profile= only applies with costs='profile'; "
+            "pass costs='profile' or drop it"
         )
     return False
