@@ -1,4 +1,4 @@
-"""Per-rank bodies of the multi-process tests (module level so spawned processes can import them)."""
+"""Per-rank bodies of the multi-process tests (module level: spawned processes import them)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ CFG = TinyGPTConfig(tricky=True)
 
 
 def reference_grads(mods: list[nn.Module], ids: torch.Tensor, tgt: torch.Tensor, m: int):
-    """Unpipelined reference: the whole model, losses averaged over microbatches like scale_grads=True."""
+    """Unpipelined reference: the whole model, microbatch losses averaged like scale_grads=True."""
     ref = copy.deepcopy(nn.Sequential(*mods))
     losses = [lm_loss(ref(x), y) for x, y in zip(ids.chunk(m), tgt.chunk(m))]
     (torch.stack(losses).sum() / m).backward()
-    return ref, [l.detach() for l in losses]
+    return ref, [loss.detach() for loss in losses]
 
 
 def run_pipeline_step(rank, world, cls, m, mods, ids, tgt, **options):
@@ -98,7 +98,7 @@ def grads_match_reference(rank, world, schedule, m, options=None, seed=1):
                 q.grad,
                 rtol=1e-5,
                 atol=1e-6,
-                msg=lambda e: f"{schedule}{options} m={m} stage {s} {name}: {e}",
+                msg=lambda e, s=s, name=name: f"{schedule}{options} m={m} stage {s} {name}: {e}",
             )
             worst = max(worst, (p.grad - q.grad).abs().max().item())
     if num_stages - 1 in mine:
@@ -109,7 +109,7 @@ def grads_match_reference(rank, world, schedule, m, options=None, seed=1):
 
 
 def grads_cases(rank, world, cases):
-    """Run several ``(schedule, m, options)`` cases in one process group (spawning is the slow part)."""
+    """Run several ``(schedule, m, options)`` cases in one process group (spawning is slow)."""
     return [grads_match_reference(rank, world, s, m, o) for s, m, o in cases]
 
 
@@ -154,7 +154,7 @@ def bitwise_equal_to_1f1b(rank, world, m):
 
 
 def construction_errors(rank, world):
-    """Every misconfiguration raises ValueError at construction, on every rank, without communicating.
+    """Any misconfiguration raises ValueError at construction, on every rank, without communicating.
 
     Returns {case: message} so the test can check each message names the fix.
     """
@@ -211,7 +211,7 @@ def peers_disagree(rank, world):
 
 
 def step_argument_errors(rank, world):
-    """step() without the batch on the first rank, or without a target on the last, raises ValueError.
+    """step() without the batch on the first rank or without a target on the last raises ValueError.
 
     Inputs on a rank without stage 0 are ignored as torch ignores them (one warning), so the
     last rank's ``step(ids)`` fails for its missing target only."""
@@ -260,7 +260,7 @@ def compiled_submodule_error(rank, world):
     worst = 0.0
     for (name, p), (_, q) in zip(mods[rank].named_parameters(), ref[rank].named_parameters()):
         torch.testing.assert_close(
-            p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda e: f"{name}: {e}"
+            p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda e, name=name: f"{name}: {e}"
         )
         worst = max(worst, (p.grad - q.grad).abs().max().item())
     return message, worst
@@ -295,7 +295,7 @@ def raise_in_forward_of_microbatch_3(rank, world):
 
 
 def determinism(rank, world, schedule, options, m):
-    """Two runs from the same seed give bitwise identical losses and parameters (after an optimizer step)."""
+    """Two same-seed runs give bitwise identical losses and parameters (after an optimizer step)."""
     cls = getattr(zbpipe, schedule)
     runs = []
     for _ in range(2):
@@ -304,7 +304,7 @@ def determinism(rank, world, schedule, options, m):
         mine, losses, _ = run_pipeline_step(rank, world, cls, m, mods, ids, tgt, **options)
         params = [p for s in mine for p in mods[s].parameters()]
         torch.optim.SGD(params, lr=0.1, momentum=0.9).step()
-        runs.append(([l.clone() for l in losses], [p.detach().clone() for p in params]))
+        runs.append(([loss.clone() for loss in losses], [p.detach().clone() for p in params]))
     (l1, p1), (l2, p2) = runs
     assert all(torch.equal(a, b) for a, b in zip(l1, l2)), "losses differ between identical runs"
     assert all(torch.equal(a, b) for a, b in zip(p1, p2)), (
@@ -390,13 +390,13 @@ def several_outputs(rank, world, m):
     sched.step(*((ids,) if rank == 0 else ()), target=tgt if rank == 1 else None)
     for (name, p), (_, q) in zip(mods[rank].named_parameters(), ref[rank].named_parameters()):
         torch.testing.assert_close(
-            p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda e: f"{name}: {e}"
+            p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda e, name=name: f"{name}: {e}"
         )
     return rank
 
 
 def nonfinite_loss_reported(rank, world):
-    """A NaN loss in microbatch 2 is reported by index on the last stage's rank (no losses= needed)."""
+    """A NaN loss in microbatch 2 is reported by index on the last rank (no losses= needed)."""
     from zbpipe import ScheduleZBH1
 
     cfg = TinyGPTConfig()

@@ -58,8 +58,8 @@ def test_register_is_idempotent_and_keeps_the_original_reachable():
 
 
 def test_modules_that_imported_the_function_by_name_are_rebound(monkeypatch):
-    import types
     import sys
+    import types
 
     user = types.ModuleType("_zbpipe_fake_user")
     user.get_schedule_class = (

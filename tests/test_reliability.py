@@ -1,4 +1,5 @@
-"""Misconfigurations fail at construction on every rank; failures mid-step end the job; runs are deterministic."""
+"""Misconfigurations fail at construction on every rank; failures mid-step end the job; runs are
+deterministic."""
 
 import pytest
 

@@ -9,9 +9,8 @@ split="graph" keep the graph engine covered on every schedule family.
 
 import pytest
 
-from zbpipe.testing import run_ranks
-
 import _dist_cases as cases
+from zbpipe.testing import run_ranks
 
 pytestmark = pytest.mark.dist
 

@@ -1,4 +1,4 @@
-"""zbpipe.torchtitan: torchtitan 0.3.x's own pipeline code places, counts and builds zbpipe schedules.
+"""zbpipe.torchtitan: torchtitan 0.3.x's own pipeline code places, counts, builds zbpipe schedules.
 
 Needs torchtitan 0.3.0 and the few packages its pipeline and llama3 code import
 (recipes/torchtitan/requirements-ci.txt, which CI installs). Not skipped when they are missing:
@@ -19,7 +19,8 @@ V_NAME = "ZBV"
 
 @pytest.fixture(autouse=True)
 def installed():
-    # Other test files call zbpipe.registration.unregister(); install() is idempotent and re-registers.
+    # Other test files call zbpipe.registration.unregister(); install() is idempotent and
+    # re-registers.
     zt.install()
 
 

@@ -55,8 +55,13 @@ KIND_TO_TORCH = {kind: _ComputationType.from_str(t) for kind, t in TORCH_LETTERS
 TORCH_TO_KIND = {v: k for k, v in KIND_TO_TORCH.items()}
 
 
+def torch_action(stage: int, kind: _ComputationType, microbatch: int | None) -> _Action:
+    """torch's action-IR entry (``_Action``): ``kind`` of ``microbatch`` on ``stage``."""
+    return _Action(stage, kind, microbatch)
+
+
 def stage_message_bytes(stage: _PipelineStageBase, which: str) -> int:
-    """Bytes of one microbatch's activations a stage receives (``"inputs"``) or sends (``"outputs"``).
+    """Bytes of a microbatch's activations a stage receives (``"inputs"``) or sends (``"outputs"``).
 
     Read from the tensor metadata torch infers on the first step (private: see
     :func:`stage_metas`); 0 before that. Used by :mod:`zbpipe.profile` to time messages of the
@@ -74,12 +79,13 @@ def stage_message_bytes(stage: _PipelineStageBase, which: str) -> int:
 # --- what the stage seam reads from a torch PipelineStage ---------------------------------------
 
 
-def received_grads(stage: _PipelineStageBase, mb: int) -> tuple:
+def received_grads(stage: _PipelineStageBase, mb: int) -> tuple[Any, ...]:
     """The output gradients a stage received for microbatch ``mb`` (torch's receive buffers)."""
-    return stage._retrieve_recv_grads(mb)
+    grads: tuple[Any, ...] = stage._retrieve_recv_grads(mb)
+    return grads
 
 
-def received_grad_buffers(stage: _PipelineStageBase, mb: int) -> tuple:
+def received_grad_buffers(stage: _PipelineStageBase, mb: int) -> tuple[Any, ...]:
     """The receive buffers of a stage's output gradients for ``mb``, None where none is expected.
 
     What :func:`received_grads` would return, before torch rebuilds DTensors from them: enough
@@ -88,18 +94,19 @@ def received_grad_buffers(stage: _PipelineStageBase, mb: int) -> tuple:
     return tuple(info.buffer for info in stage.grad_recv_info[mb])
 
 
-def received_activations(stage: _PipelineStageBase, mb: int) -> tuple:
+def received_activations(stage: _PipelineStageBase, mb: int) -> tuple[Any, ...]:
     """The activations a stage received for microbatch ``mb`` (torch's receive buffers)."""
-    return stage._retrieve_recv_activations(mb)
+    activations: tuple[Any, ...] = stage._retrieve_recv_activations(mb)
+    return activations
 
 
-def forward_cache(stage: _PipelineStageBase) -> dict[int, tuple[Any, list]]:
+def forward_cache(stage: _PipelineStageBase) -> dict[int, tuple[Any, list[Any]]]:
     """microbatch -> ``(stage outputs, stage inputs)`` a forward left for its backward
     (torch's ``fwd_cache``; torch's forward fills it, zbpipe's B pops it)."""
     return stage.fwd_cache
 
 
-def input_grad_cache(stage: _PipelineStageBase) -> dict[int, tuple]:
+def input_grad_cache(stage: _PipelineStageBase) -> dict[int, tuple[Any, ...]]:
     """microbatch -> the input gradients torch sends to the previous stage (torch's
     ``bwd_cache``; zbpipe's B fills it)."""
     return stage.bwd_cache
@@ -120,7 +127,7 @@ def num_stage_inputs(stage: _PipelineStageBase) -> int:
     return len(stage_metas(stage, "inputs"))
 
 
-def post_accumulate_grad_hooks(t: Any) -> dict | None:
+def post_accumulate_grad_hooks(t: Any) -> dict[Any, Any] | None:
     """The dict of ``t``'s post-accumulate-grad hooks (autograd reads it when the hooks run)."""
     return getattr(t, "_post_accumulate_grad_hooks", None)
 
@@ -166,16 +173,24 @@ def is_compiled(module: Any) -> bool:
 # --- what the runtimes read of torch's schedule runtime and stages --------------------------------
 
 
-def forward_receives(sched: Any) -> dict[tuple[int, int], list]:
+def forward_receives(sched: Any) -> dict[tuple[int, int], list[Any]]:
     """``(stage, microbatch)`` -> the posted receive of that forward's inputs (torch's
     ``_PipelineScheduleRuntime.fwd_recv_ops``; torch's RECV_F action fills it)."""
-    return sched.fwd_recv_ops
+    receives: dict[tuple[int, int], list[Any]] = sched.fwd_recv_ops
+    return receives
 
 
-def backward_receives(sched: Any) -> dict[tuple[int, int], list]:
+def backward_receives(sched: Any) -> dict[tuple[int, int], list[Any]]:
     """``(stage, microbatch)`` -> the posted receive of that backward's output gradients
     (torch's ``bwd_recv_ops``; torch's RECV_B action fills it)."""
-    return sched.bwd_recv_ops
+    receives: dict[tuple[int, int], list[Any]] = sched.bwd_recv_ops
+    return receives
+
+
+def wait_batch_p2p(work: list[Any]) -> None:
+    """Wait for a posted receive (one of :func:`forward_receives` or :func:`backward_receives`'s
+    values; torch's ``_wait_batch_p2p``)."""
+    _wait_batch_p2p(work)
 
 
 def backward_counter(sched: Any) -> Counter[int]:
@@ -183,21 +198,24 @@ def backward_counter(sched: Any) -> Counter[int]:
     (torch's ``backward_counter``). torch's own actions count in it to tell a stage's last
     backward, and torch clears it at the end of the step; zbpipe's actions, which replace
     torch's, count in it the same way."""
-    return sched.backward_counter
+    counter: Counter[int] = sched.backward_counter
+    return counter
 
 
-def activation_receives(stage: _PipelineStageBase) -> dict[int, tuple]:
+def activation_receives(stage: _PipelineStageBase) -> dict[int, tuple[Any, ...]]:
     """microbatch -> the receive buffers for that forward's inputs (torch's ``args_recv_info``)."""
     return stage.args_recv_info
 
 
-def grad_receives(stage: _PipelineStageBase) -> dict[int, tuple]:
+def grad_receives(stage: _PipelineStageBase) -> dict[int, tuple[Any, ...]]:
     """microbatch -> the receive buffers for that backward's output gradients (torch's
     ``grad_recv_info``)."""
     return stage.grad_recv_info
 
 
-def key_by_global_microbatch(stage: _PipelineStageBase) -> tuple[tuple, tuple | None]:
+def key_by_global_microbatch(
+    stage: _PipelineStageBase,
+) -> tuple[tuple[Any, ...], tuple[Any, ...] | None]:
     """Make a stage's receive buffers and caches take any microbatch index (the continuous
     schedule's global ones), after torch's shape inference keyed them ``0..n_microbatches-1``.
 
@@ -223,18 +241,20 @@ def wrap_shape_inference(stage: _PipelineStageBase, make: Callable[[Any], Any]) 
     return wrap(stage, "_prepare_forward_infra", make)
 
 
-# --- torch's own schedule orders, generated without a process group --------------------------------
+# --- torch's own schedule orders, generated without a process group -------------------------------
 
 
-def single_stage_order(cls: type, num_stages: int, n_microbatches: int) -> dict[int, list]:
+def single_stage_order(cls: type, num_stages: int, n_microbatches: int) -> dict[int, list[Any]]:
     """rank -> torch's action list for single-stage schedule ``cls`` (``_get_pipeline_order``).
 
     Built on ``cls.__new__(cls)`` (its ``__init__`` wants a real stage), given only what that
     method reads.
     """
-    sched = cls.__new__(cls)
+    # For a bare ``type`` mypy checks ``type.__new__``; at run time this is the class's own.
+    sched = cls.__new__(cls)  # type: ignore[call-overload]
     sched._num_stages, sched._n_microbatches = num_stages, n_microbatches
-    return sched._get_pipeline_order()
+    order: dict[int, list[Any]] = sched._get_pipeline_order()
+    return order
 
 
 def multi_stage_rank_orders(
@@ -243,13 +263,13 @@ def multi_stage_rank_orders(
     n_microbatches: int,
     stages_per_rank: int,
     rounds: int | None = None,
-) -> dict[int, list]:
+) -> dict[int, list[Any]]:
     """rank -> torch's action list for multi-stage schedule ``cls`` on each rank
     (``_calculate_single_rank_operations``), built on ``cls.__new__(cls)`` (its ``__init__``
     wants real stages) given only what that method reads. ``rounds``: the number of rounds of
     the interleaved loop schedules (``n_microbatches`` must be a multiple of it).
     """
-    sched = cls.__new__(cls)
+    sched = cls.__new__(cls)  # type: ignore[call-overload]  # as above
     sched.pp_group_size, sched.n_local_stages = num_ranks, stages_per_rank
     sched._n_microbatches = n_microbatches
     sched.num_stages = sched._num_stages = num_ranks * stages_per_rank
@@ -276,7 +296,7 @@ TORCH_HAS_LOSS_KWARGS = (
 TORCH_SENDS_TO_LOCAL_NEIGHBOURS = not hasattr(PipelineScheduleMulti, "_initialize_pp_stages")
 
 
-def stage_metas(stage: Any, which: str) -> tuple:
+def stage_metas(stage: Any, which: str) -> tuple[Any, ...]:
     """A stage's inferred tensor metadata, ``which`` = ``"inputs"`` or ``"outputs"``.
 
     torch >= 2.13 keeps it in ``stage._stage_meta.inputs/.outputs``; 2.11 in
@@ -297,6 +317,13 @@ class _LocalNeighbourInit:
     torch's shape inference already does for them).
     """
 
+    # Set by the torch schedule this mixin is combined with (declared for the type checker).
+    _stages: list[Any]
+    _n_microbatches: int
+    _has_backward: bool
+    _stages_forward_initialized: bool
+    _stages_backward_initialized: bool
+
     def _initialize_stages(self, args: Any, kwargs: Any, target: Any = None) -> None:
         if not self._stages_forward_initialized:
             ops = [
@@ -307,7 +334,7 @@ class _LocalNeighbourInit:
             ]
             if ops:
                 _wait_batch_p2p(_batch_p2p(ops))
-            next_stage_args: tuple = ()
+            next_stage_args: tuple[Any, ...] = ()
             for stage in self._stages:
                 stage_args = args if stage.is_first else next_stage_args
                 next_stage_args = stage._prepare_forward_infra(
@@ -327,12 +354,16 @@ class _LossKwargs:
     ``run_microbatches``); torch's own methods are called with the arguments they take.
     """
 
+    # Set by the torch schedule this mixin is combined with (declared for the type checker).
+    _loss_fn: Callable[..., Any] | None
+    _internal_losses: list[Any]
+
     def _step_microbatches(
         self,
-        arg_mbs: list | None = None,
-        kwarg_mbs: list | None = None,
-        target_mbs: list | None = None,
-        losses: list | None = None,
+        arg_mbs: list[Any] | None = None,
+        kwarg_mbs: list[Any] | None = None,
+        target_mbs: list[Any] | None = None,
+        losses: list[Any] | None = None,
         return_outputs: bool = True,
         loss_kwargs: dict[str, Any] | None = None,
     ) -> Any:
@@ -344,7 +375,7 @@ class _LossKwargs:
         self, stage: Any, output: Any, target_mbs: Any, mb_index: int, loss_kwargs: Any = None
     ) -> None:
         if not loss_kwargs:
-            return super()._maybe_compute_loss(stage, output, target_mbs, mb_index)  # type: ignore[misc]
+            return super()._maybe_compute_loss(stage, output, target_mbs, mb_index)  # type: ignore[misc,no-any-return]
         if stage.is_last and self._loss_fn is not None:  # torch 2.11's body, with the keywords
             loss = self._loss_fn(output, target_mbs[mb_index], **loss_kwargs)
             self._internal_losses.append(loss)
@@ -353,7 +384,7 @@ class _LossKwargs:
 
 def _shimmed(base: type) -> type:
     """``base`` with the mixins this torch needs (``base`` itself on torch >= 2.13)."""
-    mixins = []
+    mixins: list[type] = []
     if not TORCH_HAS_LOSS_KWARGS:
         mixins.append(_LossKwargs)
     if TORCH_SENDS_TO_LOCAL_NEIGHBOURS:
@@ -389,20 +420,20 @@ PipelineScheduleMultiBase = _shimmed(PipelineScheduleMulti)
 # installed torch.
 def run_microbatches(
     sched: PipelineScheduleMulti,
-    arg_mbs: list,
-    kwarg_mbs: list,
-    target_mbs: list | None,
-    losses: list | None,
+    arg_mbs: list[Any],
+    kwarg_mbs: list[Any],
+    target_mbs: list[Any] | None,
+    losses: list[Any] | None,
     return_outputs: bool,
-    loss_kwargs: dict | None,
+    loss_kwargs: dict[str, Any] | None,
 ) -> object:
     """What torch's ``PipelineScheduleMulti.step`` does once its inputs are microbatches."""
     import torch
 
     if sched._has_backward and sched._backward_requires_autograd and not torch.is_grad_enabled():
         raise RuntimeError(
-            f"{type(sched).__name__}.step() runs a backward and needs autograd; do not call it under "
-            "torch.no_grad() (call eval() for a forward-only step)"
+            f"{type(sched).__name__}.step() runs a backward and needs autograd; "
+            "do not call it under torch.no_grad() (call eval() for a forward-only step)"
         )
     for stage in sched._stages:
         stage.has_backward = sched._has_backward
@@ -458,6 +489,7 @@ HELPER_API: tuple[tuple[type | None, str, tuple[str, ...]], ...] = (
     # module-level helpers
     (None, "_wait_batch_p2p", ("work",)),
     (None, "_batch_p2p", ("p2p_ops",)),
+    (None, "_Action", ("stage_index", "computation_type", "microbatch_index")),
 )
 PRIVATE_API = INHERITED_API + HELPER_API
 #: instance attributes zbpipe's schedules read as their own (torch's schedules set them in

@@ -1,4 +1,4 @@
-"""The torch-facing runtime: run a zbpipe :class:`~zbpipe.planning.Plan` with torch's action runtime.
+"""The torch-facing runtime: run a :class:`~zbpipe.planning.Plan` with torch's action runtime.
 
 :class:`PlannedSchedule` is a ``PipelineScheduleMulti`` (through torch's private
 ``_PipelineScheduleRuntime``). It never decides an order: a plan generator does, every rank
@@ -19,7 +19,8 @@ Concrete schedules (:mod:`zbpipe.schedules`) only say which plan to build.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, ClassVar, Literal
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -44,14 +45,16 @@ from .validation import (
 
 
 def plan_to_torch_actions(plan: Plan) -> dict[int, list[Any]]:
-    """The plan as torch's compute-only action lists (lossless: see ``zbpipe._compat.KIND_TO_TORCH``)."""
+    """The plan as torch's compute-only action lists (lossless: see ``_compat.KIND_TO_TORCH``)."""
     return {
-        rank: [C._Action(a.stage, C.KIND_TO_TORCH[a.kind], a.microbatch) for a in actions]
+        rank: [C.torch_action(a.stage, C.KIND_TO_TORCH[a.kind], a.microbatch) for a in actions]
         for rank, actions in plan.order.items()
     }
 
 
-class PlannedSchedule(C._PipelineScheduleRuntime):
+# torch's schedule base is built at import time (_compat's shims for the installed torch), so the
+# type checker sees it as Any: subclassing it is the point of this class.
+class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
     """Base class: a multi-stage torch schedule whose order comes from a zbpipe plan.
 
     Subclasses set ``plan_name`` (a name :func:`zbpipe.planning.plan` knows), ``layout`` and
@@ -103,7 +106,8 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
             use_full_backward=use_full_backward,  # torch's deprecated flag: it warns and ignores it
             backward_requires_autograd=backward_requires_autograd,
         )
-        self.costs = costs if costs is not None else Costs()
+        # costs is a Costs or None by now (check_schedule_args); isinstance says so to mypy
+        self.costs = costs if isinstance(costs, Costs) else Costs()
         self._plan_options = plan_options  # kept for a re-plan from measured costs
         #: the agreed per-stage costs once ``costs="profile"`` has measured them (else None)
         self.measured_costs: Costs | None = None
@@ -119,7 +123,10 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
             fingerprint = config_fingerprint(
                 type(self), n_microbatches, self._num_stages, self.plan
             )
-            summary = f"{type(self).__name__}(n_microbatches={n_microbatches}, stages={self._num_stages}, plan {fingerprint})"
+            summary = (
+                f"{type(self).__name__}(n_microbatches={n_microbatches}, "
+                f"stages={self._num_stages}, plan {fingerprint})"
+            )
             check_peers_agree(type(self), stages[0].group, self.rank, fingerprint, summary)
         self.seam = StageSeam(stages, self.split, exact=self.exact)
         self._lower(self.plan)
@@ -127,7 +134,8 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         self._profiler = (
             CostProfiler(profile or ProfileConfig(), keep_tracing=trace) if profiling else None
         )
-        # dict/TensorDict batches reach stage 0 by keyword (torch stages take only tensors positionally)
+        # dict/TensorDict batches reach stage 0 by keyword (torch stages take only tensors
+        # positionally)
         self._batch_keywords = FirstStageKeywords(stages)
         self._step_opts: tuple[bool, dict[str, Any] | None] = (True, None)
         self._warned_ignored_inputs = False  # step(x) on a rank without stage 0: warned once
@@ -183,15 +191,16 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         self,
         *args: Any,
         target: Any = None,
-        losses: list | None = None,
+        losses: list[Any] | None = None,
         return_outputs: bool = True,
         loss_kwargs: dict[str, Any] | None = None,
-        arg_mbs: list | None = None,
-        kwarg_mbs: list | None = None,
-        target_mbs: list | None = None,
+        arg_mbs: list[Any] | None = None,
+        kwarg_mbs: list[Any] | None = None,
+        target_mbs: list[Any] | None = None,
         **kwargs: Any,
     ) -> Any:
-        """Run one step over ``n_microbatches`` microbatches (torch 2.14's ``step`` contract, on any torch).
+        """Run one step over ``n_microbatches`` microbatches (torch 2.14's ``step`` contract, on
+        any torch).
 
         The rank holding stage 0 passes the batch: whole (``args``: tensors, or a dict / TensorDict
         that stage 0 receives split into microbatches, see :mod:`zbpipe.inputs`) or already split
@@ -223,7 +232,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
             self._profiler.after_step(self)  # collective on the profiling window's last step
         return out
 
-    def _update_losses(self, stages: Any, losses: list | None) -> None:
+    def _update_losses(self, stages: Any, losses: list[Any] | None) -> None:
         # torch hands the losses over (and clears its own list) here: check them first, whether
         # or not the caller asked for them.
         self._report_nonfinite_losses(self._internal_losses)
@@ -235,7 +244,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
             return
         super()._update_losses(stages, losses)
 
-    def _report_nonfinite_losses(self, losses: list) -> None:
+    def _report_nonfinite_losses(self, losses: list[Any]) -> None:
         # No host-device sync inside step(): the flags stay on the device until read.
         self._nonfinite.record(losses)
 
@@ -249,10 +258,10 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
 
     def _step_microbatches(
         self,
-        arg_mbs: list | None = None,
-        kwarg_mbs: list | None = None,
-        target_mbs: list | None = None,
-        losses: list | None = None,
+        arg_mbs: list[Any] | None = None,
+        kwarg_mbs: list[Any] | None = None,
+        target_mbs: list[Any] | None = None,
+        losses: list[Any] | None = None,
         return_outputs: bool = True,
         loss_kwargs: dict[str, Any] | None = None,
     ) -> None:
@@ -294,13 +303,16 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         """Count this rank's saved-activation bytes with ``meter`` (see :mod:`zbpipe.memory`)."""
         self.seam.meter = meter
 
-    def _wait_recv(self, ops: dict, stage_idx: int, mb: int, what: str) -> None:
+    def _wait_recv(
+        self, ops: dict[tuple[int, int], list[Any]], stage_idx: int, mb: int, what: str
+    ) -> None:
         key = (stage_idx, mb)
         if key not in ops:
             raise RuntimeError(
-                f"zbpipe: rank {self.rank} ran {what} of stage {stage_idx} mb {mb} before its receive"
+                f"zbpipe: rank {self.rank} ran {what} of stage {stage_idx} mb {mb} "
+                "before its receive"
             )
-        C._wait_batch_p2p(ops.pop(key))
+        C.wait_batch_p2p(ops.pop(key))
 
     # Compute actions: wait for the receive torch posted, then let the stage seam do the work.
     def _run_forward(self, action: Any, ctx: Any) -> None:
@@ -336,7 +348,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         """
         pending = C.backward_receives(self).pop((s, mb), None)
         if pending is not None:
-            C._wait_batch_p2p(pending)
+            C.wait_batch_p2p(pending)
 
     def _run_backward_input(self, action: Any, ctx: Any) -> None:
         s, mb = action.stage_index, action.microbatch_index
@@ -389,6 +401,7 @@ def _check_profile_args(cls: type, costs: Any, profile: Any) -> bool:
         return True
     if profile is not None:
         raise ValueError(
-            f"{cls.__name__}: profile= only applies with costs='profile'; pass costs='profile' or drop it"
+            f"{cls.__name__}: profile= only applies with costs='profile'; "
+            "pass costs='profile' or drop it"
         )
     return False

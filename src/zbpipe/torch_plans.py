@@ -32,7 +32,7 @@ _V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 
 
 def torch_plan(name: str, num_ranks: int, n_microbatches: int, stages_per_rank: int = 2) -> Plan:
-    """torch's schedule ``name`` (e.g. ``"ZBVZeroBubble"``) for ``num_ranks`` and ``n_microbatches``.
+    """torch's schedule ``name`` (e.g. ``"ZBVZeroBubble"``) for ``num_ranks``, ``n_microbatches``.
 
     ``stages_per_rank`` applies to the interleaved loop schedules (Interleaved1F1B,
     InterleavedZeroBubble); V schedules always have 2, single-stage schedules 1.

@@ -30,7 +30,8 @@ import importlib
 import logging
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .patching import rebind
 from .registration import lookup_zbpipe, register
@@ -48,8 +49,9 @@ def stage_indices(cls: type, pp_rank: int, pp_degree: int, num_stages: int) -> t
     expected = pp_degree * cls.stages_per_rank
     if num_stages != expected:
         raise ValueError(
-            f"{cls.__name__} runs {cls.stages_per_rank} stage(s) per rank, so {pp_degree} pipeline ranks "
-            f"need {expected} model parts, got {num_stages}: leave pipeline_parallel_layers_per_stage unset "
+            f"{cls.__name__} runs {cls.stages_per_rank} stage(s) per rank, "
+            f"so {pp_degree} pipeline ranks need {expected} model parts, got {num_stages}: "
+            "leave pipeline_parallel_layers_per_stage unset "
             f"or give module_fqns_per_model_part with {expected} entries"
         )
     placement = cls.stage_index_to_rank(pp_degree)
@@ -86,8 +88,10 @@ def _wrap_pipeline_metadata(original: Callable) -> Callable:
         elif num_stages != expected:
             raise ValueError(
                 f"{cls.__name__} runs {cls.stages_per_rank} stage(s) per rank but "
-                f"pipeline_parallel_layers_per_stage={parallelism.pipeline_parallel_layers_per_stage} gives "
-                f"{num_stages} stages on {parallel_dims.pp} ranks: unset it or choose one giving {expected}"
+                "pipeline_parallel_layers_per_stage="
+                f"{parallelism.pipeline_parallel_layers_per_stage} gives "
+                f"{num_stages} stages on {parallel_dims.pp} ranks: "
+                f"unset it or choose one giving {expected}"
             )
         return (num_stages, *rest)
 
@@ -243,7 +247,10 @@ def _rebind(original: Callable, wrapper: Callable, name: str) -> None:
 
 
 def install() -> str:
-    """Register zbpipe's names with torch and patch torchtitan; idempotent. Returns the line patched."""
+    """Register zbpipe's names with torch and patch torchtitan; idempotent.
+
+    Returns the line patched.
+    """
     register()
     modules = {name: importlib.import_module(name) for name in (_PP, _METRICS)}
     for line, targets in TARGETS.items():
@@ -264,7 +271,8 @@ def install() -> str:
             )
             return line
     raise ImportError(
-        f"zbpipe.torchtitan supports torchtitan 0.2.x and 0.3.x, found torchtitan {_torchtitan_version()} "
+        "zbpipe.torchtitan supports torchtitan 0.2.x and 0.3.x, "
+        f"found torchtitan {_torchtitan_version()} "
         f"without the functions it patches: "
         + "; ".join(
             f"{line}: {', '.join(f'{m}.{f}' for m, f, _ in t)}" for line, t in TARGETS.items()
@@ -273,7 +281,7 @@ def install() -> str:
 
 
 def uninstall() -> None:
-    """Undo :func:`install` (for tests): every wrapped torchtitan function gets its original back."""
+    """Undo :func:`install` (for tests): each wrapped torchtitan function gets its original back."""
     from .registration import unregister
 
     for targets in TARGETS.values():
@@ -300,10 +308,10 @@ def _llama3_debugmodel(schedule: str) -> Any:
 
 
 def llama3_debugmodel_zbh1() -> Any:
-    """torchtitan 0.3.x: llama3 debug model with zbpipe's ZB-H1 (one stage per rank)."""
+    """torchtitan 0.3.x: llama3 debug model, zbpipe's ZB-H1 (one stage per rank)."""
     return _llama3_debugmodel("ZBH1")
 
 
 def llama3_debugmodel_zbv() -> Any:
-    """torchtitan 0.3.x: llama3 debug model with zbpipe's ZB-V (two stages per rank, V placement)."""
+    """torchtitan 0.3.x: llama3 debug model, zbpipe's ZB-V (two stages per rank, V placement)."""
     return _llama3_debugmodel("ZBV")

@@ -7,7 +7,8 @@ first send.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from . import _compat as C
 from .planning import Costs, Plan
@@ -20,18 +21,21 @@ def check_schedule_args(cls: type, stages: Any, n_microbatches: Any, costs: Any)
         raise ValueError(f"{name}: n_microbatches must be an int >= 1, got {n_microbatches!r}")
     if n_microbatches < 1:
         raise ValueError(
-            f"{name}: n_microbatches must be >= 1, got {n_microbatches}; pass the number of microbatches per step"
+            f"{name}: n_microbatches must be >= 1, got {n_microbatches}; "
+            "pass the number of microbatches per step"
         )
     if isinstance(stages, C._PipelineStageBase):
         stages = [stages]
     if not isinstance(stages, (list, tuple)) or not stages:
         raise ValueError(
-            f"{name}: stages must be a non-empty list of torch PipelineStage objects, got {stages!r}"
+            f"{name}: stages must be a non-empty list of torch PipelineStage objects, "
+            f"got {stages!r}"
         )
     for i, st in enumerate(stages):
         if not isinstance(st, C._PipelineStageBase):
             raise ValueError(
-                f"{name}: stages[{i}] is a {type(st).__name__}, not a torch.distributed.pipelining.PipelineStage; "
+                f"{name}: stages[{i}] is a {type(st).__name__}, "
+                "not a torch.distributed.pipelining.PipelineStage; "
                 "wrap each model chunk in PipelineStage(module, stage_index, num_stages, device)"
             )
     if costs is not None and not isinstance(costs, Costs):
@@ -43,8 +47,9 @@ def check_schedule_args(cls: type, stages: Any, n_microbatches: Any, costs: Any)
     for st in stages:
         if isinstance(st.submod, DistributedDataParallel):
             raise ValueError(
-                f"{name}: stage {st.stage_index} is wrapped in DistributedDataParallel, whose gradient all-reduce "
-                "hooks do not fire for a split backward's weight pass (gradients would stay unsynchronized); "
+                f"{name}: stage {st.stage_index} is wrapped in DistributedDataParallel, "
+                "whose gradient all-reduce hooks do not fire for a split backward's weight pass "
+                "(gradients would stay unsynchronized); "
                 "shard the stage with FSDP2 (fully_shard) or replicate() instead"
             )
     first = stages[0]
@@ -53,7 +58,8 @@ def check_schedule_args(cls: type, stages: Any, n_microbatches: Any, costs: Any)
         if (st.group_size, st.group_rank, st.num_stages) != (num_ranks, rank, num_stages):
             raise ValueError(
                 f"{name}: all stages on a rank must share one process group and num_stages; "
-                f"stage {first.stage_index} has (group size {num_ranks}, rank {rank}, num_stages {num_stages}), "
+                f"stage {first.stage_index} has "
+                f"(group size {num_ranks}, rank {rank}, num_stages {num_stages}), "
                 f"stage {st.stage_index} has ({st.group_size}, {st.group_rank}, {st.num_stages})"
             )
     per_rank = cls.stages_per_rank
@@ -64,15 +70,17 @@ def check_schedule_args(cls: type, stages: Any, n_microbatches: Any, costs: Any)
         )
     if num_stages != per_rank * num_ranks:
         raise ValueError(
-            f"{name}: the pipeline has num_stages={num_stages} but {num_ranks} ranks x {per_rank} stage(s) per rank "
-            f"= {per_rank * num_ranks} are needed; set num_stages={per_rank * num_ranks} in every PipelineStage"
+            f"{name}: the pipeline has num_stages={num_stages} "
+            f"but {num_ranks} ranks x {per_rank} stage(s) per rank = {per_rank * num_ranks} "
+            f"are needed; set num_stages={per_rank * num_ranks} in every PipelineStage"
         )
     expected = sorted(s for s, r in cls.stage_index_to_rank(num_ranks).items() if r == rank)
     got = sorted(st.stage_index for st in stages)
     if got != expected:
         raise ValueError(
-            f"{name}: rank {rank} holds stages {got} but {cls.layout!r} layout puts stages {expected} "
-            f"on rank {rank}; build PipelineStage(..., stage_index=i, ...) for i in {expected} on this rank"
+            f"{name}: rank {rank} holds stages {got} "
+            f"but {cls.layout!r} layout puts stages {expected} on rank {rank}; "
+            f"build PipelineStage(..., stage_index=i, ...) for i in {expected} on this rank"
         )
     return list(stages)
 
@@ -83,7 +91,8 @@ def check_plan_for_runtime(plan: Plan, stages: Sequence[Any]) -> None:
     for st in stages:
         if plan.placement.get(st.stage_index) != st.group_rank:
             raise ValueError(
-                f"plan {plan.name} places stage {st.stage_index} on rank {plan.placement.get(st.stage_index)}, "
+                f"plan {plan.name} places stage {st.stage_index} "
+                f"on rank {plan.placement.get(st.stage_index)}, "
                 f"but it was built on rank {st.group_rank}"
             )
     # torch keeps the last stage's losses in a list indexed by microbatch: forwards of the last
@@ -124,10 +133,10 @@ def check_not_compiled(cls: type, stages: Sequence[Any]) -> None:
         if name is not None:
             where = name or "the stage module itself"
             raise ValueError(
-                f"{cls.__name__}: stage {st.stage_index} submodule {where!r} is torch.compile'd, which hides the "
-                "autograd graph the graph engine's split backward (B/W) needs; use split='deferred' (compiled "
-                "regions then compute their weight gradients in B), remove the compile, or use a "
-                "fused-backward schedule (Schedule1F1BMulti)"
+                f"{cls.__name__}: stage {st.stage_index} submodule {where!r} is torch.compile'd, "
+                "which hides the autograd graph the graph engine's split backward (B/W) needs; "
+                "use split='deferred' (compiled regions then compute their weight gradients in B), "
+                "remove the compile, or use a fused-backward schedule (Schedule1F1BMulti)"
             )
 
 
@@ -152,12 +161,15 @@ def check_peers_agree(cls: type, group: Any, rank: int, fingerprint: str, summar
     if lines:
         raise ValueError(
             f"{cls.__name__}: pipeline ranks disagree on the schedule configuration:\n{lines}\n"
-            "construct the same schedule with the same n_microbatches, options and costs on every rank"
+            "construct the same schedule with the same n_microbatches, options and costs "
+            "on every rank"
         )
 
 
 def disagreement(group: Any, rank: int, value: str, shown: str) -> str | None:
-    """All-gather ``value`` over ``group``; if the ranks disagree, one line per rank showing ``shown``."""
+    """All-gather ``value`` over ``group``: None if the ranks agree, else one line per rank
+    showing its ``shown``.
+    """
     import torch.distributed as dist
 
     gathered: list[Any] = [None] * dist.get_world_size(group)
@@ -192,8 +204,8 @@ def check_step_args(
     has_last = any(st.is_last for st in stages)
     if has_first and not args and not kwargs and arg_mbs is None and kwarg_mbs is None:
         raise ValueError(
-            f"{name}.step(): rank {sched.rank} holds stage 0 and needs the batch: call step(x, ...) "
-            "or step(arg_mbs=[...])"
+            f"{name}.step(): rank {sched.rank} holds stage 0 and needs the batch: "
+            "call step(x, ...) or step(arg_mbs=[...])"
         )
     if (
         has_last
@@ -203,6 +215,7 @@ def check_step_args(
         and target_mbs is None
     ):
         raise ValueError(
-            f"{name}.step(): rank {sched.rank} holds the last stage and the schedule has a loss_fn, "
+            f"{name}.step(): rank {sched.rank} holds the last stage "
+            "and the schedule has a loss_fn, "
             "but no target was given: call step(..., target=y) or step(..., target_mbs=[...])"
         )

@@ -15,8 +15,9 @@ import queue
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 
 class RankFailure(RuntimeError):
