@@ -155,7 +155,7 @@ PAPER_COLS = ("1F1B", "1F1B-I", "ZB-H1", "ZB-H2", "ZB-1p", "ZB-2p")
 def torch_izb(p: int, m: int, costs: Costs) -> float | None:
     """torch's InterleavedZeroBubble (2 half-size chunks per rank), if the registry knows it."""
     try:
-        from zbpipe.planning.registry import plan as plan_by_name
+        from zbpipe import plan as plan_by_name
 
         pl = plan_by_name("torch:InterleavedZeroBubble", p, m)
         return simulate(pl, costs.split(2)).bubble_rate

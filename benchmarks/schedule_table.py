@@ -15,8 +15,9 @@ import time
 
 from results_io import write_result
 
+from zbpipe import plan
 from zbpipe.cli import chunk_costs
-from zbpipe.planning import Costs, known_names, plan, simulate
+from zbpipe.planning import Costs, known_names, simulate
 
 COST_SETS = {
     "equal (f=b=w=1)": Costs(),

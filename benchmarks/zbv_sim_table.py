@@ -11,9 +11,9 @@ import pathlib
 
 from results_io import write_result
 
+from zbpipe import plan
 from zbpipe.planning.costs import Costs
 from zbpipe.planning.onef1b import plan_1f1b
-from zbpipe.planning.registry import plan
 from zbpipe.planning.simulator import simulate
 from zbpipe.planning.zbv import plan_zbv
 

@@ -1,19 +1,27 @@
-"""Every private torch name zbpipe relies on exists, with the parameters zbpipe passes.
+"""Every private torch name zbpipe relies on exists, with the parameters zbpipe passes, and
+zbpipe uses no other.
 
-``zbpipe._compat.PRIVATE_API`` lists them; a torch upgrade that renames one fails here, naming
-it, instead of deep inside a pipeline step. CI runs this file on torch 2.11, 2.13 and 2.14.
+``zbpipe._compat`` lists them (``PRIVATE_API``, ``PRIVATE_SCHEDULE_ATTRIBUTES``,
+``TORCH_INTERNAL_ATTRIBUTES``, ``PRIVATE_OBJECT_ATTRIBUTES``); a torch upgrade that renames one
+fails here, naming it, instead of deep inside a pipeline step. The census tests scan zbpipe's
+source: a private torch name outside ``_compat`` that zbpipe's schedules do not inherit fails
+them. CI runs this file on torch 2.11, 2.13 and 2.14.
 """
 
+import ast
 import inspect
 import pathlib
 import re
 
 import pytest
+import torch
+import torch.distributed.pipelining as pipelining
 import torch.distributed.pipelining.schedules as torch_schedules
 
 from zbpipe import _compat as C
 
 SRC = pathlib.Path(C.__file__).parent
+PIPELINING = pathlib.Path(pipelining.__file__).parent
 
 
 @pytest.mark.parametrize(
@@ -35,6 +43,16 @@ def test_private_schedule_attributes_are_set_by_torch():
         assert re.search(rf"self\.{attr}\b\s*[:=]", source), f"torch no longer sets {attr}"
 
 
+@pytest.mark.parametrize(
+    "module, attr", C.TORCH_INTERNAL_ATTRIBUTES, ids=[a for _, a in C.TORCH_INTERNAL_ATTRIBUTES]
+)
+def test_torch_internal_attributes_are_set_by_torch(module, attr):
+    source = (PIPELINING / f"{module}.py").read_text()
+    assert re.search(rf"self\.{attr}\b\s*(:[^=\n]+)?=", source), (
+        f"torch's pipelining/{module}.py no longer sets {attr}: update zbpipe._compat"
+    )
+
+
 def test_no_private_torch_import_outside_compat():
     """Modules import torch's private names through zbpipe._compat only."""
     offenders = []
@@ -49,10 +67,164 @@ def test_no_private_torch_import_outside_compat():
     assert not offenders, offenders
 
 
+# ---------------------------------------------------------------- the census, zbpipe's side
+def _torch_private_names() -> set[str]:
+    """The private names torch defines on what zbpipe touches: pipelining's classes and
+    functions and the attributes its classes set on ``self``; ``nn.Module``'s; a tensor's, an
+    autograd node's and an optimizer's."""
+    names: set[str] = set()
+    sources = [p.read_text() for p in PIPELINING.glob("*.py")]
+    sources.append(inspect.getsource(torch.nn.Module))
+    for text in sources:
+        names |= set(re.findall(r"^\s*(?:def|class) (_[A-Za-z]\w*)", text, re.M))
+        names |= set(re.findall(r"self\.(_[A-Za-z]\w*)\s*(?::[^=\n]+)?=(?!=)", text))
+    x = torch.ones(1, requires_grad=True)
+    module = torch.nn.Linear(1, 1)  # instances: nn.Module sets some attributes by __setattr__
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    for obj in (x, (x * 2).grad_fn, module, optimizer):
+        names |= {n for n in dir(obj) if n.startswith("_") and not n.startswith("__")}
+    return names
+
+
+def _zbpipe_modules_outside_compat() -> list[pathlib.Path]:
+    # zbpipe.planning is left out: it never imports torch (tests/test_plan_torch_free.py).
+    return sorted(
+        p
+        for p in SRC.rglob("*.py")
+        if p.name != "_compat.py" and "planning" not in p.relative_to(SRC).parts
+    )
+
+
+def _names_used(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, name) of every attribute read, written or deleted (except on the ``_compat``
+    module), every method defined in a class body (an override) and every identifier-like string
+    constant (``getattr(x, "_name")``, ``patch(x, "_name", ...)``) that is not a docstring."""
+    compat_aliases = {
+        alias.asname or alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+        if alias.name == "_compat"
+    }
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    used = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            if not (isinstance(node.value, ast.Name) and node.value.id in compat_aliases):
+                used.append((node.lineno, node.attr))
+        elif isinstance(node, ast.ClassDef):
+            used += [(f.lineno, f.name) for f in node.body if isinstance(f, ast.FunctionDef)]
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and re.fullmatch(r"[A-Za-z_]\w*", node.value)
+            and id(node) not in docstrings
+        ):
+            used.append((node.lineno, node.value))
+    return used
+
+
+def _uses_outside_compat(wanted) -> list[str]:
+    return [
+        f"{path.relative_to(SRC)}:{line}: {name}"
+        for path in _zbpipe_modules_outside_compat()
+        for line, name in _names_used(ast.parse(path.read_text()))
+        if wanted(name)
+    ]
+
+
+def test_private_torch_names_outside_compat_are_the_inherited_ones():
+    """A private torch name outside zbpipe._compat is one zbpipe's schedules inherit from torch's
+    and override or use as their own (``_step_microbatches``, ``self._n_microbatches``), listed
+    in the census and checked above: renaming those in zbpipe would break the override itself.
+    Anything else (a stage's, a tensor's, a graph node's, a module's private name) goes through
+    a named helper in zbpipe._compat."""
+    torch_private = _torch_private_names()
+    inherited = {n for _, n, _ in C.INHERITED_API} | set(C.PRIVATE_SCHEDULE_ATTRIBUTES)
+    offenders = _uses_outside_compat(lambda n: n in torch_private and n not in inherited)
+    assert not offenders, (
+        "private torch names outside zbpipe._compat: read them through a helper there (with a "
+        f"census entry), or list an inherited schedule name in INHERITED_API: {offenders}"
+    )
+
+
+def test_torch_internal_state_is_reached_through_compat_only():
+    """torch's stages and schedule runtime keep their caches, receive tables and counters in
+    public-looking attributes (``fwd_cache``, ``backward_counter``): only zbpipe._compat names
+    them."""
+    internal = {a for _, a in C.TORCH_INTERNAL_ATTRIBUTES}
+    offenders = _uses_outside_compat(lambda n: n in internal)
+    assert not offenders, f"torch internals outside zbpipe._compat: use its helpers: {offenders}"
+
+
+def test_census_scan_sees_private_uses_but_not_docstrings_or_compat():
+    tree = ast.parse(
+        "from . import _compat as C\n"
+        "def f(stage, node, m):\n"
+        "    '''node._input_metadata in a docstring is not a use'''\n"
+        "    stage._create_grad_send_info(())\n"
+        "    n = node._input_metadata\n"
+        "    getattr(m, '_compiled_call_impl', None)\n"
+        "    return C._Action\n"
+        "class S:\n"
+        "    def _maybe_get_loss(self): ...\n"
+    )
+    names = [name for _, name in _names_used(tree)]
+    assert names.count("_input_metadata") == 1
+    assert {"_create_grad_send_info", "_compiled_call_impl", "_maybe_get_loss"} <= set(names)
+    assert "_Action" not in names
+    found = {"_create_grad_send_info", "_input_metadata", "_compiled_call_impl", "_parameters"}
+    assert found <= _torch_private_names()
+
+
+# ---------------------------------------------------------------- private attributes, by behaviour
+@pytest.mark.parametrize(
+    "owner, name", C.PRIVATE_OBJECT_ATTRIBUTES, ids=[n for _, n in C.PRIVATE_OBJECT_ATTRIBUTES]
+)
+def test_private_object_attributes_are_torchs(owner, name):
+    assert name in _torch_private_names(), f"torch's {owner} no longer has {name}"
+
+
+def test_node_input_metadata_has_one_entry_per_forward_output():
+    x = torch.randn(3, 4, requires_grad=True)
+    node = (x * 2).grad_fn
+    assert [tuple(m.shape) for m in C.node_input_metadata(node)] == [(3, 4)]
+    a, _ = x.split(2, dim=1)  # one node, two outputs: two gradients arrive at it
+    assert len(C.node_input_metadata(a.grad_fn)) == 2
+
+
+def test_is_view_tells_views_from_fresh_tensors():
+    x = torch.randn(3, 3)
+    assert C.is_view(x[0]) and C.is_view(x.t())
+    assert not C.is_view(x) and not C.is_view(x * 2) and not C.is_view(x[0].detach())
+
+
+def test_own_parameter_is_none_under_a_parametrization():
+    from torch.nn.utils import parametrize
+
+    lin = torch.nn.Linear(2, 2)
+    assert C.own_parameter(lin, "weight") is lin.weight
+    parametrize.register_parametrization(lin, "weight", torch.nn.Identity())
+    assert C.own_parameter(lin, "weight") is None
+    assert C.own_parameter(lin, "bias") is lin.bias
+
+
+def test_in_place_compile_sets_the_attribute_is_compiled_reads():
+    assert not C.is_compiled(torch.nn.Linear(2, 2))
+    # Module.compile() imports the compiler; its source shows the attribute it sets.
+    source = inspect.getsource(torch.nn.Module.compile)
+    assert re.search(r"self\._compiled_call_impl\s*=", source), "torch renamed _compiled_call_impl"
+
+
 def test_tensor_hook_attributes_zbpipe_reads_see_the_hooks():
     """The deferred engine reads two private tensor attributes to decide what W may do."""
-    import torch
-
     w = torch.nn.Parameter(torch.randn(2, 2))
     assert not C.has_grad_hooks(w) and not C.has_post_accumulate_grad_hooks(w)
     w.register_hook(lambda g: g)

@@ -5,7 +5,8 @@ import torch.distributed.pipelining.schedules as torch_schedules
 
 from zbpipe import registration
 from zbpipe.runtime import PlannedSchedule
-from zbpipe.schedules import SCHEDULES, Schedule1F1BMulti, ScheduleZBH1
+from zbpipe.schedule_names import SCHEDULE_CLASSES
+from zbpipe.schedules import Schedule1F1BMulti, ScheduleZBH1
 
 
 @pytest.fixture
@@ -39,7 +40,7 @@ def test_classes_added_after_register_are_found(registered, monkeypatch):
     class ScheduleLate(PlannedSchedule):
         plan_name = "1F1B"
 
-    monkeypatch.setitem(SCHEDULES, "Late", ScheduleLate)
+    monkeypatch.setitem(SCHEDULE_CLASSES, "Late", ScheduleLate)
     assert torch_schedules.get_schedule_class("late") is ScheduleLate
 
 

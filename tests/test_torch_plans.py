@@ -6,8 +6,9 @@ import io
 import pytest
 import torch.distributed.pipelining as pipelining
 
+from zbpipe import plan  # torch: names are built above the plan layer
 from zbpipe._compat import _Action
-from zbpipe.planning import Costs, plan, plan_1f1b, plan_from_csv, plan_to_csv, simulate
+from zbpipe.planning import Costs, plan_1f1b, plan_from_csv, plan_to_csv, simulate
 from zbpipe.planning.registry import TORCH_SCHEDULES
 from zbpipe.torch_plans import torch_plan
 

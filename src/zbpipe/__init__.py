@@ -1,8 +1,11 @@
 """zbpipe: Zero Bubble pipeline-parallel schedules for torch.distributed.pipelining.
 
-The plan layer (``Costs``, ``plan``, ``simulate``, ``Action``, ``Plan``) is imported eagerly and
-never imports torch. Torch-facing names are resolved lazily (PEP 562) on first access, so
-``import zbpipe.planning`` works on a machine without torch.
+The plan layer (``Costs``, ``simulate``, ``Action``, ``Plan``) is imported eagerly and never
+imports torch. Other names are resolved lazily (PEP 562) on first access, so ``import zbpipe``
+and ``import zbpipe.planning`` work on a machine without torch. ``plan`` (:mod:`zbpipe.plans`)
+is lazy too, though torch-free: it imports torch only to build one of torch's own schedules
+(``"torch:<Name>"``), and importing it eagerly here would pull that torch-facing code into
+every import of the plan layer (mypy's strict check of ``zbpipe.planning`` among them).
 """
 
 from __future__ import annotations
@@ -11,17 +14,18 @@ import importlib
 
 __version__ = "0.1.0"
 
-from .planning import Action, Costs, Plan, PlanError, SimResult, plan, simulate
+from .planning import Action, Costs, Plan, PlanError, SimResult, simulate
 
 #: lazily imported public name -> module that defines it
 _LAZY: dict[str, str] = {
+    "plan": "zbpipe.plans",
     "ScheduleZBH1": "zbpipe.schedules",
     "Schedule1F1BMulti": "zbpipe.schedules",
     "ScheduleZBH2": "zbpipe.schedules",
     "ScheduleZBV": "zbpipe.schedules",
     "ScheduleZBAuto": "zbpipe.schedules",
     "ScheduleContinuous": "zbpipe.continuous",
-    "get_schedule_class": "zbpipe.schedules",
+    "get_schedule_class": "zbpipe.schedule_names",
     "PlannedSchedule": "zbpipe.runtime",
     "PostValidatedStep": "zbpipe.optim",
     "Tracer": "zbpipe.trace",
@@ -31,7 +35,7 @@ _LAZY: dict[str, str] = {
     "register": "zbpipe.registration",
 }
 
-__all__ = ["Action", "Costs", "Plan", "PlanError", "SimResult", "plan", "simulate", *_LAZY]
+__all__ = ["Action", "Costs", "Plan", "PlanError", "SimResult", "simulate", *_LAZY]
 
 
 def __getattr__(name: str) -> object:

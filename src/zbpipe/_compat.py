@@ -1,22 +1,39 @@
 """Every private torch name zbpipe relies on, in one place.
 
-torch.distributed.pipelining keeps its action IR and its action runtime private. A torch
-upgrade that renames them should touch this file only; the rest of zbpipe imports from here.
-Tested against torch 2.13.
+torch.distributed.pipelining keeps its action IR, its action runtime and its stages' state
+private; autograd and ``nn.Module`` keep a few facts zbpipe needs (a graph node's input shapes,
+whether a tensor is a view, an in-place ``compile()``) in private attributes. Everything zbpipe
+uses of them is imported or read here, through a named helper, and listed in the census at the
+end of this file, which tests/test_compat_names.py checks against the installed torch.
+
+One kind of private name is used outside this file, by design: zbpipe's schedules *subclass*
+torch's (``PlannedSchedule``, ``ScheduleContinuous``, through the bases below), so they override
+and call some of torch's private schedule methods and attributes as their own
+(``_step_microbatches``, ``self._n_microbatches``...; ``INHERITED_API`` and
+``PRIVATE_SCHEDULE_ATTRIBUTES`` list them). A torch upgrade that renames one of those touches the
+subclass too (runtime.py, continuous.py, and the schedule helpers in profile.py, validation.py,
+step_inputs.py); the census test names which. Any other rename touches this file only.
+Tested against torch 2.11, 2.13 and 2.14 (CI).
 """
 
 from __future__ import annotations
 
 import inspect
+import sys
+from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from torch.distributed.pipelining.schedules import (  # noqa: F401  (re-exported)
     PipelineScheduleMulti,
     PipelineScheduleSingle,
+    ScheduleDualPipeV,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
     _Action,
     _batch_p2p,
     _ComputationType,
-    _PipelineContext,
     _wait_batch_p2p,
 )
 from torch.distributed.pipelining.schedules import (
@@ -24,6 +41,7 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.pipelining.stage import PipelineStage, _PipelineStageBase  # noqa: F401
 
+from .patching import Patch, wrap
 from .planning.core import TORCH_LETTERS
 
 FORWARD = _ComputationType.FORWARD
@@ -66,6 +84,23 @@ def received_activations(stage: _PipelineStageBase, mb: int) -> tuple:
     return stage._retrieve_recv_activations(mb)
 
 
+def forward_cache(stage: _PipelineStageBase) -> dict[int, tuple[Any, list]]:
+    """microbatch -> ``(stage outputs, stage inputs)`` a forward left for its backward
+    (torch's ``fwd_cache``; torch's forward fills it, zbpipe's B pops it)."""
+    return stage.fwd_cache
+
+
+def input_grad_cache(stage: _PipelineStageBase) -> dict[int, tuple]:
+    """microbatch -> the input gradients torch sends to the previous stage (torch's
+    ``bwd_cache``; zbpipe's B fills it)."""
+    return stage.bwd_cache
+
+
+def has_own_weight_pass(stage: _PipelineStageBase) -> bool:
+    """Whether the stage was built with torch's ``dw_builder`` (it runs its own weight pass)."""
+    return getattr(stage, "dw_builder", None) is not None
+
+
 def num_stage_inputs(stage: _PipelineStageBase) -> int:
     """How many positional inputs the stage's forward takes (from torch's shape inference)."""
     return len(stage_metas(stage, "inputs"))
@@ -86,10 +121,134 @@ def has_grad_hooks(t: Any) -> bool:
     return bool(getattr(t, "_backward_hooks", None))
 
 
+def is_view(t: Any) -> bool:
+    """Whether tensor ``t`` is a view of another tensor's storage (autograd's ``_is_view()``)."""
+    return bool(t._is_view())
+
+
+def node_input_metadata(node: Any) -> Any:
+    """The metadata (``.shape``...) of each gradient an autograd graph node receives, one per
+    output of the forward op (``Node._input_metadata``). Raises AttributeError or RuntimeError
+    where a node has none."""
+    return node._input_metadata
+
+
+def own_parameter(module: Any, name: str) -> Any:
+    """The parameter registered on ``module`` itself as ``name``, else None. Unlike
+    ``getattr(module, name)`` it is None under a parametrization (which moves the parameter to
+    ``module.parametrizations`` and makes ``module.<name>`` a computed tensor)."""
+    return module._parameters.get(name)
+
+
+def is_compiled(module: Any) -> bool:
+    """``torch.compile(module)`` (an ``OptimizedModule``) or in-place ``module.compile()`` (the way
+    torchtitan compiles; it sets ``_compiled_call_impl``)."""
+    return (
+        type(module).__name__ == "OptimizedModule"
+        or getattr(module, "_compiled_call_impl", None) is not None
+    )
+
+
+# --- what the runtimes read of torch's schedule runtime and stages --------------------------------
+
+
+def forward_receives(sched: Any) -> dict[tuple[int, int], list]:
+    """``(stage, microbatch)`` -> the posted receive of that forward's inputs (torch's
+    ``_PipelineScheduleRuntime.fwd_recv_ops``; torch's RECV_F action fills it)."""
+    return sched.fwd_recv_ops
+
+
+def backward_receives(sched: Any) -> dict[tuple[int, int], list]:
+    """``(stage, microbatch)`` -> the posted receive of that backward's output gradients
+    (torch's ``bwd_recv_ops``; torch's RECV_B action fills it)."""
+    return sched.bwd_recv_ops
+
+
+def backward_counter(sched: Any) -> Counter[int]:
+    """stage -> backward passes with weight gradients (W or fused BW) run so far this step
+    (torch's ``backward_counter``). torch's own actions count in it to tell a stage's last
+    backward, and torch clears it at the end of the step; zbpipe's actions, which replace
+    torch's, count in it the same way."""
+    return sched.backward_counter
+
+
+def activation_receives(stage: _PipelineStageBase) -> dict[int, tuple]:
+    """microbatch -> the receive buffers for that forward's inputs (torch's ``args_recv_info``)."""
+    return stage.args_recv_info
+
+
+def grad_receives(stage: _PipelineStageBase) -> dict[int, tuple]:
+    """microbatch -> the receive buffers for that backward's output gradients (torch's
+    ``grad_recv_info``)."""
+    return stage.grad_recv_info
+
+
+def key_by_global_microbatch(stage: _PipelineStageBase) -> tuple[tuple, tuple | None]:
+    """Make a stage's receive buffers and caches take any microbatch index (the continuous
+    schedule's global ones), after torch's shape inference keyed them ``0..n_microbatches-1``.
+
+    Returns the receive-buffer templates of microbatch 0 (activations; output gradients, None on
+    the last stage), empties torch's per-microbatch receive tables so each receive can get a
+    fresh buffer, creates the gradient-send description torch builds lazily, and lifts torch's
+    bound on the microbatch index.
+    """
+    act_template = stage.args_recv_info[0]
+    grad_template = stage.grad_recv_info.get(0)
+    if stage.grad_send_info is None:
+        stage.grad_send_info = stage._create_grad_send_info(stage.args_recv_info[0])
+    stage.args_recv_info.clear()
+    stage.grad_recv_info.clear()
+    stage.chunks = sys.maxsize  # keys are global microbatch indices, unbounded
+    return act_template, grad_template
+
+
+def wrap_shape_inference(stage: _PipelineStageBase, make: Callable[[Any], Any]) -> Patch:
+    """Replace this stage object's shape-inference entry (``_prepare_forward_infra(n, args,
+    kwargs, ...)``, which receives ``step()``'s keywords on the first step) by ``make(current)``;
+    ``.undo()`` the result to restore it."""
+    return wrap(stage, "_prepare_forward_infra", make)
+
+
+# --- torch's own schedule orders, generated without a process group --------------------------------
+
+
+def single_stage_order(cls: type, num_stages: int, n_microbatches: int) -> dict[int, list]:
+    """rank -> torch's action list for single-stage schedule ``cls`` (``_get_pipeline_order``).
+
+    Built on ``cls.__new__(cls)`` (its ``__init__`` wants a real stage), given only what that
+    method reads.
+    """
+    sched = cls.__new__(cls)
+    sched._num_stages, sched._n_microbatches = num_stages, n_microbatches
+    return sched._get_pipeline_order()
+
+
+def multi_stage_rank_orders(
+    cls: type,
+    num_ranks: int,
+    n_microbatches: int,
+    stages_per_rank: int,
+    rounds: int | None = None,
+) -> dict[int, list]:
+    """rank -> torch's action list for multi-stage schedule ``cls`` on each rank
+    (``_calculate_single_rank_operations``), built on ``cls.__new__(cls)`` (its ``__init__``
+    wants real stages) given only what that method reads. ``rounds``: the number of rounds of
+    the interleaved loop schedules (``n_microbatches`` must be a multiple of it).
+    """
+    sched = cls.__new__(cls)
+    sched.pp_group_size, sched.n_local_stages = num_ranks, stages_per_rank
+    sched._n_microbatches = n_microbatches
+    sched.num_stages = sched._num_stages = num_ranks * stages_per_rank
+    if rounds is not None:
+        sched.number_of_rounds, sched.microbatches_per_round = rounds, n_microbatches // rounds
+    return {r: sched._calculate_single_rank_operations(r) for r in range(num_ranks)}
+
+
 # =====================================================================================
 # torch 2.11 - 2.15 differences (issue 14). One shim per difference, detected by feature.
-# Call sites: runtime.py and continuous.py inherit the base classes below; runtime.py and
-# continuous.py read input metadata through stage_metas.
+# Call sites: runtime.py and continuous.py inherit the base classes below; profile.py (message
+# sizes) and stage_seam.py (the number of stage inputs) read the tensor metadata through
+# stage_message_bytes and num_stage_inputs, which use stage_metas.
 # =====================================================================================
 
 #: torch >= 2.13 threads ``loss_kwargs`` from ``step()`` to the loss function; 2.11 has none
@@ -249,11 +408,13 @@ def run_microbatches(
 # =====================================================================================
 # Every private (underscore) torch name zbpipe touches, with what zbpipe relies on.
 # tests/test_compat_names.py checks each against the installed torch: a rename or a changed
-# signature fails there, naming this table, instead of deep inside a pipeline step.
-# (owner, name, parameters zbpipe passes by name/position, or None for an attribute)
+# signature fails there, naming this table, instead of deep inside a pipeline step. It also
+# scans zbpipe's other modules: a private torch name outside this file that INHERITED_API and
+# PRIVATE_SCHEDULE_ATTRIBUTES do not list, or a TORCH_INTERNAL_ATTRIBUTES name, fails it.
+# (owner, name, parameters zbpipe passes by name/position)
 # =====================================================================================
-PRIVATE_API: tuple[tuple[type, str, tuple[str, ...] | None], ...] = (
-    # methods zbpipe's runtimes call or override on torch's schedule classes
+#: methods zbpipe's schedules (subclasses of torch's) override or call as their own
+INHERITED_API: tuple[tuple[type, str, tuple[str, ...]], ...] = (
     (
         _TorchPipelineScheduleRuntime,
         "_step_microbatches",
@@ -266,9 +427,16 @@ PRIVATE_API: tuple[tuple[type, str, tuple[str, ...] | None], ...] = (
     (PipelineScheduleMulti, "_maybe_get_loss", ("stage", "mb_index")),
     (PipelineScheduleMulti, "_update_losses", ("stages", "losses")),
     (PipelineScheduleMulti, "_split_inputs", ("args", "kwargs")),
-    (PipelineScheduleSingle, "_get_pipeline_order", ()),
+)
+#: methods and functions only this module's helpers call
+HELPER_API: tuple[tuple[type | None, str, tuple[str, ...]], ...] = (
     (PipelineScheduleMulti, "_merge_outputs", ("output_chunks",)),
-    # methods zbpipe calls on torch's stages
+    (PipelineScheduleSingle, "_get_pipeline_order", ()),
+    (ScheduleInterleaved1F1B, "_calculate_single_rank_operations", ("rank",)),
+    (ScheduleInterleavedZeroBubble, "_calculate_single_rank_operations", ("rank",)),
+    (ScheduleZBVZeroBubble, "_calculate_single_rank_operations", ("rank",)),
+    (ScheduleDualPipeV, "_calculate_single_rank_operations", ("rank",)),
+    # methods called on torch's stages
     (_PipelineStageBase, "_retrieve_recv_grads", ("bwd_chunk_id",)),
     (_PipelineStageBase, "_retrieve_recv_activations", ("fwd_chunk_id",)),
     (_PipelineStageBase, "_create_grad_send_info", ("args_recv_info",)),
@@ -277,7 +445,9 @@ PRIVATE_API: tuple[tuple[type, str, tuple[str, ...] | None], ...] = (
     (None, "_wait_batch_p2p", ("work",)),
     (None, "_batch_p2p", ("p2p_ops",)),
 )
-#: instance attributes zbpipe reads on torch's schedules (set in their __init__)
+PRIVATE_API = INHERITED_API + HELPER_API
+#: instance attributes zbpipe's schedules read as their own (torch's schedules set them in
+#: __init__); the helpers above read or set some of them on other schedule objects too
 PRIVATE_SCHEDULE_ATTRIBUTES = (
     "_n_microbatches",
     "_num_stages",
@@ -286,4 +456,32 @@ PRIVATE_SCHEDULE_ATTRIBUTES = (
     "_has_backward",
     "_internal_losses",
     "_backward_requires_autograd",
+)
+#: torch's internal state with public-looking names, reached only through the helpers above:
+#: (torch module that sets it on ``self``, attribute). Not documented by torch; zbpipe's other
+#: modules never name them (tests/test_compat_names.py).
+TORCH_INTERNAL_ATTRIBUTES: tuple[tuple[str, str], ...] = (
+    ("stage", "fwd_cache"),
+    ("stage", "bwd_cache"),
+    ("stage", "dw_builder"),
+    ("stage", "args_recv_info"),
+    ("stage", "grad_recv_info"),
+    ("stage", "grad_send_info"),
+    ("stage", "chunks"),
+    ("schedules", "fwd_recv_ops"),
+    ("schedules", "bwd_recv_ops"),
+    ("schedules", "backward_counter"),
+    ("schedules", "n_local_stages"),
+    ("schedules", "number_of_rounds"),
+    ("schedules", "microbatches_per_round"),
+)
+#: private attributes of autograd nodes, tensors and modules the helpers above read (checked by
+#: behaviour in tests/test_compat_names.py: they are C++ or set lazily, without a signature)
+PRIVATE_OBJECT_ATTRIBUTES = (
+    ("autograd Node", "_input_metadata"),
+    ("Tensor", "_is_view"),
+    ("Tensor", "_backward_hooks"),
+    ("Tensor", "_post_accumulate_grad_hooks"),
+    ("nn.Module", "_parameters"),
+    ("nn.Module", "_compiled_call_impl"),
 )

@@ -1,10 +1,15 @@
 """The split backward of Zero Bubble: B (input/activation gradients) now, W (weight gradients) later.
 
-Everything goes through public autograd: ``torch.autograd.grad`` with ``GradientEdge`` outputs and
-inputs, ``Node.register_prehook`` and ``Node.next_functions``. The engine only runs the part of
-the graph that leads to the requested inputs, and inside a node it only computes the outputs whose
-edge leads there (``AddmmBackward`` computes ``grad @ W`` for its input but not ``x.T @ grad`` for
-its weight when only the input is asked for). B and W are two different requests on one graph.
+The graph work goes through public autograd: ``torch.autograd.grad`` with ``GradientEdge`` outputs
+and inputs, ``Node.register_prehook`` and ``Node.next_functions``. Two facts come from private
+attributes, read through :mod:`zbpipe._compat`: the shapes of the gradients a node receives
+(``Node._input_metadata``, in :mod:`zbpipe.backward_graph`: stage 0's targets and a target's
+slot count) and whether a gradient is a view (``Tensor._is_view``, in ``_accumulate``).
+
+The engine only runs the part of the graph that leads to the requested inputs, and inside a node
+it only computes the outputs whose edge leads there (``AddmmBackward`` computes ``grad @ W`` for
+its input but not ``x.T @ grad`` for its weight when only the input is asked for). B and W are two
+different requests on one graph.
 
 Vocabulary used in the comments below (all about the autograd graph of one stage and microbatch):
 
@@ -36,6 +41,7 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
+from . import _compat as C
 from .backward_graph import (
     _Boundary,
     _foldable,
@@ -478,9 +484,9 @@ def _accumulate(p: torch.nn.Parameter, parts: list[Tensor], known_storages: set[
         if storage is None or type(g) is not torch.Tensor:
             # A tensor subclass (a DTensor from a tensor-parallel layer): empty_strided would make
             # a plain tensor; clone keeps the subclass, its placements and (dense) strides.
-            if storage is None or storage in known_storages or g._base is not None:
+            if storage is None or storage in known_storages or C.is_view(g):
                 g = g.clone()
-        elif g.stride() != p.stride() or storage in known_storages or g._base is not None:
+        elif g.stride() != p.stride() or storage in known_storages or C.is_view(g):
             g = torch.empty_strided(p.size(), p.stride(), dtype=p.dtype, device=p.device).copy_(g)
         p.grad = g
         # A weight-only node can hand one tensor to several parameters (x @ (w1 + w2)): the next

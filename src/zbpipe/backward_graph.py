@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from torch import Tensor
 from torch.autograd.graph import Node, get_gradient_edge
 
+from . import _compat as C
+
 
 @dataclass
 class _Boundary:
@@ -261,7 +263,7 @@ def _stage0_targets(g: _Graph) -> set[Node]:
 
 def _param_shaped(node: Node, below: frozenset[Node]) -> bool:
     try:
-        shapes = [tuple(m.shape) for m in node._input_metadata]
+        shapes = [tuple(m.shape) for m in C.node_input_metadata(node)]
     except (AttributeError, RuntimeError):  # no metadata: assume weight work (safe for results)
         return True
     param_shapes = {tuple(sorted(_acc_shape(p))) for p in below}
@@ -274,4 +276,4 @@ def _acc_shape(acc: Node) -> tuple[int, ...]:
 
 def _num_slots(node: Node) -> int:
     # No fallback: guessing 1 would silently drop the gradients of a multi-output target's other slots.
-    return len(node._input_metadata)
+    return len(C.node_input_metadata(node))

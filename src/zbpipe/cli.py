@@ -11,7 +11,8 @@ import json
 import sys
 from typing import Sequence
 
-from .planning import Costs, Plan, PlanError, SimResult, known_names, plan, plan_to_csv, simulate
+from .planning import Costs, Plan, PlanError, SimResult, known_names, plan_to_csv, simulate
+from .plans import plan  # zbpipe's names and torch's ("torch:<Name>"), one lookup
 
 
 def _costs_arg(text: str) -> Costs:
@@ -116,7 +117,7 @@ def _run(name: str, args: argparse.Namespace) -> tuple[Plan, SimResult]:
         name,
         args.num_ranks,
         args.n_microbatches,
-        costs=None if name.lower().startswith("torch:") else args.costs,
+        costs=args.costs,  # torch: orders ignore costs
         memory_limit=args.memory_limit,
     )
     return pl, simulate(pl, chunk_costs(args.costs, pl), memory_limit=args.memory_limit)

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import sys
 from typing import Any, Callable, Literal
 
 import torch
@@ -193,7 +192,7 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
         self.step_reports: list[StepReport] = []
         self._versions = WeightVersions(self.stage.submod, mode) if mode != "sync" else None
         self._initialized = False
-        self._base = 0  # mini-batches completed by earlier (flushed) streams
+        self._minibatches_before = 0  # mini-batches completed by earlier (flushed) streams
         self._reset_stream()
 
     # ------------------------------------------------------------------ public API
@@ -204,7 +203,7 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
     @property
     def minibatches_done(self) -> int:
         """Mini-batches whose optimizer step this stage has applied."""
-        return self._base + self._stepped
+        return self._minibatches_before + self._stepped
 
     @property
     def in_flight(self) -> bool:
@@ -300,13 +299,13 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
         if (
             self._stepped != self._given
             or self.seam.pending_weight_passes()
-            or self.stage.fwd_cache
+            or C.forward_cache(self.stage)
         ):
             raise RuntimeError(
                 f"zbpipe continuous: rank {self.rank} left work after flush "
                 f"({self._stepped} of {self._given} steps)"
             )
-        self._base += self._given
+        self._minibatches_before += self._given
         self._reset_stream()
         return out
 
@@ -321,7 +320,7 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
             "mode": self.mode,
             "stage_index": self.stage.stage_index,
             "n_microbatches": self._n_microbatches,
-            "minibatches_done": self._base,
+            "minibatches_done": self._minibatches_before,
             "module": self.stage.submod.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "versions": self._versions.state_dict() if self._versions is not None else None,
@@ -337,7 +336,7 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
                 )
         self.stage.submod.load_state_dict(state["module"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self._base = int(state["minibatches_done"])
+        self._minibatches_before = int(state["minibatches_done"])
         if self._versions is not None:
             self._versions.load_state_dict(state["versions"])
 
@@ -373,13 +372,7 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
         st = self.stage
         st.has_backward = True
         self._initialize_stages(args, kwargs, target)
-        self._act_template = st.args_recv_info[0]
-        self._grad_template = st.grad_recv_info.get(0)
-        if st.grad_send_info is None:
-            st.grad_send_info = st._create_grad_send_info(st.args_recv_info[0])
-        st.args_recv_info.clear()
-        st.grad_recv_info.clear()
-        st.chunks = sys.maxsize  # keys are global microbatch indices, unbounded
+        self._act_template, self._grad_template = C.key_by_global_microbatch(st)
         for q in st.submod.parameters():  # shape inference must not leave gradients behind
             q.grad = None
         self._initialized = True
@@ -415,17 +408,17 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
         if st.is_first:
             args = self._args.pop(g)
         else:
-            st.args_recv_info[g] = _fresh(self._act_template)
+            C.activation_receives(st)[g] = _fresh(self._act_template)
             for w in [_post(op) for op in st.get_fwd_recv_ops(g)]:
                 w.wait()
             args = C.received_activations(st, g)
-            del st.args_recv_info[g]
+            del C.activation_receives(st)[g]
         kwargs = self._kwargs.pop(g) or {}
         with self.seam.forward(st, g):
             out = self._forward_compute(g, args, kwargs)
         out_tuple = tuple(out) if isinstance(out, (tuple, list)) else (out,)
         inputs = [*args, *kwargs.values()]
-        st.fwd_cache[g] = (out_tuple, inputs)
+        C.forward_cache(st)[g] = (out_tuple, inputs)
         self._f_count += 1
         if not st.is_last:
             self._sends += [_post(op) for op in st.get_fwd_send_ops(g)]
@@ -434,7 +427,7 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
         """The stage's forward (with the weight version microbatch ``g`` must use), and its loss."""
         st = self.stage
         if self._versions is not None:
-            k = self._base + self._minibatch(g)
+            k = self._minibatches_before + self._minibatch(g)
             leaves = self._versions.acquire(g, self._versions.version_for(k))
             self._leaves[g] = leaves
             out = torch.func.functional_call(st.submod, leaves, tuple(args), kwargs)
@@ -449,7 +442,7 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
     def _backward_input(self, g: int) -> None:
         st = self.stage
         if not st.is_last:
-            st.grad_recv_info[g] = _fresh(self._grad_template)
+            C.grad_receives(st)[g] = _fresh(self._grad_template)
             for w in [_post(op) for op in st.get_bwd_recv_ops(g)]:
                 w.wait()
         params = None
@@ -458,7 +451,7 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
             params = lambda: leaves  # noqa: E731
         self.seam.backward_input(st, g, self._losses.pop(g) if st.is_last else None, params)
         if not st.is_last:
-            del st.grad_recv_info[g]
+            del C.grad_receives(st)[g]
         if not st.is_first:
             self._sends += [_post(op) for op in st.get_bwd_send_ops(g)]
 
@@ -480,7 +473,7 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
             self._optimizer_step(k)
 
     def _next_forward_minibatch(self) -> int:
-        return self._base + self._f_count // self._n_microbatches
+        return self._minibatches_before + self._f_count // self._n_microbatches
 
     def _optimizer_step(self, k: int) -> None:
         params = [q for q in self.stage.submod.parameters()]
@@ -512,7 +505,9 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
             self._reported * m + j in self._loss_values for j in range(m)
         ):
             k = self._reported
-            out.append((self._base + k, [self._loss_values.pop(k * m + j) for j in range(m)]))
+            out.append(
+                (self._minibatches_before + k, [self._loss_values.pop(k * m + j) for j in range(m)])
+            )
             self._reported += 1
         if losses is not None:
             losses.extend(out)

@@ -38,7 +38,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._compat import has_grad_hooks, has_post_accumulate_grad_hooks, post_accumulate_grad_hooks
+from ._compat import (
+    has_grad_hooks,
+    has_post_accumulate_grad_hooks,
+    is_compiled,
+    own_parameter,
+    post_accumulate_grad_hooks,
+)
 from .backward import accumulate_fresh
 from .saved import Holder, Observer
 
@@ -345,14 +351,6 @@ def _patchable(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
 
 
-def is_compiled(module: nn.Module) -> bool:
-    """``torch.compile(module)`` (an ``OptimizedModule``) or in-place ``module.compile()``."""
-    return (
-        type(module).__name__ == "OptimizedModule"
-        or getattr(module, "_compiled_call_impl", None) is not None
-    )
-
-
 def _linears(module: nn.Module) -> list[nn.Module]:
     """Patchable Linears of ``module``, skipping compiled subtrees.
 
@@ -401,7 +399,7 @@ def post_accumulate_hooks_parked(linears: Sequence[nn.Module]) -> Iterator[froze
     parked: list[tuple[dict, dict]] = []
     ids = set()
     for lin in linears:
-        weight = lin._parameters.get("weight")  # None under a parametrization: not deferred
+        weight = own_parameter(lin, "weight")  # None under a parametrization: not deferred
         hooks = post_accumulate_grad_hooks(weight)
         if hooks:  # the dict autograd's C++ hook reads at call time: emptied in place
             parked.append((hooks, dict(hooks)))

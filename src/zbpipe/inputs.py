@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import inspect
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from . import _compat as C
 from .patching import Patch, patch, undo_all
 
 
@@ -141,21 +142,24 @@ class FirstStageKeywords:
 
     def _guard(self, stage: Any) -> None:
         """Wrap this stage object's two entry points that receive ``step()``'s keywords."""
-        forward, prepare = stage.forward_one_chunk, stage._prepare_forward_infra
+        forward = stage.forward_one_chunk
 
         def forward_one_chunk(
             mb: int, args: Any, kwargs: dict | None = None, *rest: Any, **kw: Any
         ) -> Any:
             return forward(mb, args, self._drop(kwargs), *rest, **kw)
 
-        def _prepare_forward_infra(
-            n: int, args: Any, kwargs: dict | None = None, *rest: Any, **kw: Any
-        ) -> Any:
-            return prepare(n, args, self._drop(kwargs), *rest, **kw)
+        def shape_inference(prepare: Callable[..., Any]) -> Callable[..., Any]:
+            def prepare_forward_infra(
+                n: int, args: Any, kwargs: dict | None = None, *rest: Any, **kw: Any
+            ) -> Any:
+                return prepare(n, args, self._drop(kwargs), *rest, **kw)
+
+            return prepare_forward_infra
 
         self._patches += [
             patch(stage, "forward_one_chunk", forward_one_chunk),
-            patch(stage, "_prepare_forward_infra", _prepare_forward_infra),
+            C.wrap_shape_inference(stage, shape_inference),
         ]
 
     def undo(self) -> None:

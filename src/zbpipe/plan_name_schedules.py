@@ -5,7 +5,7 @@ it as ``cls(stages, n_microbatches=..., loss_fn=..., scale_grads=...)``: there i
 ``memory="half"`` or ``memory_limit="1p"``. Each class here is a zbpipe schedule with that option
 fixed, named like the plan it runs (``plan("ZBVHalf", ...)``), so ``pipeline_parallel_schedule =
 "ZBVHalf"`` selects V-Half. Constructing one with the option given again is allowed only with
-the same value.
+the same value. Their names are in :mod:`zbpipe.schedule_names`, with every other zbpipe schedule's.
 """
 
 from __future__ import annotations
@@ -58,20 +58,3 @@ ScheduleZBVHalf = _fixed(
 ScheduleZBVMin = _fixed(
     ScheduleZBV, "ZBVMin", "memory", "min", "V-Min: ZB-V with about a third of 1F1B's activations."
 )
-
-#: plan name -> class, for the names :data:`zbpipe.schedules.SCHEDULES` does not already hold.
-PLAN_NAME_SCHEDULES: dict[str, type] = {
-    "ZB1P": ScheduleZB1P,
-    "ZB2P": ScheduleZB2P,
-    "ZBVHalf": ScheduleZBVHalf,
-    "ZBVMin": ScheduleZBVMin,
-}
-
-
-def find_plan_name_schedule(name: str) -> type | None:
-    """The class for plan name ``name`` (or its class name), any case; else None."""
-    wanted = name.lower()
-    for key, cls in PLAN_NAME_SCHEDULES.items():
-        if wanted in (key.lower(), cls.__name__.lower()):
-            return cls
-    return None

@@ -6,8 +6,10 @@ torch (torchtitan's ``pipeline_parallel`` module among others) imports that func
 and never asks anyone else. :func:`register` replaces it, in torch's module and in every
 already-imported module that holds it by name, with a wrapper that
 
-1. looks the name up in :data:`zbpipe.schedules.SCHEDULES` *at call time* (so classes added
-   to that dict later are found), matching the key or the class name, case-insensitively;
+1. looks the name up in zbpipe's one name table (:func:`zbpipe.schedule_names.find_schedule_class`)
+   *at call time* (so classes added to it later are found), matching a short name or a class
+   name, case-insensitively, among the classes torch's builders can drive (not
+   ``ScheduleContinuous``);
 2. otherwise calls torch's original function, unchanged (so torch's names and torch's
    ``ValueError`` for unknown names behave exactly as before).
 
@@ -28,7 +30,6 @@ from .patching import rebind
 
 logger = logging.getLogger(__name__)
 
-_TORCH_MODULE = "torch.distributed.pipelining.schedules"
 _ATTR = "get_schedule_class"
 _MARK = "__zbpipe_registered__"
 
@@ -50,13 +51,12 @@ def original_get_schedule_class() -> Callable[[str], type]:
 
 
 def lookup_zbpipe(name: str) -> type | None:
-    """zbpipe's class for ``name``, else ``None``: a ``SCHEDULES`` key, a plan name with its
-    option fixed (``ZB1P``, ``ZBVHalf``..., :mod:`zbpipe.plan_name_schedules`) or a class name,
-    any case."""
-    from .plan_name_schedules import find_plan_name_schedule
-    from .schedules import find_schedule
+    """zbpipe's torch-shaped class for ``name``, else ``None``: a short name (``ZBH1``,
+    ``ZBVHalf``...) or a class name, any case, from :data:`zbpipe.schedule_names.SCHEDULE_CLASSES`.
+    ``ScheduleContinuous`` is left out: torch's and torchtitan's builders cannot drive it."""
+    from .schedule_names import find_schedule_class
 
-    return find_schedule(name, torch_shaped_only=True) or find_plan_name_schedule(name)
+    return find_schedule_class(name, torch_shaped_only=True)
 
 
 def _make_wrapper(original: Callable[[str], type]) -> Callable[[str], type]:

@@ -297,7 +297,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         stage = self.seam.stages[s]
         self._assert_unsharded(stage)
         if not stage.is_first and (s - 1) not in self.seam.stages:
-            self._wait_recv(self.fwd_recv_ops, s, mb, "F")
+            self._wait_recv(C.forward_receives(self), s, mb, "F")
         return_outputs, loss_kwargs = self._step_opts
         with self.tracer.span("F", s, mb), self.seam.forward(stage, mb):
             output = stage.forward_one_chunk(
@@ -310,7 +310,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         stage = self.seam.stages[s]
         self._assert_unsharded(stage)
         if not stage.is_last and (s + 1) not in self.seam.stages:
-            self._wait_recv(self.bwd_recv_ops, s, mb, "backward")
+            self._wait_recv(C.backward_receives(self), s, mb, "backward")
         return stage
 
     def _run_backward_input(self, action: Any, ctx: Any) -> None:
@@ -327,7 +327,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         if not stage.has_backward:
             return
         self._assert_unsharded(stage)
-        self.backward_counter[s] += 1  # torch counts W and BW alike
+        C.backward_counter(self)[s] += 1  # torch counts W and BW alike
         with self.tracer.span("W", s, mb):
             self.seam.backward_weight(stage, mb)
 
@@ -341,8 +341,8 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         if not self.seam.stages[s].has_backward:  # eval(), or no loss_fn: forward only
             return
         stage = self._backward_stage(s, mb)
-        self.backward_counter[s] += 1
-        last = self.backward_counter[s] == self._n_microbatches
+        C.backward_counter(self)[s] += 1
+        last = C.backward_counter(self)[s] == self._n_microbatches
         with self.tracer.span("BW", s, mb):
             self.seam.full_backward(stage, mb, self._maybe_get_loss(stage, mb), last)
 

@@ -2,7 +2,8 @@
 
 They take torch's constructor shape (``stages, n_microbatches, loss_fn=None, ...,
 scale_grads=True, backward_requires_autograd=True``) plus keyword-only zbpipe options, and
-torch's ``step(*args, target=None, losses=None, **kwargs)``. See :mod:`zbpipe.runtime`.
+torch's ``step(*args, target=None, losses=None, **kwargs)``. See :mod:`zbpipe.runtime`. Their
+names (``"ZBH1"``...) are in :mod:`zbpipe.schedule_names`, the one table every lookup reads.
 """
 
 from __future__ import annotations
@@ -114,53 +115,3 @@ class ScheduleZBAuto(PlannedSchedule):
             refine=self.refine,
             **options,
         )
-
-
-#: zbpipe's schedule classes by the name torch/torchtitan configs use.
-SCHEDULES: dict[str, type[PlannedSchedule]] = {
-    "ZBH1": ScheduleZBH1,
-    "ZBH2": ScheduleZBH2,
-    "ZBV": ScheduleZBV,
-    "ZBAuto": ScheduleZBAuto,
-    "1F1BMulti": Schedule1F1BMulti,
-}
-
-
-def _all_schedules() -> dict[str, type]:
-    # ScheduleContinuous runs its own stream runtime (zbpipe.continuous); import it on demand.
-    from .continuous import ScheduleContinuous
-
-    return {**SCHEDULES, "Continuous": ScheduleContinuous}
-
-
-def find_schedule(name: str, torch_shaped_only: bool = False) -> type | None:
-    """zbpipe's class for ``name`` (a short name like ``"ZBV"`` or a class name, any case), else None.
-
-    ``torch_shaped_only``: only classes torch's and torchtitan's builders can drive (not
-    ``ScheduleContinuous``, which needs ``optimizer=`` and has its own step/flush contract).
-    """
-    wanted = name.lower()
-    table = SCHEDULES if torch_shaped_only else _all_schedules()
-    for key, cls in table.items():
-        if wanted in (key.lower(), cls.__name__.lower()):
-            return cls
-    return None
-
-
-def get_schedule_class(name: str) -> type:
-    """The schedule class for ``name`` (case-insensitive): zbpipe's names first, then torch's.
-
-    >>> get_schedule_class("ZBH1").__name__
-    'ScheduleZBH1'
-    """
-    found = find_schedule(name)
-    if found is not None:
-        return found
-    from torch.distributed.pipelining.schedules import get_schedule_class as torch_get
-
-    try:
-        return torch_get(name)
-    except ValueError as torch_error:  # torch's message lists torch's names
-        raise ValueError(
-            f"unknown schedule {name!r}: zbpipe knows {sorted(_all_schedules())}; torch: {torch_error}"
-        ) from None

@@ -137,7 +137,7 @@ class StageSeam:
         seen: set[int] = set()
         fast_bw = self.engine == "deferred" and not self.exact
         # Stages built with torch's dw_builder run their own weight pass in torch's BW.
-        own_w = {i for i, st in self.stages.items() if getattr(st, "dw_builder", None) is not None}
+        own_w = {i for i, st in self.stages.items() if C.has_own_weight_pass(st)}
         for a in actions:
             key = (a.stage, a.microbatch)
             if a.kind == "B":
@@ -200,7 +200,7 @@ class StageSeam:
         whatever weights its Linears used.
         """
         key = (stage.stage_index, mb)
-        stage_output, input_values = stage.fwd_cache.pop(mb)
+        stage_output, input_values = C.forward_cache(stage).pop(mb)
         if stage.is_last:
             outputs, output_grads = (loss,), None
         else:
@@ -229,11 +229,11 @@ class StageSeam:
                 outputs, output_grads, input_values, weights, saved=saved
             )
         if not stage.is_first:
-            stage.bwd_cache[mb] = tuple(grads[: C.num_stage_inputs(stage)])
+            C.input_grad_cache(stage)[mb] = tuple(grads[: C.num_stage_inputs(stage)])
         if stage.is_last and not stage.is_first:
             # The outputs are only kept to be merged for the user: free their graph now.
             for t in stage_output:
-                if isinstance(t, torch.Tensor) and not t._is_view():
+                if isinstance(t, torch.Tensor) and not C.is_view(t):
                     t.detach_()
         self._hand_backward(stage, mb)
 

@@ -3,8 +3,10 @@
 No process group is needed: each multi-stage class is created with ``cls.__new__(cls)`` (its
 ``__init__`` wants real stages) and given only the attributes its
 ``_calculate_single_rank_operations(rank)`` reads; the single-stage ``GPipe`` gives its order
-through ``_get_pipeline_order()``. The constructor checks torch runs on the sizes are repeated
-here, so a size torch refuses raises the same ``ValueError`` here.
+through ``_get_pipeline_order()``. Both are private torch methods, called through
+``zbpipe._compat`` (``multi_stage_rank_orders``, ``single_stage_order``). The constructor checks
+torch runs on the sizes are repeated here, so a size torch refuses raises the same
+``ValueError`` here.
 
 Schedule1F1B is the exception: its ``_get_pipeline_order()`` is wrong for the last rank (it
 starts that rank's forwards at microbatch 1, so microbatch 0 is never forwarded and ``m`` is
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import torch.distributed.pipelining as pipelining
 
-from ._compat import TORCH_TO_KIND
+from . import _compat as C
 from .planning.core import Action, Plan, loop_placement, make_plan, v_placement
 from .planning.registry import TORCH_SCHEDULES
 
@@ -51,24 +53,19 @@ def torch_plan(name: str, num_ranks: int, n_microbatches: int, stages_per_rank: 
             source="Schedule1F1B._step_microbatches",
         )
     if name == "GPipe":
-        sched = pipelining.ScheduleGPipe.__new__(pipelining.ScheduleGPipe)
-        sched._num_stages, sched._n_microbatches = p, m
-        raw = sched._get_pipeline_order()
+        raw = C.single_stage_order(pipelining.ScheduleGPipe, p, m)
         return make_plan("torch:GPipe", p, m, loop_placement(p, p), _convert(raw))
     if name in ("Interleaved1F1B", "InterleavedZeroBubble"):
         if stages_per_rank < 1:
             raise ValueError(f"stages_per_rank must be >= 1, got {stages_per_rank}")
-        cls = getattr(pipelining, f"Schedule{name}")
-        sched = cls.__new__(cls)
         rounds = max(1, m // p)
         if m % rounds != 0:
             raise ValueError(
                 f"torch:{name} needs n_microbatches to be a multiple of the number of rounds "
                 f"max(1, m // p) = {rounds}, got {m}"
             )
-        sched.pp_group_size, sched.n_local_stages, sched._n_microbatches = p, stages_per_rank, m
-        sched.number_of_rounds, sched.microbatches_per_round = rounds, m // rounds
-        raw = {r: sched._calculate_single_rank_operations(r) for r in range(p)}
+        cls = getattr(pipelining, f"Schedule{name}")
+        raw = C.multi_stage_rank_orders(cls, p, m, stages_per_rank, rounds=rounds)
         placement = loop_placement(p, p * stages_per_rank)
         return make_plan(
             f"torch:{name}", p, m, placement, _convert(raw), stages_per_rank=stages_per_rank
@@ -79,11 +76,7 @@ def torch_plan(name: str, num_ranks: int, n_microbatches: int, stages_per_rank: 
                 f"torch:DualPipeV needs n_microbatches >= 2 * num_ranks ({2 * p}), got {m}"
             )
         cls = getattr(pipelining, f"Schedule{name}")
-        sched = cls.__new__(cls)
-        sched.pp_group_size, sched._n_microbatches = p, m
-        sched.num_stages = sched._num_stages = 2 * p
-        sched.n_local_stages = 2
-        raw = {r: sched._calculate_single_rank_operations(r) for r in range(p)}
+        raw = C.multi_stage_rank_orders(cls, p, m, stages_per_rank=2)
         return make_plan(f"torch:{name}", p, m, v_placement(p), _convert(raw), layout="v")
     raise ValueError(f"unknown torch schedule {name!r}; known: {', '.join(TORCH_SCHEDULES)}")
 
@@ -116,7 +109,7 @@ def _convert(raw: dict) -> dict[int, list[Action]]:
                 continue
             subs = a.sub_actions if a.sub_actions is not None else (a,)
             for sub in subs:
-                kind = TORCH_TO_KIND.get(sub.computation_type)
+                kind = C.TORCH_TO_KIND.get(sub.computation_type)
                 if kind is not None:  # drop REDUCE_GRAD and other non-compute actions
                     out.append(Action(sub.stage_index, kind, sub.microbatch_index))
         order[rank] = out

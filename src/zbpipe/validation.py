@@ -104,15 +104,11 @@ def check_not_compiled(cls: type, stages: Sequence[Any]) -> None:
     A compiled region is one opaque autograd node: the input pass cannot stop before its
     weight-gradient work, so B and W would each run the whole region's backward. Both
     ``torch.compile(module)`` (an ``OptimizedModule``) and in-place ``module.compile()`` (the way
-    torchtitan compiles; it sets ``_compiled_call_impl``) are caught.
+    torchtitan compiles) are caught (:func:`zbpipe._compat.is_compiled`).
     """
     for st in stages:
         for name, mod in st.submod.named_modules():
-            compiled = (
-                type(mod).__name__ == "OptimizedModule"
-                or getattr(mod, "_compiled_call_impl", None) is not None
-            )
-            if compiled:
+            if C.is_compiled(mod):
                 where = name or "the stage module itself"
                 raise ValueError(
                     f"{cls.__name__}: stage {st.stage_index} submodule {where!r} is torch.compile'd, which hides the "

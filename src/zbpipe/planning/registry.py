@@ -1,13 +1,14 @@
-"""One explicit lookup from schedule name to plan generator.
+"""One explicit lookup from plan name to plan generator.
 
 zbpipe's own generators are listed in ``GENERATORS``; add a line to register a new family.
-Names starting with ``torch:`` are torch's built-in schedules, built by ``zbpipe.torch_plans``,
-imported only when asked for so this layer stays torch-free.
+Names starting with ``torch:`` are torch's built-in schedules: torch's own code generates their
+order, so they are built above this layer (:func:`zbpipe.plan`, through ``zbpipe.torch_plans``).
+This layer never imports torch nor any zbpipe module outside ``zbpipe.planning``: it knows their
+names (``TORCH_SCHEDULES``) and :func:`plan` refuses them, pointing to ``zbpipe.plan``.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import cast
 
@@ -36,7 +37,8 @@ GENERATORS: dict[str, Generator] = {
     "Continuous": plan_continuous,
 }
 
-#: torch's built-in schedules, by the class name ``torch.distributed.pipelining`` gives them.
+#: torch's built-in schedules, by the class name ``torch.distributed.pipelining`` gives them
+#: (without ``Schedule``); :func:`zbpipe.plan` builds them as ``"torch:<Name>"``.
 TORCH_SCHEDULES: tuple[str, ...] = (
     "1F1B",
     "Interleaved1F1B",
@@ -47,9 +49,33 @@ TORCH_SCHEDULES: tuple[str, ...] = (
 )
 
 
+TORCH_PREFIX = "torch:"
+
+
 def known_names() -> list[str]:
-    """Every name ``plan`` accepts (zbpipe's, then torch's as ``torch:<Name>``)."""
-    return list(GENERATORS) + [f"torch:{n}" for n in TORCH_SCHEDULES]
+    """Every name :func:`zbpipe.plan` accepts: zbpipe's (which :func:`plan` here builds), then
+    torch's as ``torch:<Name>``."""
+    return list(GENERATORS) + [f"{TORCH_PREFIX}{n}" for n in TORCH_SCHEDULES]
+
+
+def torch_schedule_name(name: str) -> str | None:
+    """torch's schedule name for ``"torch:<Name>"`` (any case), e.g. ``"ZBVZeroBubble"``; None for
+    a name without the ``torch:`` prefix. An unknown ``torch:`` name is a ValueError listing the
+    known names."""
+    key = name.strip().lower()
+    if not key.startswith(TORCH_PREFIX):
+        return None
+    wanted = key[len(TORCH_PREFIX) :]
+    for torch_name in TORCH_SCHEDULES:
+        if torch_name.lower() == wanted:
+            return torch_name
+    raise _unknown(name)
+
+
+def _unknown(name: str) -> ValueError:
+    return ValueError(
+        f"unknown schedule {name!r}; known names (case-insensitive): {', '.join(known_names())}"
+    )
 
 
 def plan(
@@ -60,53 +86,47 @@ def plan(
     memory_limit: float | None = None,
     **options: object,
 ) -> Plan:
-    """Build the plan called ``name`` (case-insensitive), e.g. ``plan("ZBH1", 8, 24)``.
+    """Build zbpipe's plan called ``name`` (case-insensitive), e.g. ``plan("ZBH1", 8, 24)``.
 
-    ``torch:`` names accept ``stages_per_rank`` (default 2) for torch's interleaved schedules.
-    ``refine=True`` (zbpipe's names) improves the plan with the exact MILP
-    (:func:`zbpipe.planning.milp.refine`, needs scipy); ``refine_time_limit`` bounds it in seconds,
-    ``refine_objective`` is ``"makespan"`` (default) or ``"span"`` (the bubble rate's). The proven
-    lower bound and the gap are in ``result.meta["refine"]``.
+    torch's schedules (``"torch:ZBVZeroBubble"``) are built by :func:`zbpipe.plan`, which takes the
+    same arguments: a ``torch:`` name here is a ValueError saying so. ``refine=True`` improves the
+    plan with the exact MILP (:func:`zbpipe.planning.milp.refine`, needs scipy);
+    ``refine_time_limit`` bounds it in seconds, ``refine_objective`` is ``"makespan"`` (default) or
+    ``"span"`` (the bubble rate's). The proven lower bound and the gap are in
+    ``result.meta["refine"]``.
     """
     refine = bool(options.pop("refine", False))
     refine_time_limit = float(cast(float, options.pop("refine_time_limit", 30.0)))
     refine_objective = str(options.pop("refine_objective", "makespan"))
     if refine_objective not in ("makespan", "span"):
         raise ValueError(f"refine_objective must be 'makespan' or 'span', got {refine_objective!r}")
+    if torch_schedule_name(name) is not None:
+        raise ValueError(
+            f"{name!r} is torch's schedule, whose order torch's own code generates: call "
+            f"zbpipe.plan({name!r}, ...) (the plan layer zbpipe.planning never imports torch)"
+        )
     key = name.strip().lower()
-    if key.startswith("torch:"):
-        wanted = key[len("torch:") :]
-        for torch_name in TORCH_SCHEDULES:
-            if torch_name.lower() == wanted:
-                torch_plans = importlib.import_module("zbpipe.torch_plans")
-                built: Plan = torch_plans.torch_plan(
-                    torch_name, num_ranks, n_microbatches, **options
-                )
-                return built
-    else:
-        for gen_name, gen in GENERATORS.items():
-            if gen_name.lower() == key:
-                _check_options(gen_name, gen, options)
-                result = gen(
-                    num_ranks, n_microbatches, costs=costs, memory_limit=memory_limit, **options
-                )
-                if refine:
-                    from .milp import refine as refine_plan
+    for gen_name, gen in GENERATORS.items():
+        if gen_name.lower() == key:
+            _check_options(gen_name, gen, options)
+            result = gen(
+                num_ranks, n_microbatches, costs=costs, memory_limit=memory_limit, **options
+            )
+            if refine:
+                from .milp import refine as refine_plan
 
-                    limit = memory_limit
-                    if limit is None:
-                        limit = cast("float | None", result.meta.get("memory_limit"))
-                    result = refine_plan(
-                        result,
-                        costs,
-                        limit,
-                        time_limit=refine_time_limit,
-                        objective=refine_objective,  # type: ignore[arg-type]
-                    ).plan
-                return result
-    raise ValueError(
-        f"unknown schedule {name!r}; known names (case-insensitive): {', '.join(known_names())}"
-    )
+                limit = memory_limit
+                if limit is None:
+                    limit = cast("float | None", result.meta.get("memory_limit"))
+                result = refine_plan(
+                    result,
+                    costs,
+                    limit,
+                    time_limit=refine_time_limit,
+                    objective=refine_objective,  # type: ignore[arg-type]
+                ).plan
+            return result
+    raise _unknown(name)
 
 
 def _check_options(name: str, gen: Generator, options: dict[str, object]) -> None:
