@@ -50,7 +50,8 @@ def main() -> None:
         row.update(min=min(times), median=statistics.median(times), max=max(times))
         rows.append(row)
         print(
-            f"{label} p={p} m={m}: median {row['median']:.2f} s (min {row['min']:.2f}, max {row['max']:.2f})"
+            f"{label} p={p} m={m}: median {row['median']:.2f} s "
+            f"(min {row['min']:.2f}, max {row['max']:.2f})"
         )
     print(
         f"wrote {write_result('auto_planning_time', {'clock': 'process CPU time', 'rows': rows})}"

@@ -1,4 +1,5 @@
-"""Convergence of continuous training: sync vs 2bw vs stash vs flushed 1F1B, over seeds and learning rates.
+"""Convergence of continuous training: sync vs 2bw vs stash vs flushed 1F1B, over seeds and
+learning rates.
 
 The tiny GPT of ``zbpipe.testing.models`` on its synthetic counting task, split over 2 gloo
 ranks (one thread each), AdamW, ``m`` microbatches per mini-batch, a fresh synthetic batch per
@@ -6,7 +7,7 @@ step. Every configuration starts from the same initial weights for a given seed.
 mean training loss over the last ``--tail`` mini-batches (fresh data each step, so it tracks
 generalization), and its gap to flushed 1F1B.
 
-    PYTHONPATH=src python benchmarks/continuous_convergence.py            # about 1-2 minutes on 2 cores
+    PYTHONPATH=src python benchmarks/continuous_convergence.py  # about 1-2 minutes on 2 cores
     PYTHONPATH=src python benchmarks/continuous_convergence.py --steps 200 --seeds 0 1 2 3 4
 
 Writes ``benchmarks/results/continuous_convergence.json``. Not a test: nothing is asserted.
@@ -78,7 +79,7 @@ def _all_runs(rank: int, world: int, grid: list[tuple], steps: int, m: int, batc
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=80, help="mini-batches per run")
     ap.add_argument(
         "--microbatches",
@@ -103,7 +104,8 @@ def main() -> None:
     curves = {key: val[0] for key, val in res[1].items()}  # rank 1 holds the last stage: the losses
     rows = []
     print(
-        f"tiny GPT, 2 ranks, AdamW, m={a.microbatches}, batch={a.batch}, {a.steps} steps, seeds {a.seeds}; "
+        f"tiny GPT, 2 ranks, AdamW, m={a.microbatches}, batch={a.batch}, {a.steps} steps, "
+        f"seeds {a.seeds}; "
         f"mean loss of the last {a.tail} mini-batches (mean and min..max over seeds)"
     )
     print(f"{'lr':>8} " + " ".join(f"{mode:>22}" for mode in MODES) + "   gap to 1F1B (2bw, stash)")
@@ -133,9 +135,8 @@ def main() -> None:
                 sync_vs_1f1b_max_loss_diff=sync_vs_1f1b,
             )
         )
-    print(
-        f"largest |sync - 1F1B| loss difference over every step: {max(r['sync_vs_1f1b_max_loss_diff'] for r in rows):.2e}"
-    )
+    largest = max(r["sync_vs_1f1b_max_loss_diff"] for r in rows)
+    print(f"largest |sync - 1F1B| loss difference over every step: {largest:.2e}")
     print(f"wall time {wall:.0f} s")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(

@@ -2,12 +2,14 @@
 
 N gloo processes (``--ranks``: 2, 4 or 8), one thread each. Every schedule trains its own copy
 of the same tiny GPT (the model is fixed: ``--blocks``, by default 2 x ranks, split into one stage
-per rank for 1-stage-per-rank schedules and into 2 chunks per rank for V/interleaved ones). Repetitions are interleaved (each repetition runs every schedule once, in a
-rotating order) so machine noise hits all alike. Reported per schedule: step time (max over
-ranks) with its ratio to torch's Schedule1F1B paired per repetition (min/median/max), the bubble
-rate measured from traced compute intervals, and the peak bytes of saved activations per rank.
+per rank for 1-stage-per-rank schedules and into 2 chunks per rank for V/interleaved ones).
+Repetitions are interleaved (each repetition runs every schedule once, in a rotating order) so
+machine noise hits all alike. Reported per schedule: step time (max over ranks) with its ratio to
+torch's Schedule1F1B paired per repetition (min/median/max), the bubble rate measured from traced
+compute intervals, and the peak bytes of saved activations per rank.
 
-Run:  PYTHONPATH=src python benchmarks/real_run.py [--ranks 2] [--reps 10] [--microbatches 4] [--hidden 512]
+Run:  PYTHONPATH=src python benchmarks/real_run.py [--ranks 2] [--reps 10] [--microbatches 4]
+      [--hidden 512]
 Writes benchmarks/results/real_run.json (2 ranks) or real_run_<N>ranks.json; docs/benchmarks.md
 records what we saw. Each rank needs a core of its own: measure 4 and 8 ranks only on a machine
 with at least that many cores (on fewer, the ratios measure the OS scheduler, not the schedules).
@@ -16,7 +18,6 @@ with at least that many cores (on fewer, the ratios measure the OS scheduler, no
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -66,7 +67,10 @@ INT_FIELDS = (
 
 
 def _mlp_stages(hidden: int, layers: int, n_stages: int) -> list:
-    """``layers`` Linear+ReLU layers split into ``n_stages`` equal chunks (same weights for any split)."""
+    """``layers`` Linear+ReLU layers split into ``n_stages`` equal chunks.
+
+    The weights are the same for any split.
+    """
     import torch
     from torch import nn
 
@@ -236,7 +240,8 @@ def main() -> None:
     t0 = time.perf_counter()
     res = run_ranks(_rank_main, cfg.ranks, cfg, timeout=3600)[0]
     print(
-        f"{cfg.ranks} ranks, m={cfg.microbatches}, microbatch {cfg.microbatch_size}x{cfg.seq} tokens, hidden {cfg.hidden}, "
+        f"{cfg.ranks} ranks, m={cfg.microbatches}, "
+        f"microbatch {cfg.microbatch_size}x{cfg.seq} tokens, hidden {cfg.hidden}, "
         f"{cfg.blocks} blocks, {cfg.reps} interleaved reps ({time.perf_counter() - t0:.0f} s)"
     )
     from rich.console import Console

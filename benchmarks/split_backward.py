@@ -36,6 +36,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -47,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llama_blocks import build_chunks  # noqa: E402
 from results_io import paired_ratios, write_result  # noqa: E402
 
-from zbpipe.backward import backward_full, backward_input  # noqa: E402
+from zbpipe.backward import WeightGrad, backward_full, backward_input  # noqa: E402
 from zbpipe.deferred import StoreSlot, WeightGradStore, patch_linears  # noqa: E402
 
 ENGINES = ("fused", "deferred", "graph", "torch")
@@ -118,6 +119,37 @@ class Clock:
         return start.elapsed_time(end) / 1e3, host
 
 
+def _deferred_b(
+    store: WeightGradStore, out: torch.Tensor, g: torch.Tensor, x: torch.Tensor
+) -> None:
+    """The deferred engine's B: one autograd pass in which the Linears queue their W GEMMs."""
+    store.deferring = True
+    backward_full([out], [g], [x])
+    store.deferring = False
+
+
+def _graph_b(
+    pending: dict[str, WeightGrad],
+    out: torch.Tensor,
+    g: torch.Tensor,
+    x: torch.Tensor,
+    params: list[nn.Parameter],
+) -> None:
+    """The graph engine's B; leaves its W in ``pending["w"]``."""
+    pending["w"] = backward_input([out], [g], [x], params)[1]
+
+
+def _torch_b(
+    groups: dict[str, list[dict]],
+    out: torch.Tensor,
+    g: torch.Tensor,
+    x: torch.Tensor,
+    params: list[nn.Parameter],
+) -> None:
+    """torch's stage_backward_input; leaves the param groups its W needs in ``groups["g"]``."""
+    groups["g"] = stage_backward_input([out], [g], [x], iter(params))[1]
+
+
 def one_rep(
     m: nn.Module,
     slot: StoreSlot,
@@ -143,31 +175,21 @@ def one_rep(
         slot.store = store if engine == "deferred" else None
         out = m(x)
         slot.store = None
+        # The passes get their tensors as arguments (partial), not by closing over the loop's
+        # variables, which ``del out`` below empties.
         if engine == "fused":
-            times["fused"] = clock(lambda: torch.autograd.backward([out], [g]))
+            times["fused"] = clock(partial(torch.autograd.backward, [out], [g]))
         elif engine == "deferred":
-
-            def b() -> None:
-                store.deferring = True
-                backward_full([out], [g], [x])
-                store.deferring = False
-
-            times["deferred B"] = clock(b)
+            times["deferred B"] = clock(partial(_deferred_b, store, out, g, x))
             times["deferred W"] = clock(store.run)
         elif engine == "graph":
-            pending = {}
-            times["graph B"] = clock(
-                lambda: pending.setdefault("w", backward_input([out], [g], [x], params)[1])
-            )
+            pending: dict[str, WeightGrad] = {}
+            times["graph B"] = clock(partial(_graph_b, pending, out, g, x, params))
             times["graph W"] = clock(pending["w"].run)
         elif engine == "torch":
-            groups = {}
-            times["torch B"] = clock(
-                lambda: groups.setdefault(
-                    "g", stage_backward_input([out], [g], [x], iter(params))[1]
-                )
-            )
-            times["torch W"] = clock(lambda: stage_backward_weight(iter(params), groups["g"]))
+            groups: dict[str, list[dict]] = {}
+            times["torch B"] = clock(partial(_torch_b, groups, out, g, x, params))
+            times["torch W"] = clock(partial(stage_backward_weight, iter(params), groups["g"]))
         del out
         grads[engine] = [p.grad.detach().clone() for p in params if p.grad is not None]
     return times, grads

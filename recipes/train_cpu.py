@@ -72,7 +72,8 @@ def train(rank: int, world: int, args: argparse.Namespace) -> list[float]:
             loss = torch.stack(losses).mean().item()
             seen.append(loss)
             print(
-                f"[{args.schedule}] step {step:3d}  loss {loss:.4f}  {(time.perf_counter() - t0) * 1e3:6.1f} ms",
+                f"[{args.schedule}] step {step:3d}  loss {loss:.4f}  "
+                f"{(time.perf_counter() - t0) * 1e3:6.1f} ms",
                 flush=True,
             )
     return seen

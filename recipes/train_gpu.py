@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         has_first, has_last = 0 in mine, num_stages - 1 in mine
         if rank == 0:
             print(
-                f"{cls.__name__}: {world} ranks, {num_stages} stages, {args.microbatches} microbatches; "
+                f"{cls.__name__}: {world} ranks, {num_stages} stages, "
+                f"{args.microbatches} microbatches; "
                 f"rank 0 holds stages {mine}",
                 flush=True,
             )
@@ -132,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             if has_last:
                 loss = torch.stack(losses).mean().item()
                 print(
-                    f"[rank {rank}] step {step:4d}  loss {loss:.4f}  {(time.perf_counter() - t0) * 1e3:8.1f} ms",
+                    f"[rank {rank}] step {step:4d}  loss {loss:.4f}  "
+                    f"{(time.perf_counter() - t0) * 1e3:8.1f} ms",
                     flush=True,
                 )
         if args.trace:
@@ -140,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
             if rank == 0:
                 trace.write_chrome(args.trace)
                 print(
-                    f"measured bubble rate of the last step: {trace.bubble_rate:.1%}; trace in {args.trace}"
+                    f"measured bubble rate of the last step: {trace.bubble_rate:.1%}; "
+                    f"trace in {args.trace}"
                 )
     finally:
         dist.destroy_process_group()

@@ -41,7 +41,8 @@ def _my_stages(cls: type, pp_size: int, pp_rank: int) -> list[int]:
 def _reference(
     mods: list[nn.Module], ids: torch.Tensor, tgt: torch.Tensor, n_chunks: int
 ) -> nn.Module:
-    """The unpipelined, unsharded model; loss = mean over ``n_chunks`` equal microbatches' mean losses.
+    """The unpipelined, unsharded model; loss = mean over ``n_chunks`` equal microbatches' mean
+    losses.
 
     With equal microbatches this is the mean over the global batch, which is what
     scale_grads=True (divide by n_microbatches) followed by FSDP's average over dp computes.
@@ -321,7 +322,8 @@ def pp_tp_case(
                 n_dtensor += 1
                 # Sharded like its parameter (an optimizer steps shard by shard), not Partial.
                 assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements, (
-                    f"{schedule} stage {s} {name}: grad placements {getattr(p.grad, 'placements', None)}"
+                    f"{schedule} stage {s} {name}: "
+                    f"grad placements {getattr(p.grad, 'placements', None)}"
                 )
             g = _full(p.grad)
             # fp32; a row-parallel layer sums two partial products (all-reduce) where the reference
@@ -331,7 +333,7 @@ def pp_tp_case(
                 q.grad,
                 rtol=1e-5,
                 atol=1e-6,
-                msg=lambda e: f"{schedule} rank {rank} stage {s} {name}: {e}",
+                msg=lambda e, s=s, name=name: f"{schedule} rank {rank} stage {s} {name}: {e}",
             )
             worst = max(worst, (g - q.grad).abs().max().item())
     return {
@@ -340,7 +342,7 @@ def pp_tp_case(
         "dtensor_params": n_dtensor,
         "dtensor_inputs": received,
         "mine": mine,
-        "losses": [l.item() for l in losses],
+        "losses": [loss.item() for loss in losses],
     }
 
 

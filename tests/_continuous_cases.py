@@ -7,7 +7,7 @@ the library but the model builder.
 from __future__ import annotations
 
 import io
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -88,7 +88,10 @@ def train_cases(rank: int, world: int, cases: list[tuple]) -> list[dict]:
 
 
 def checkpoint_resume(rank: int, world: int, m: int, mode: str, opt: str) -> dict:
-    """3 mini-batches, flush, save; load into fresh objects (other init); 2 more; vs uninterrupted."""
+    """3 mini-batches, flush, save; load into fresh objects (other init); 2 more.
+
+    Compared with an uninterrupted run.
+    """
     whole = _schedule(rank, world, m, mode, opt)
     _feed(whole, rank, world, m, range(5))
     whole.flush()
@@ -196,7 +199,7 @@ def stash_versions(world: int, m: int, n: int) -> Callable[[int, int], int]:
 
     plan = plan_continuous(world, m, n_minibatches=n, mode="stash")
     table: dict[tuple[int, int], int] = {}
-    for r, acts in plan.order.items():
+    for acts in plan.order.values():
         steps, w = 0, {}
         for a in acts:
             if a.kind == "F":
@@ -234,7 +237,9 @@ def train_clipped(rank: int, world: int, m: int, n: int, max_norm: float) -> dic
 def plain_loop_clipped(
     world: int, m: int, n: int, max_norm: float
 ) -> list[dict[str, torch.Tensor]]:
-    """The ordinary loop with torch.nn.utils.clip_grad_norm_ over the whole model before each step."""
+    """The ordinary loop with torch.nn.utils.clip_grad_norm_ over the whole model before each
+    step.
+    """
     mods = build_stages(CFG, world, seed=SEED)
     model = nn.Sequential(*mods)
     o = make_optimizer("sgd", list(model.parameters()))

@@ -56,7 +56,10 @@ def make_batch(kind: str, rows: int, seed: int):
 
 
 def one_case(rank: int, world: int, schedule: str, kind: str, m: int, seed: int) -> float:
-    """One step of ``schedule`` with a ``kind`` batch; grads must equal the unpipelined reference."""
+    """One step of ``schedule`` with a ``kind`` batch.
+
+    Its grads must equal the unpipelined reference's.
+    """
     cls = getattr(zbpipe, schedule)
     num_stages = world * cls.stages_per_rank
     mods = build(num_stages, seed)
@@ -97,11 +100,13 @@ def one_case(rank: int, world: int, schedule: str, kind: str, m: int, seed: int)
                 q.grad,
                 rtol=1e-5,
                 atol=1e-6,
-                msg=lambda e: f"{schedule}/{kind} stage {s} {name}: {e}",
+                msg=lambda e, s=s, name=name: f"{schedule}/{kind} stage {s} {name}: {e}",
             )
             worst = max(worst, (p.grad - q.grad).abs().max().item())
     if num_stages - 1 in mine:
-        torch.testing.assert_close(torch.stack(got), torch.stack([l.detach() for l in losses]))
+        torch.testing.assert_close(
+            torch.stack(got), torch.stack([loss.detach() for loss in losses])
+        )
     return worst
 
 

@@ -1,4 +1,7 @@
-"""Per-rank bodies of the costs="profile" tests (module level so spawned processes can import them)."""
+"""Per-rank bodies of the costs="profile" tests.
+
+Module level so spawned processes can import them.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +23,10 @@ CFG = TinyGPTConfig(hidden=64, seq=16, tricky=True)
 
 
 def build_model(num_stages: int, extra_last_blocks: int, seed: int) -> list[nn.Module]:
-    """``build_stages`` plus ``extra_last_blocks`` more blocks on the last stage (before its head)."""
+    """``build_stages`` plus ``extra_last_blocks`` more blocks on the last stage.
+
+    They go before its head.
+    """
     mods = build_stages(CFG, num_stages, seed=seed)
     torch.manual_seed(seed + 1)  # same extra weights on every rank
     extra = [Block(CFG) for _ in range(extra_last_blocks)]
@@ -34,7 +40,7 @@ def reference_grads(mods, ids, tgt, m):
     ref = copy.deepcopy(nn.Sequential(*mods))
     losses = [lm_loss(ref(x), y) for x, y in zip(ids.chunk(m), tgt.chunk(m))]
     (torch.stack(losses).sum() / m).backward()
-    return ref, torch.stack([l.detach() for l in losses])
+    return ref, torch.stack([loss.detach() for loss in losses])
 
 
 class _Collect(logging.Handler):
@@ -85,7 +91,9 @@ def profiled_training(rank, world, schedule, m, steps, extra_last_blocks=0, opti
                     q.grad,
                     rtol=1e-5,
                     atol=1e-6,
-                    msg=lambda e: f"{schedule} step {step} stage {s} {name}: {e}",
+                    msg=lambda e, step=step, s=s, name=name: (
+                        f"{schedule} step {step} stage {s} {name}: {e}"
+                    ),
                 )
                 worst = max(worst, (p.grad - q.grad).abs().max().item())
         if num_stages - 1 in mine:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 
-
 DIM, VOCAB, N_LAYERS, HEADS, SEQ = 64, 256, 4, 4, 32
 
 
@@ -77,9 +76,9 @@ def _loss_fn():
 
 
 def _parallel_dims(world: int, schedule: str):
+    import torchtitan.distributed.parallel_dims as pd
     from torchtitan.config import ParallelismConfig
     from torchtitan.distributed import ParallelDims
-    import torchtitan.distributed.parallel_dims as pd
 
     # torchtitan falls back to "cuda" when no accelerator is found; this machine has none.
     pd.device_type = "cpu"
@@ -99,9 +98,10 @@ def pipeline_step(rank: int, world: int, schedule: str, local_batch: int, seed: 
 
     Returns (schedule class name, this rank's stage indices, {fqn: grad}, summed loss or None).
     """
-    import zbpipe.torchtitan  # noqa: F401  (the integration: every rank imports it)
     from torchtitan.config import CompileConfig, TrainingConfig
     from torchtitan.distributed.pipeline_parallel import pipeline_llm
+
+    import zbpipe.torchtitan  # noqa: F401  (the integration: every rank imports it)
 
     dims, parallelism = _parallel_dims(world, schedule)
     model = build_model(seed)
@@ -132,7 +132,10 @@ def pipeline_step(rank: int, world: int, schedule: str, local_batch: int, seed: 
 
 
 def unpipelined_grads(local_batch: int, seed: int):
-    """The whole model, one microbatch at a time, losses summed (torchtitan passes scale_grads=False)."""
+    """The whole model, one microbatch at a time, losses summed.
+
+    torchtitan passes scale_grads=False.
+    """
     model = build_model(seed)
     loss_fn = _loss_fn()
     x, y = batch(local_batch, seed)
@@ -142,7 +145,10 @@ def unpipelined_grads(local_batch: int, seed: int):
 
 
 def compare_schedules(rank: int, world: int, schedules: list[str], local_batch: int, seed: int):
-    """Run each schedule through torchtitan on the same model and data; return per-schedule results."""
+    """Run each schedule through torchtitan on the same model and data.
+
+    Returns the results per schedule.
+    """
     out = {name: pipeline_step(rank, world, name, local_batch, seed) for name in schedules}
     if rank == 0:
         out["reference"] = unpipelined_grads(local_batch, seed)

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from zbpipe.testing import run_ranks
-
 import _composition_cases as cases
+from zbpipe.testing import run_ranks
 
 pytestmark = pytest.mark.dist
 
@@ -43,7 +42,8 @@ def reduce_violations(log: list[tuple], groups: dict[int, int], m: int) -> list[
             )
         if len(rs) != n_groups:
             bad.append(
-                f"stage {s}: {len(rs)} reduce-scatters in REDUCE_GRAD, expected {n_groups} (one per group)"
+                f"stage {s}: {len(rs)} reduce-scatters in REDUCE_GRAD, "
+                f"expected {n_groups} (one per group)"
             )
     early = [i for i, e in enumerate(log) if e[0] == "RS" and e[1] is None]
     if early:

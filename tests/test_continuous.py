@@ -4,7 +4,8 @@ Real gloo processes, one thread each. Every rank's parameters after N = 5 mini-b
 flush() are compared with a reference computed here on the unpipelined model:
 
 * sync: the ordinary training loop (one optimizer over the whole model, mean loss);
-* 2bw / stash: the mode's weight-version rule replayed step by step (``_continuous_cases.reference``).
+* 2bw / stash: the mode's weight-version rule replayed step by step
+  (``_continuous_cases.reference``).
 
 Each world size starts its processes once (module fixture) and runs every case; the tests
 then check one behaviour each on the results.
@@ -14,9 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from zbpipe.testing import run_ranks
-
 import _continuous_cases as cc
+from zbpipe.testing import run_ranks
 
 pytestmark = pytest.mark.dist
 

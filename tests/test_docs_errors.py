@@ -1,5 +1,5 @@
-"""docs/errors.md stays true to the code: every phrase it lists occurs in a message under src/zbpipe,
-and every error message raised with a literal text under src/zbpipe is listed there.
+"""docs/errors.md stays true to the code: every phrase it lists occurs in a message under
+src/zbpipe, and every error message raised with a literal text under src/zbpipe is listed there.
 
 Format read from docs/errors.md: each markdown table whose header's first cell is ``message``;
 in each data row the first cell holds one phrase in backticks. ``{}`` in a phrase stands for a

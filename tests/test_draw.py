@@ -31,7 +31,8 @@ def test_plan_png_has_expected_size_and_each_kind_colour(tmp_path):
     out = tmp_path / "zbh1.png"
     res = draw.plan_timeline_png(pl, costs, str(out))
     img = imread(out)
-    # Spec of the layout: 0.45 in per rank row plus 1.05 in of title/axis margins; width 8 in minimum.
+    # Spec of the layout: 0.45 in per rank row plus 1.05 in of title/axis margins; width at
+    # least 8 in.
     assert img.shape[0] == round((1.05 + 0.45 * 4) * DPI)
     assert img.shape[1] >= 8 * DPI
     # Every kind the plan uses is painted over a sizeable area (boxes, not just the legend swatch).

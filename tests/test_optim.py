@@ -5,9 +5,8 @@ import math
 import pytest
 import torch
 
-from zbpipe.testing import run_ranks
-
 import _optim_cases as oc
+from zbpipe.testing import run_ranks
 
 pytestmark = pytest.mark.dist
 
@@ -60,7 +59,7 @@ def local_params(ref_params, rank):
 def test_clipped_steps_equal_unpipelined_reference(results, case):
     ref = reference(*CASES[case])
     for rank in (0, 1):
-        for step, ((status, norm, coef, _), params, _) in enumerate(results[rank][case]):
+        for step, ((_status, norm, coef, _), params, _) in enumerate(results[rank][case]):
             ref_norm, ref_params = ref[step]
             assert norm == pytest.approx(ref_norm, rel=1e-6)  # float64 sum vs torch's fp32 norms
             assert coef == pytest.approx(min(1.0, MAX_NORM / (ref_norm + 1e-6)), rel=1e-6)

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import pytest
 
+import _profile_cases as cases
 from zbpipe.planning import Costs, plan, simulate
 from zbpipe.profile import ProfileConfig, measure_stage_costs, round_sig
 from zbpipe.trace import Event
-
-import _profile_cases as cases
 
 
 def _ev(kind: str, stage: int, mb: int, start_ms: float, dur_ms: float, rank: int = 0) -> Event:

@@ -57,7 +57,7 @@ def test_memory_accounting_is_signed():
 def test_deadlock_names_ranks_and_steps():
     # Rank 1 forwards microbatch 1 first, but rank 0 sends it only after backward 0, which
     # rank 1 runs after its F1: a cycle.
-    a = lambda s, k, m: Action(s, k, m)
+    a = Action
     order = {
         0: [a(0, "F", 0), a(0, "BW", 0), a(0, "F", 1), a(0, "BW", 1)],
         1: [a(1, "F", 1), a(1, "BW", 1), a(1, "F", 0), a(1, "BW", 0)],
@@ -71,7 +71,7 @@ def test_deadlock_names_ranks_and_steps():
 
 def test_same_rank_dependency_violation():
     # Two stages on one rank; stage 1's forward is placed before stage 0's on that rank.
-    a = lambda s, k, m: Action(s, k, m)
+    a = Action
     order = {0: [a(1, "F", 0), a(0, "F", 0), a(1, "BW", 0), a(0, "BW", 0)]}
     with pytest.raises(
         PlanError, match=r"rank 0 step 0 \(1F0\) needs the activation of F0 from stage 0.*step 1"

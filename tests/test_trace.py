@@ -1,4 +1,7 @@
-"""The tracer records one event per action on the host clock; a Trace's bubble rate is the paper's."""
+"""The tracer records one event per action on the host clock.
+
+A Trace's bubble rate is the paper's.
+"""
 
 import time
 

@@ -1,4 +1,5 @@
-"""``zbpipe`` command line: ``simulate`` one schedule, ``compare`` them all, ``draw`` a timeline, run the ``demo``.
+"""``zbpipe`` command line: ``simulate`` one schedule, ``compare`` them all, ``draw`` a
+timeline, run the ``demo``.
 
 Each subcommand is a ``build_parser`` entry plus a ``_cmd_<name>(args) -> int`` handler, so new
 subcommands (``demo``, ``draw``) add one ``add_parser`` block and one handler.
@@ -9,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from .planning import Costs, Plan, PlanError, SimResult, known_names, plan_to_csv, simulate
 from .plans import plan  # zbpipe's names and torch's ("torch:<Name>"), one lookup
@@ -106,7 +107,8 @@ def chunk_costs(costs: Costs, p: Plan) -> Costs:
     """Costs of one chunk when ``p`` cuts the same model into more stages than ranks.
 
     ``--costs`` describe the model split into ``num_ranks`` stages; a plan with ``k`` stages per
-    rank gets each stage's cost divided by ``k`` (docs/architecture.md: comparisons keep the model fixed).
+    rank gets each stage's cost divided by ``k`` (docs/architecture.md: comparisons keep the
+    model fixed).
     """
     k = p.num_stages // p.num_ranks
     return costs if k == 1 else costs.split(k)
@@ -201,7 +203,8 @@ def _cmd_draw(args: argparse.Namespace) -> int:
         else:
             if args.num_ranks is None or args.n_microbatches is None:
                 raise ValueError(
-                    "drawing a schedule needs -p/--num-ranks and -m/--n-microbatches (or give --trace FILE)"
+                    "drawing a schedule needs -p/--num-ranks and -m/--n-microbatches "
+                    "(or give --trace FILE)"
                 )
             pl, res = _run(args.schedule, args)
             if args.json:

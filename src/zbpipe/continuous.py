@@ -2,9 +2,9 @@
 
 Execution model
 ---------------
-The plan is :func:`zbpipe.planning.continuous_plan.continuous_parts`: per rank a warm-up, a period per
-mini-batch boundary and a drain, over global microbatch indices ``g = k * m + j`` (mini-batch
-``k`` of the current stream, microbatch ``j``). The user hands in one mini-batch per
+The plan is :func:`zbpipe.planning.continuous_plan.continuous_parts`: per rank a warm-up, a
+period per mini-batch boundary and a drain, over global microbatch indices ``g = k * m + j``
+(mini-batch ``k`` of the current stream, microbatch ``j``). The user hands in one mini-batch per
 :meth:`ScheduleContinuous.step` call. Every rank keeps the same
 :class:`~zbpipe.continuous_stream.StreamFrontier`: the orders of all ranks grown by one period
 per mini-batch, and a fixed point telling how far each rank can run with the data given so far.
@@ -48,7 +48,8 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any, Callable, Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -136,11 +137,13 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
             raise ValueError(f"ScheduleContinuous: mode must be one of {MODES}, got {mode!r}")
         if loss_fn is None:
             raise ValueError(
-                "ScheduleContinuous: loss_fn is required (the schedule trains; use torch's eval() schedules to infer)"
+                "ScheduleContinuous: loss_fn is required "
+                "(the schedule trains; use torch's eval() schedules to infer)"
             )
         if post_validate is not None and mode != "sync":
             raise ValueError(
-                "ScheduleContinuous: post_validate is supported in mode='sync' only; drop it or use sync"
+                "ScheduleContinuous: post_validate is supported in mode='sync' only; "
+                "drop it or use sync"
             )
         super().__init__(
             stages=stages,
@@ -181,7 +184,8 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
             self.optimizer = optimizer(params)
         else:
             raise ValueError(
-                "ScheduleContinuous: optimizer must be a torch Optimizer or a callable(params) -> Optimizer"
+                "ScheduleContinuous: optimizer must be a torch Optimizer "
+                "or a callable(params) -> Optimizer"
             )
         self._pv = (
             PostValidatedStep(self.optimizer, group=self.stage.group, **post_validate)
@@ -253,7 +257,8 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
         )
         if not torch.is_grad_enabled():
             raise RuntimeError(
-                "ScheduleContinuous.step() trains and needs autograd; do not call it under torch.no_grad()"
+                "ScheduleContinuous.step() trains and needs autograd; "
+                "do not call it under torch.no_grad()"
             )
         m = self._n_microbatches
         mbs = microbatch_inputs(self, args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
@@ -332,7 +337,8 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
         for key, mine in (("mode", self.mode), ("stage_index", self.stage.stage_index)):
             if state[key] != mine:
                 raise ValueError(
-                    f"ScheduleContinuous.load_state_dict: checkpoint has {key}={state[key]!r}, this schedule {mine!r}"
+                    f"ScheduleContinuous.load_state_dict: checkpoint has {key}={state[key]!r}, "
+                    f"this schedule {mine!r}"
                 )
         self.stage.submod.load_state_dict(state["module"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -344,7 +350,8 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
     def _refuse_in_flight(self, what: str) -> None:
         if self.in_flight:
             raise RuntimeError(
-                f"ScheduleContinuous.{what}(): {self._given} mini-batch(es) are in flight; call flush() first"
+                f"ScheduleContinuous.{what}(): {self._given} mini-batch(es) are in flight; "
+                "call flush() first"
             )
 
     def _reset_stream(self) -> None:
@@ -368,7 +375,7 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
         self._sends: list[dist.Work] = []
 
     def _initialize(self, args: Any, kwargs: Any, target: Any) -> None:
-        """torch's shape inference and buffers, then re-keyed by global microbatch (see module doc)."""
+        """torch's shape inference and buffers, re-keyed by global microbatch (see module doc)."""
         st = self.stage
         st.has_backward = True
         self._initialize_stages(args, kwargs, target)

@@ -1,8 +1,8 @@
 """Which actions of a continuous plan each rank can run, given the mini-batches handed in so far.
 
-A continuous plan (:func:`zbpipe.planning.continuous_plan.continuous_parts`) is, per rank, a warm-up,
-a period repeated once per mini-batch boundary and a drain. :class:`StreamFrontier` holds every
-rank's order as a stream that grows by one period per mini-batch given, and answers "how far
+A continuous plan (:func:`zbpipe.planning.continuous_plan.continuous_parts`) is, per rank, a
+warm-up, a period repeated once per mini-batch boundary and a drain. :class:`StreamFrontier` holds
+every rank's order as a stream that grows by one period per mini-batch given, and answers "how far
 can each rank get now?" with a fixed point over the plan's dependencies:
 
 * ``F(0, g)`` needs the data of microbatch ``g`` (given iff ``g < available``);
@@ -74,7 +74,10 @@ class StreamFrontier:
         self.b_done = [0] * self.p
 
     def give(self, n_minibatches: int) -> None:
-        """Make room for ``n_minibatches`` mini-batches: the order up to the forwards of the next."""
+        """Make room for ``n_minibatches`` mini-batches.
+
+        The order grows up to the forwards of the next mini-batch.
+        """
         if self._drained:
             raise RuntimeError("continuous stream already drained")
         while self._periods < n_minibatches:
@@ -107,7 +110,10 @@ class StreamFrontier:
         return True  # W: its B is earlier in the same order
 
     def advance(self, available: int) -> dict[int, list[Action]]:
-        """Run the fixed point with ``available`` microbatches of data; return each rank's new slice."""
+        """Run the fixed point with ``available`` microbatches of data.
+
+        Returns each rank's new slice of its order.
+        """
         new: dict[int, list[Action]] = {r: [] for r in range(self.p)}
         progress = True
         while progress:

@@ -48,13 +48,17 @@ class WeightVersions:
         v = max(minibatch - 1, 0) if self.mode == "2bw" else self.latest
         if v not in self.store:
             raise RuntimeError(
-                f"zbpipe continuous {self.mode}: mini-batch {minibatch} needs weight version {v}, which is "
-                f"not held (latest {self.latest}, held {sorted(self.store)}); the plan ran a forward too early"
+                f"zbpipe continuous {self.mode}: mini-batch {minibatch} needs weight version {v}, "
+                f"which is not held (latest {self.latest}, held {sorted(self.store)}); "
+                "the plan ran a forward too early"
             )
         return v
 
     def acquire(self, microbatch: int, version: int) -> dict[str, torch.Tensor]:
-        """Leaf aliases of ``version`` for one microbatch's forward (gradients land in their ``.grad``)."""
+        """Leaf aliases of ``version`` for one microbatch's forward.
+
+        Gradients land in their ``.grad``.
+        """
         self.uses[microbatch] = version
         return {n: t.detach().requires_grad_() for n, t in self.store[version].items()}
 

@@ -112,14 +112,15 @@ def _rank_main(rank: int, world: int, cfg: DemoConfig) -> list[dict[str, Any]] |
                     {
                         "step": step,
                         "schedule": name,
-                        "loss": next(l for _, _, l, _ in gathered if l is not None),
+                        "loss": next(lo for _, _, lo, _ in gathered if lo is not None),
                         "step_time_s": max(t for _, t, _, _ in gathered),
                         "bubble_rate": trace.bubble_rate,
                     }
                 )
                 r = rows[-1]
                 progress.console.print(
-                    f"step {step:2d}  {name:<12}  loss {r['loss']:.4f}  step {r['step_time_s'] * 1e3:7.1f} ms  "
+                    f"step {step:2d}  {name:<12}  loss {r['loss']:.4f}  "
+                    f"step {r['step_time_s'] * 1e3:7.1f} ms  "
                     f"bubble {r['bubble_rate']:6.1%}"
                 )
                 progress.advance(progress.task_ids[0])

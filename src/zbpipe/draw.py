@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from .planning import Costs, Plan, SimResult, simulate
-from .timeline import Event, to_chrome
 from .planning.metrics import bubble_rate as _bubble_rate
+from .timeline import Event, to_chrome
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +30,8 @@ KIND_NAMES: dict[str, str] = {
     "W": "W (weight grad)",
     "BW": "BW (full backward)",
 }
-#: A simulated cost unit is written to Chrome JSON as 1 ms (1000 us) so viewers show readable numbers.
+#: A simulated cost unit is written to Chrome JSON as 1 ms (1000 us) so viewers show readable
+#: numbers.
 SIM_UNIT_US = 1000.0
 
 
@@ -50,7 +52,9 @@ def boxes_from_sim(result: SimResult) -> dict[int, list[Box]]:
 
 
 def boxes_from_trace(trace: Any) -> dict[int, list[Box]]:
-    """A measured :class:`~zbpipe.trace.Trace` (or its Chrome JSON, as a dict or a file path) as boxes.
+    """A measured :class:`~zbpipe.trace.Trace` as boxes.
+
+    ``trace`` may also be its Chrome JSON, as a dict or a file path.
 
     Times are seconds from the trace's first event.
     """
@@ -62,8 +66,8 @@ def boxes_from_trace(trace: Any) -> dict[int, list[Box]]:
     events = getattr(trace, "events", None)
     if not isinstance(events, Mapping):
         raise ValueError(
-            f"trace_png/boxes_from_trace: expected a zbpipe Trace, its Chrome JSON dict or a path to it, "
-            f"got {type(trace).__name__}"
+            "trace_png/boxes_from_trace: expected a zbpipe Trace, its Chrome JSON dict "
+            f"or a path to it, got {type(trace).__name__}"
         )
     starts = [e.start for evs in events.values() for e in evs]
     t0 = min(starts) if starts else 0.0
@@ -83,7 +87,8 @@ def boxes_from_chrome(data: Mapping[str, Any], time_scale: float = 1e6) -> dict[
     events = data.get("traceEvents") if isinstance(data, Mapping) else None
     if not isinstance(events, list):
         raise ValueError(
-            "Chrome trace JSON must be an object with a 'traceEvents' list (as Trace.write_chrome writes)"
+            "Chrome trace JSON must be an object with a 'traceEvents' list "
+            "(as Trace.write_chrome writes)"
         )
     out: dict[int, list[Box]] = {}
     for ev in events:
@@ -134,7 +139,8 @@ def _matplotlib() -> tuple[Any, Any, Any]:
         from matplotlib.patches import Patch
     except ImportError as e:
         raise ImportError(
-            f"drawing PNG timelines needs matplotlib ({e}); install it with: pip install 'zbpipe[draw]'"
+            f"drawing PNG timelines needs matplotlib ({e}); "
+            "install it with: pip install 'zbpipe[draw]'"
         ) from e
     return Figure, FigureCanvasAgg, Patch
 

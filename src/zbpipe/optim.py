@@ -33,8 +33,8 @@ still pending. The snapshot is an on-device copy of the stage's parameters, opti
 for AdamW, held from the step to its validation. The restore is ``copy_`` / re-binding of the
 cloned tensors, so a rolled-back state is bitwise the state before the step (no algebraic
 inverse). After a redo, ``p.grad`` still holds the optimistically scaled gradients (the redo
-uses the snapshot's). Hyperparameters in ``param_groups`` are not snapshotted: change them (LR schedulers)
-after :meth:`validate`.
+uses the snapshot's). Hyperparameters in ``param_groups`` are not snapshotted: change them (LR
+schedulers) after :meth:`validate`.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class PostValidatedStep:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
 
     def step(self) -> None:
-        """Validate any pending step, then reduce along the chain, snapshot and step optimistically."""
+        """Validate any pending step, then reduce along the chain, snapshot, step optimistically."""
         if self._pending is not None:
             self.validate()
         rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
@@ -161,7 +161,8 @@ class PostValidatedStep:
             else:
                 self._restore(params, snap)
                 current = [p.grad for p in params]
-                try:  # redo from the snapshot's (unscaled) gradients; the user's grads stay untouched
+                # redo from the snapshot's (unscaled) gradients; the user's grads stay untouched
+                try:
                     for p, g in zip(params, snap["grads"]):
                         p.grad = g
                     self._scale_and_step(params, snap["grads"], coef)

@@ -28,8 +28,9 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Literal, Mapping, Sequence, Union
+from typing import Any, Literal
 
 from .planning import KINDS, Costs, Plan
 
@@ -48,8 +49,10 @@ class ProfileConfig:
     """Significant digits the measured costs are rounded to, so re-runs give the same plan."""
     unit: float = 1e-3
     """Seconds per cost unit: 1e-3 gives costs (and logged makespans) in milliseconds."""
-    comm: Union[Literal["measure"], float] = "measure"
-    """``"measure"``: time ping-pong messages of the real activation size; or a fixed time in ``unit``."""
+    comm: Literal["measure"] | float = "measure"
+    """``"measure"``: time ping-pong messages of the real activation size; or a fixed time in
+    ``unit``.
+    """
     comm_repeats: int = 5
     """Timed round trips per link (after one untimed one); half the fastest is ``comm``."""
 
@@ -220,7 +223,10 @@ def measure_comm(
 
 
 def gather_stage_values(local: Mapping[int, Any], group: Any) -> dict[int, Any]:
-    """Every rank's ``{stage: value}`` merged; identical on every rank (one ``all_gather_object``)."""
+    """Every rank's ``{stage: value}`` merged; identical on every rank.
+
+    One ``all_gather_object``.
+    """
     import torch.distributed as dist
 
     gathered: list[Any] = [None] * dist.get_world_size(group)
@@ -232,7 +238,8 @@ def gather_stage_values(local: Mapping[int, Any], group: Any) -> dict[int, Any]:
 
 
 def agree_on_plan(sched: Any, plan_or_error: Plan | str, group: Any) -> None:
-    """Exchange the re-planned fingerprint once; raise ``RuntimeError`` on every rank if they differ.
+    """Exchange the re-planned fingerprint once; on every rank, raise ``RuntimeError`` if they
+    differ.
 
     ``plan_or_error`` is a rank's new plan, or the message of the error it hit while planning
     (so a rank that failed does not leave the others waiting).
@@ -248,8 +255,10 @@ def agree_on_plan(sched: Any, plan_or_error: Plan | str, group: Any) -> None:
     lines = disagreement(group, sched.rank, mine, mine)
     if lines:
         raise RuntimeError(
-            f"{type(sched).__name__}: pipeline ranks re-planned differently from the profiled costs:\n{lines}\n"
-            "the plan generator must be deterministic; keeping the previous plan is not safe, so the run stops"
+            f"{type(sched).__name__}: pipeline ranks re-planned differently "
+            f"from the profiled costs:\n{lines}\n"
+            "the plan generator must be deterministic; "
+            "keeping the previous plan is not safe, so the run stops"
         )
 
 

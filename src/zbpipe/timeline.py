@@ -7,7 +7,8 @@ Python (no torch).
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 
 class Event(NamedTuple):
@@ -30,7 +31,8 @@ def to_chrome(
     """Chrome/Perfetto trace-event JSON: one complete event per compute action, one row per rank.
 
     Each event is named like ``F3`` with category ``F``; ``tid`` is the rank. ``time_scale``
-    converts event times to microseconds (1e6 for seconds; ``zbpipe.draw.SIM_UNIT_US`` for cost units).
+    converts event times to microseconds (1e6 for seconds; ``zbpipe.draw.SIM_UNIT_US`` for cost
+    units).
     """
     starts = [b.start for boxes in boxes_by_rank.values() for b in boxes]
     t0 = min(starts) if starts else 0.0
