@@ -211,7 +211,10 @@ def peers_disagree(rank, world):
 
 
 def step_argument_errors(rank, world):
-    """step() with inputs on a non-first rank, or no target on the last rank, raises ValueError."""
+    """step() without the batch on the first rank, or without a target on the last, raises ValueError.
+
+    Inputs on a rank without stage 0 are ignored as torch ignores them (one warning), so the
+    last rank's ``step(ids)`` fails for its missing target only."""
     from zbpipe import ScheduleZBH1
 
     cfg = TinyGPTConfig()
@@ -222,25 +225,45 @@ def step_argument_errors(rank, world):
         if rank == 0:
             sched.step()  # the first stage needs the batch
         else:
-            sched.step(ids)  # inputs on a rank that does not hold stage 0 (no target either)
+            sched.step(ids)  # inputs ignored off stage 0, but the last stage needs a target
     except ValueError as e:
         return str(e)
     raise AssertionError(f"rank {rank}: bad step() arguments accepted")
 
 
 def compiled_submodule_error(rank, world):
+    """A block compiled in place (the way torchtitan compiles; torch's own check misses it):
+    the graph engine refuses it at construction; the deferred engine (the default for this
+    model) trains it, the compiled region's weight gradients computed in B, equal to the
+    reference's. Returns (the graph engine's message, the deferred run's largest difference)."""
     from zbpipe import ScheduleZBH1
 
     mod = build_stages(TinyGPTConfig(), world)[rank]
-    mod[-1].compile()  # in place, the way torchtitan compiles (not caught by torch's own check)
+    mod[-1].compile()
     stage = PipelineStage(mod, rank, world, torch.device("cpu"))
     try:
-        # The graph engine must see the real graph; the deferred engine (the default for this
-        # model) trains compiled regions, their weight gradients computed in B.
         ScheduleZBH1([stage], 2, loss_fn=lm_loss, check_peers=False, split="graph")
     except ValueError as e:
-        return str(e)
-    raise AssertionError("compiled submodule accepted")
+        message = str(e)
+    else:
+        raise AssertionError("compiled submodule accepted by the graph engine")
+    m = 4
+    mods = build_stages(TinyGPTConfig(), world, seed=5)
+    ref, _ = reference_grads(mods, *synthetic_batch(TinyGPTConfig(), 2 * m, step=5), m)
+    # aot_eager makes the compiled block one opaque autograd node, as inductor does, in seconds
+    mods[rank][-1].compile(backend="aot_eager")
+    stage = PipelineStage(mods[rank], rank, world, torch.device("cpu"))
+    sched = ScheduleZBH1([stage], m, loss_fn=lm_loss)
+    assert sched.split == "deferred", sched.split
+    ids, tgt = synthetic_batch(TinyGPTConfig(), 2 * m, step=5)
+    sched.step(*((ids,) if rank == 0 else ()), target=tgt if rank == world - 1 else None)
+    worst = 0.0
+    for (name, p), (_, q) in zip(mods[rank].named_parameters(), ref[rank].named_parameters()):
+        torch.testing.assert_close(
+            p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda e: f"{name}: {e}"
+        )
+        worst = max(worst, (p.grad - q.grad).abs().max().item())
+    return message, worst
 
 
 class _Boom(RuntimeError):

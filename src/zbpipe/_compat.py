@@ -79,6 +79,15 @@ def received_grads(stage: _PipelineStageBase, mb: int) -> tuple:
     return stage._retrieve_recv_grads(mb)
 
 
+def received_grad_buffers(stage: _PipelineStageBase, mb: int) -> tuple:
+    """The receive buffers of a stage's output gradients for ``mb``, None where none is expected.
+
+    What :func:`received_grads` would return, before torch rebuilds DTensors from them: enough
+    to tell a missing gradient, for no per-microbatch work.
+    """
+    return tuple(info.buffer for info in stage.grad_recv_info[mb])
+
+
 def received_activations(stage: _PipelineStageBase, mb: int) -> tuple:
     """The activations a stage received for microbatch ``mb`` (torch's receive buffers)."""
     return stage._retrieve_recv_activations(mb)
@@ -99,6 +108,11 @@ def input_grad_cache(stage: _PipelineStageBase) -> dict[int, tuple]:
 def has_own_weight_pass(stage: _PipelineStageBase) -> bool:
     """Whether the stage was built with torch's ``dw_builder`` (it runs its own weight pass)."""
     return getattr(stage, "dw_builder", None) is not None
+
+
+def weight_runners(stage: _PipelineStageBase) -> dict[int, Any]:
+    """A ``dw_builder`` stage's pending weight passes, by microbatch (torch's ``dw_runner``)."""
+    return stage.dw_runner
 
 
 def num_stage_inputs(stage: _PipelineStageBase) -> int:
@@ -464,6 +478,7 @@ TORCH_INTERNAL_ATTRIBUTES: tuple[tuple[str, str], ...] = (
     ("stage", "fwd_cache"),
     ("stage", "bwd_cache"),
     ("stage", "dw_builder"),
+    ("stage", "dw_runner"),
     ("stage", "args_recv_info"),
     ("stage", "grad_recv_info"),
     ("stage", "grad_send_info"),

@@ -61,7 +61,7 @@ from .optim import PostValidatedStep, StepReport
 from .planning import Costs
 from .planning.continuous_plan import MODES, continuous_parts, plan_continuous, version_bound
 from .stage_seam import EVERY_KEY, Engine, Split, StageSeam, choose_engine
-from .step_inputs import microbatch_inputs
+from .step_inputs import drop_inputs_off_stage0, microbatch_inputs
 from .validation import (
     check_not_compiled,
     check_peers_agree,
@@ -145,6 +145,14 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
                 "ScheduleContinuous: post_validate is supported in mode='sync' only; "
                 "drop it or use sync"
             )
+        if mode != "sync" and any(C.has_own_weight_pass(st) for st in stages):
+            # 2bw/stash run the forward on separate weight versions; a dw_builder's runner
+            # writes the module's own .grad, which those modes never read.
+            raise ValueError(
+                "ScheduleContinuous: a stage built with dw_builder runs in mode='sync' only, "
+                f"got mode={mode!r}; "
+                "use mode='sync' or build the stage without dw_builder"
+            )
         super().__init__(
             stages=stages,
             n_microbatches=n_microbatches,
@@ -196,6 +204,7 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
         self.step_reports: list[StepReport] = []
         self._versions = WeightVersions(self.stage.submod, mode) if mode != "sync" else None
         self._initialized = False
+        self._warned_ignored_inputs = False  # step(x) on a rank without stage 0: warned once
         self._minibatches_before = 0  # mini-batches completed by earlier (flushed) streams
         self._reset_stream()
 
@@ -255,6 +264,9 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
         check_step_args(
             self, args, kwargs, target, arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=target_mbs
         )
+        args, arg_mbs, self._warned_ignored_inputs = drop_inputs_off_stage0(
+            self, args, arg_mbs, self._warned_ignored_inputs
+        )
         if not torch.is_grad_enabled():
             raise RuntimeError(
                 "ScheduleContinuous.step() trains and needs autograd; "
@@ -280,6 +292,19 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
         self._frontier.give(self._given)
         self._run(self._frontier.advance(self._given * m)[self.rank])
         return self._report(losses)
+
+    def eval(self, *args: Any, **kwargs: Any) -> Any:
+        """Not supported: a continuous schedule only trains (torch's ``eval()`` would train here).
+
+        Evaluate after :meth:`flush` with the stage modules themselves, or with a
+        :class:`~zbpipe.Schedule1F1BMulti` built on new ``PipelineStage`` objects over the same
+        modules (this schedule re-keys its stages' buffers).
+        """
+        raise RuntimeError(
+            "ScheduleContinuous.eval() is not supported: the continuous schedule only trains; "
+            "call flush(), then evaluate with the modules or with a Schedule1F1BMulti built on new "
+            "PipelineStages of the same modules"
+        )
 
     def flush(self, losses: list | None = None) -> list[LossRecord]:
         """Finish every mini-batch given: run the drain, wait for all sends, validate the last step.

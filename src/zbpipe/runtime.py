@@ -31,7 +31,7 @@ from .planning import Costs, Layout, Plan
 from .planning.fuse import fuse_adjacent_backward
 from .profile import CostProfiler, ProfileConfig
 from .stage_seam import Engine, Split, StageSeam, choose_engine
-from .step_inputs import microbatch_inputs
+from .step_inputs import drop_inputs_off_stage0, microbatch_inputs
 from .trace import Tracer
 from .validation import (
     check_not_compiled,
@@ -130,6 +130,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         # dict/TensorDict batches reach stage 0 by keyword (torch stages take only tensors positionally)
         self._batch_keywords = FirstStageKeywords(stages)
         self._step_opts: tuple[bool, dict[str, Any] | None] = (True, None)
+        self._warned_ignored_inputs = False  # step(x) on a rank without stage 0: warned once
         # NaN/Inf losses of the last step, checked on the device and resolved when read
         self._nonfinite = NonfiniteLosses(self.rank)
         for kind, fn in (
@@ -202,6 +203,9 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         check_step_args(
             self, args, kwargs, target, arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=target_mbs
         )
+        args, arg_mbs, self._warned_ignored_inputs = drop_inputs_off_stage0(
+            self, args, arg_mbs, self._warned_ignored_inputs
+        )
         # A whole dict/TensorDict batch goes to stage 0 by keyword (zbpipe.inputs).
         args, kwargs = self._batch_keywords.bind(args, kwargs, self._n_microbatches)
         mbs = microbatch_inputs(self, args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
@@ -214,7 +218,8 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         out = C.run_microbatches(
             self, mbs.arg_mbs, mbs.kwarg_mbs, mbs.target_mbs, losses, return_outputs, loss_kwargs
         )
-        if self._profiler is not None:
+        if self._profiler is not None and self._has_backward:
+            # A forward-only step (eval()) is not what the plan runs: it is not profiled.
             self._profiler.after_step(self)  # collective on the profiling window's last step
         return out
 
@@ -222,6 +227,12 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
         # torch hands the losses over (and clears its own list) here: check them first, whether
         # or not the caller asked for them.
         self._report_nonfinite_losses(self._internal_losses)
+        if not self._internal_losses and not self._has_backward:
+            # A forward-only step without a target computed no loss: there is none to return
+            # (torch's check would count zero losses against n_microbatches and raise).
+            if losses is not None:
+                losses.clear()
+            return
         super()._update_losses(stages, losses)
 
     def _report_nonfinite_losses(self, losses: list) -> None:
@@ -303,7 +314,9 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
             output = stage.forward_one_chunk(
                 mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb], save_forward_output=return_outputs
             )
-            self._maybe_compute_loss(stage, output, ctx.target_mbs, mb, loss_kwargs)
+            # eval(x) without a target: outputs only (torch would index the missing targets)
+            if ctx.target_mbs is not None or stage.has_backward:
+                self._maybe_compute_loss(stage, output, ctx.target_mbs, mb, loss_kwargs)
         self.seam.hand_forward(stage, output, mb)
 
     def _backward_stage(self, s: int, mb: int) -> Any:
@@ -313,9 +326,22 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
             self._wait_recv(C.backward_receives(self), s, mb, "backward")
         return stage
 
+    def _skip_backward(self, s: int, mb: int) -> None:
+        """A forward-only step's B or BW: nothing to compute, but torch's RECV_B was posted.
+
+        torch lowers a receive before every B/BW that is not fed by a local stage, and posts it
+        even in a forward-only step (an empty batch then: a stage without backward receives no
+        gradient). Its own B pops that entry; skipping the pop left it behind, and the next
+        step's receive failed with torch's "Recv twice ... without executing backward".
+        """
+        pending = C.backward_receives(self).pop((s, mb), None)
+        if pending is not None:
+            C._wait_batch_p2p(pending)
+
     def _run_backward_input(self, action: Any, ctx: Any) -> None:
         s, mb = action.stage_index, action.microbatch_index
         if not self.seam.stages[s].has_backward:  # eval(), or no loss_fn: forward only, like torch
+            self._skip_backward(s, mb)
             return
         stage = self._backward_stage(s, mb)
         with self.tracer.span("B", s, mb):
@@ -328,8 +354,9 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
             return
         self._assert_unsharded(stage)
         C.backward_counter(self)[s] += 1  # torch counts W and BW alike
+        last = C.backward_counter(self)[s] == self._n_microbatches
         with self.tracer.span("W", s, mb):
-            self.seam.backward_weight(stage, mb)
+            self.seam.backward_weight(stage, mb, last_backward=last)
 
     def _run_reduce_grad(self, action: Any, ctx: Any) -> None:
         # FSDP's post-backward (gradient reduce-scatter), as torch runs it, without torch's
@@ -339,6 +366,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):
     def _run_full_backward(self, action: Any, ctx: Any) -> None:
         s, mb = action.stage_index, action.microbatch_index
         if not self.seam.stages[s].has_backward:  # eval(), or no loss_fn: forward only
+            self._skip_backward(s, mb)
             return
         stage = self._backward_stage(s, mb)
         C.backward_counter(self)[s] += 1

@@ -16,6 +16,12 @@ the compute, so F, B (with either engine), W and BW are written once:
 * **BW**: :meth:`StageSeam.full_backward`: torch's fused backward, or (deferred engine, every
   BW but a stage's first of the step) B with each weight GEMM accumulated at once.
 
+A stage built with torch's ``dw_builder`` brings its own weight pass, so zbpipe's engines stay
+out of it: its B is torch's ``backward_one_chunk(full_backward=False)`` (the stage's ordinary
+autograd backward, then ``dw_builder()`` kept for W) and its W runs that runner, exactly as
+torch's own runtime does. Before any backward, the seam checks that every stage output that
+requires grad got a gradient (:func:`check_output_grads`).
+
 Two engines (:mod:`zbpipe.deferred`, :mod:`zbpipe.backward`; docs/backward.md says when each is
 right): ``"deferred"`` makes B one ordinary autograd pass in which Linears queue their weight
 GEMMs for W; ``"graph"`` asks autograd for the input edges in B and re-enters the graph per
@@ -44,6 +50,7 @@ from .deferred import (
     weight_census,
 )
 from .saved import Observer, SavedTensors, param_storages
+from .validation import compiled_submodule
 
 logger = logging.getLogger(__name__)
 
@@ -69,12 +76,26 @@ def choose_engine(split: str, stages: Sequence[Any], owner: str) -> Engine:
     ``auto`` counts weight elements (:func:`zbpipe.deferred.weight_census`): where matrix-like
     weights outside ``nn.Linear`` (convolutions, custom matmuls) outnumber the Linears', the
     deferred engine would leave most weight-gradient work in B, so the graph engine is chosen
-    and a log line says why.
+    and a log line says why. A stage with a ``torch.compile``d submodule always gets the
+    deferred engine: the graph engine cannot split a compiled region and refuses it.
     """
     if split not in SPLITS:
         raise ValueError(f"{owner}: split must be one of {SPLITS}, got {split!r}")
     if split != "auto":
         return split  # type: ignore[return-value]
+    compiled = [
+        getattr(st, "stage_index", i)
+        for i, st in enumerate(stages)
+        if compiled_submodule(st.submod) is not None
+    ]
+    if compiled:
+        logger.info(
+            "zbpipe %s: split='auto' chose the deferred engine: stage(s) %s hold torch.compile'd "
+            "submodules, which the graph engine cannot split (their weight gradients come in B)",
+            owner,
+            compiled,
+        )
+        return "deferred"
     linear = other = 0
     for st in stages:
         a, b = weight_census(st.submod)
@@ -107,6 +128,10 @@ class StageSeam:
         self.engine: Engine = engine
         self.exact = exact
         self.stages = {st.stage_index: st for st in stages}
+        #: stages built with torch's ``dw_builder``: B and W are torch's, the runner its W
+        self.own_w: frozenset[int] = frozenset(
+            st.stage_index for st in stages if C.has_own_weight_pass(st)
+        )
         self.split_keys: Container[Key] = ()
         self.store_bw_keys: Container[Key] = ()
         self.meter: Observer | None = None
@@ -136,13 +161,11 @@ class StageSeam:
         store_bw: set[Key] = set()
         seen: set[int] = set()
         fast_bw = self.engine == "deferred" and not self.exact
-        # Stages built with torch's dw_builder run their own weight pass in torch's BW.
-        own_w = {i for i, st in self.stages.items() if C.has_own_weight_pass(st)}
         for a in actions:
             key = (a.stage, a.microbatch)
             if a.kind == "B":
                 split.add(key)
-            elif a.kind == "BW" and fast_bw and a.stage in seen and a.stage not in own_w:
+            elif a.kind == "BW" and fast_bw and a.stage in seen and a.stage not in self.own_w:
                 store_bw.add(key)
             if a.kind in ("B", "BW"):
                 seen.add(a.stage)
@@ -165,7 +188,11 @@ class StageSeam:
     def forward(self, stage: Any, mb: int) -> Iterator[None]:
         """Around the forward of ``stage`` on ``mb`` (and its loss, on the last stage)."""
         key = (stage.stage_index, mb)
-        split = stage.has_backward and (key in self.split_keys or key in self.store_bw_keys)
+        split = (
+            stage.has_backward
+            and stage.stage_index not in self.own_w  # torch runs its B and W (no store)
+            and (key in self.split_keys or key in self.store_bw_keys)
+        )
         with contextlib.ExitStack() as scope:
             if stage.has_backward and (
                 (split and self.engine == "graph") or self.meter is not None
@@ -200,11 +227,15 @@ class StageSeam:
         whatever weights its Linears used.
         """
         key = (stage.stage_index, mb)
+        if stage.stage_index in self.own_w:
+            self._torch_backward(stage, mb, loss, full=False, last_backward=False)
+            return
         stage_output, input_values = C.forward_cache(stage).pop(mb)
         if stage.is_last:
             outputs, output_grads = (loss,), None
         else:
             outputs, output_grads = stage_output, C.received_grads(stage, mb)
+            check_output_grads(stage, mb, outputs, output_grads)
         # The graph engine collects the unsharded parameters (the graph's leaves) before B; the
         # deferred B is an ordinary autograd pass, unsharded by FSDP2's own pre-backward hooks.
         _prepare_fsdp(stage, unshard=self.engine == "graph")
@@ -238,9 +269,17 @@ class StageSeam:
         self._hand_backward(stage, mb)
 
     # ------------------------------------------------------------------ W
-    def backward_weight(self, stage: Any, mb: int) -> None:
-        """W of ``stage`` on ``mb``: accumulate the weight gradients B left pending."""
+    def backward_weight(self, stage: Any, mb: int, last_backward: bool = False) -> None:
+        """W of ``stage`` on ``mb``: accumulate the weight gradients B left pending.
+
+        ``last_backward``: this is the stage's last backward pass of the step (torch passes it
+        to a ``dw_builder`` stage's weight pass; zbpipe's engines do not need it).
+        """
         key = (stage.stage_index, mb)
+        if stage.stage_index in self.own_w:
+            stage.backward_weight_one_chunk(mb, last_backward=last_backward)  # runs dw_runner[mb]
+            self.release(key)
+            return
         # The graph engine re-enters the graph (a weight-norm's gradient reads the weight); the
         # deferred one reads only queued activations, so a resharded FSDP block stays sharded.
         _prepare_fsdp(stage, unshard=self.engine == "graph")
@@ -258,8 +297,18 @@ class StageSeam:
             self.backward_input(stage, mb, loss)
             self.backward_weight(stage, mb)
             return
-        stage.backward_one_chunk(mb, loss=loss, full_backward=True, last_backward=last_backward)
-        self.release((stage.stage_index, mb))
+        self._torch_backward(stage, mb, loss, full=True, last_backward=last_backward)
+
+    def _torch_backward(
+        self, stage: Any, mb: int, loss: torch.Tensor | None, full: bool, last_backward: bool
+    ) -> None:
+        """torch's ``backward_one_chunk``: fused (``full``), or a ``dw_builder`` stage's B."""
+        if not stage.is_last:
+            stage_output, _ = C.forward_cache(stage)[mb]
+            check_output_grads(stage, mb, stage_output, C.received_grad_buffers(stage, mb))
+        stage.backward_one_chunk(mb, loss=loss, full_backward=full, last_backward=last_backward)
+        if full:
+            self.release((stage.stage_index, mb))
         self._hand_backward(stage, mb)
 
     # ------------------------------------------------------------------ bookkeeping
@@ -270,7 +319,9 @@ class StageSeam:
             saved.release_all()
 
     def pending_weight_passes(self) -> list[Key]:
-        return sorted(self._pending)
+        """The ``(stage, microbatch)`` keys whose B ran but whose W has not (yet)."""
+        torch_w = [(i, mb) for i in self.own_w for mb in C.weight_runners(self.stages[i])]
+        return sorted([*self._pending, *torch_w])
 
     def clear(self) -> None:
         """Drop every pending pass and saved tensor (a step ended, or failed midway)."""
@@ -281,6 +332,8 @@ class StageSeam:
             store.release()
         self._pending.clear()
         self._stores.clear()
+        for i in self.own_w:  # torch keeps a dw_builder stage's pending weight passes itself
+            C.weight_runners(self.stages[i]).clear()
         for saved in self._saved.values():
             saved.release_all()
         self._saved.clear()
@@ -298,6 +351,28 @@ class StageSeam:
             yield
         finally:
             slot.store = None
+
+
+def check_output_grads(stage: Any, mb: int, outputs: Any, grads: Sequence[Any]) -> None:
+    """Refuse a backward in which a stage output that requires grad received no gradient.
+
+    torch's receive buffer for an output gradient is None when the stage's metadata says the
+    output carries none: typically ``PipelineStage(..., output_args=...)`` given outputs
+    computed under ``torch.no_grad()``. torch's fused backward then fails inside autograd;
+    zbpipe's engines skip an output without a gradient (an output nothing downstream uses),
+    so without this check the stage's weights would silently get no gradient.
+    """
+    outs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+    for i, (out, grad) in enumerate(zip(outs, grads)):
+        if isinstance(out, torch.Tensor) and out.requires_grad and grad is None:
+            raise RuntimeError(
+                f"zbpipe: stage {stage.stage_index} microbatch {mb}: output {i} requires grad but "
+                "no gradient was received for it (the stage's metadata says output "
+                f"{i} has none), so its weights would get no gradient; if you pass output_args= "
+                "to PipelineStage, compute them with autograd on (not under torch.no_grad()) or "
+                "leave output_args out so torch infers them; if the output should carry no "
+                "gradient, return it detached"
+            )
 
 
 def _trainable(stage: Any) -> list[torch.Tensor]:

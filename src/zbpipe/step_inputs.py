@@ -13,6 +13,7 @@ runs those lists itself (:func:`zbpipe._compat.run_microbatches`), so no torch v
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,35 @@ def _as_list(value: Any, name: str, m: int, owner: str) -> list:
             f"pass exactly {m} (or pass the whole batch positionally and let step() split it)"
         )
     return value
+
+
+def drop_inputs_off_stage0(
+    sched: Any, args: tuple, arg_mbs: list | None, warned: bool
+) -> tuple[tuple, list | None, bool]:
+    """``(args, arg_mbs, warned)`` with positional inputs dropped on a rank without stage 0.
+
+    torch's ``step()`` splits whatever it is given and only stage 0 reads the positional
+    inputs, so code written for torch often calls ``step(x, target=y)`` on every rank. zbpipe
+    accepts that too: the inputs are dropped before they are split (a rank without stage 0 never
+    reads them) and one warning per schedule says so (``warned`` is the schedule's flag, returned
+    set). Keyword inputs are kept: torch hands them to every stage.
+    """
+    if any(st.is_first for st in sched._stages):
+        return args, arg_mbs, warned
+    given = bool(args) or (
+        isinstance(arg_mbs, list) and any(isinstance(a, tuple) and a for a in arg_mbs)
+    )
+    if not given:
+        return args, arg_mbs, warned
+    if not warned:
+        warnings.warn(
+            f"{type(sched).__name__}.step(): rank {sched.rank} does not hold stage 0, so its "
+            "positional inputs are ignored (as torch's schedules ignore them); pass them only on "
+            "the rank holding stage 0 to skip this warning (shown once per schedule)",
+            UserWarning,
+            stacklevel=3,
+        )
+    return (), ([()] * len(arg_mbs) if isinstance(arg_mbs, list) else arg_mbs), True
 
 
 def microbatch_inputs(

@@ -98,23 +98,37 @@ def check_plan_for_runtime(plan: Plan, stages: Sequence[Any]) -> None:
         )
 
 
-def check_not_compiled(cls: type, stages: Sequence[Any]) -> None:
-    """Refuse ``torch.compile``d submodules where the split backward must see the real graph.
+def compiled_submodule(module: Any) -> str | None:
+    """The name of ``module``'s first ``torch.compile``d submodule (``""``: itself), else None.
 
-    A compiled region is one opaque autograd node: the input pass cannot stop before its
-    weight-gradient work, so B and W would each run the whole region's backward. Both
-    ``torch.compile(module)`` (an ``OptimizedModule``) and in-place ``module.compile()`` (the way
-    torchtitan compiles) are caught (:func:`zbpipe._compat.is_compiled`).
+    Both ``torch.compile(module)`` (an ``OptimizedModule``) and in-place ``module.compile()``
+    (the way torchtitan compiles) count (:func:`zbpipe._compat.is_compiled`).
+    """
+    for name, mod in module.named_modules():
+        if C.is_compiled(mod):
+            return name
+    return None
+
+
+def check_not_compiled(cls: type, stages: Sequence[Any]) -> None:
+    """Refuse ``torch.compile``d submodules under the graph engine, which must see the real graph.
+
+    A compiled region is one opaque autograd node: the graph engine's input pass cannot stop
+    before its weight-gradient work, so B and W would each run the whole region's backward.
+    The deferred engine needs no graph surgery and accepts them (the region's weight gradients
+    are computed in B; ``split="auto"`` chooses it for such stages), so only ``split="graph"``
+    with a plan that splits the backward calls this.
     """
     for st in stages:
-        for name, mod in st.submod.named_modules():
-            if C.is_compiled(mod):
-                where = name or "the stage module itself"
-                raise ValueError(
-                    f"{cls.__name__}: stage {st.stage_index} submodule {where!r} is torch.compile'd, which hides the "
-                    "autograd graph the split backward (B/W) needs; compile after pipelining is not supported by "
-                    "split-backward schedules: remove the compile, or use a fused-backward schedule (Schedule1F1BMulti)"
-                )
+        name = compiled_submodule(st.submod)
+        if name is not None:
+            where = name or "the stage module itself"
+            raise ValueError(
+                f"{cls.__name__}: stage {st.stage_index} submodule {where!r} is torch.compile'd, which hides the "
+                "autograd graph the graph engine's split backward (B/W) needs; use split='deferred' (compiled "
+                "regions then compute their weight gradients in B), remove the compile, or use a "
+                "fused-backward schedule (Schedule1F1BMulti)"
+            )
 
 
 def config_fingerprint(cls: type, n_microbatches: int, num_stages: int, plan: Plan) -> str:
@@ -163,26 +177,19 @@ def check_step_args(
     kwarg_mbs: list | None = None,
     target_mbs: list | None = None,
 ) -> None:
-    """``step()``'s inputs go to the rank holding stage 0, the target to the rank holding the last stage.
+    """The rank holding stage 0 needs the batch, the rank holding the last stage the target.
 
     Either form counts: a whole batch (``args`` / ``kwargs`` / ``target``) or its microbatches
     (``arg_mbs`` / ``kwarg_mbs`` / ``target_mbs``, torch 2.14's form). Stage 0 may get its batch
     positionally or by keyword (``step(batch=td)``); a target is needed on the last stage only
-    when the step runs a backward (not under torch's ``eval()``).
+    when the step runs a backward (not under torch's ``eval()``). Positional inputs on a rank
+    without stage 0 are not an error: torch ignores them there, and so does zbpipe
+    (:func:`zbpipe.step_inputs.drop_inputs_off_stage0`).
     """
     stages = sched._stages
     name = type(sched).__name__
     has_first = any(st.is_first for st in stages)
     has_last = any(st.is_last for st in stages)
-    positional = len(args) or max(
-        (len(a) for a in arg_mbs or () if isinstance(a, tuple)), default=0
-    )
-    if positional and not has_first:
-        raise ValueError(
-            f"{name}.step(): rank {sched.rank} does not hold stage 0 but was given {positional} positional input(s); "
-            "pass inputs (or arg_mbs) only on the rank holding stage 0 "
-            "(call step(target=..., losses=...) or step() elsewhere)"
-        )
     if has_first and not args and not kwargs and arg_mbs is None and kwarg_mbs is None:
         raise ValueError(
             f"{name}.step(): rank {sched.rank} holds stage 0 and needs the batch: call step(x, ...) "
