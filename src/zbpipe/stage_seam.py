@@ -264,10 +264,17 @@ class StageSeam:
 
     # ------------------------------------------------------------------ bookkeeping
     def release(self, key: Key) -> None:
-        """Free what the forward of ``key`` saved (after its last backward pass)."""
+        """Free what the forward of ``key`` saved (after its last backward pass).
+
+        With V placement this also drops what torch's stage keeps of a local hand-off for this
+        microbatch (:func:`zbpipe._compat.drop_local_inputs`): the input a local previous stage
+        handed over and the output gradient a local next stage did; torch would keep both until
+        the next step.
+        """
         saved = self._saved.pop(key, None)
         if saved is not None:
             saved.release_all()
+        self._drop_local_inputs(key[0], key[1])
 
     def pending_weight_passes(self) -> list[Key]:
         return sorted(self._pending)
@@ -284,11 +291,18 @@ class StageSeam:
         for saved in self._saved.values():
             saved.release_all()
         self._saved.clear()
+        for idx in self.stages:  # what a forward-only or failed step handed over locally
+            self._drop_local_inputs(idx, None)
+
+    def _drop_local_inputs(self, idx: int, mb: int | None) -> None:
+        fwd, bwd = idx - 1 in self.stages, idx + 1 in self.stages
+        if fwd or bwd:
+            C.drop_local_inputs(self.stages[idx], mb, fwd=fwd, bwd=bwd)
 
     def _hand_backward(self, stage: Any, mb: int) -> None:
         prev = self.stages.get(stage.stage_index - 1)
         if prev is not None:  # V placement: hand the input gradient to the local previous stage
-            prev.set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
+            C.set_local_bwd_input(prev, stage.get_local_bwd_output(mb), mb)
 
     @contextlib.contextmanager
     def _slot_holding(self, stage: Any, store: WeightGradStore) -> Iterator[None]:
