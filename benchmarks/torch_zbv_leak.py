@@ -1,7 +1,13 @@
-"""Minimal reproduction: torch's ScheduleZBVZeroBubble keeps saved tensors alive across steps.
+"""What torch's ScheduleZBVZeroBubble and zbpipe's ZB-V keep alive after each step (issue 19).
 
-Run: ``PYTHONPATH=src python benchmarks/torch_zbv_leak.py [--steps 6]`` (2 gloo ranks, about a
+Run: ``PYTHONPATH=src python benchmarks/torch_zbv_leak.py [--steps 6]`` (2 gloo ranks, under a
 minute on 2 shared cores); prints a table and writes benchmarks/results/torch_zbv_leak.json.
+
+Written to show a leak in torch's ZBVZeroBubble, it showed one in zbpipe's memory meter: the
+meter's saved-tensor holders kept each tensor itself, which made a reference cycle through
+autograd's graph (holder -> tensor -> grad_fn -> ... -> the node that saved it -> holder), so no
+graph of a split backward was ever freed once watched. With the meter fixed (it holds detached
+aliases, and weakly), torch's schedule keeps nothing from step to step either.
 
 2 ranks, V placement, 4 chunks of Linear(256)-GELU-Linear(256), 64 rows per microbatch, m = 4.
 Each step is measured two ways:
@@ -10,10 +16,11 @@ Each step is measured two ways:
   * an independent count: a weak reference to every tensor saved during the step (wrapped around
     ``zbpipe.saved.SavedTensors._pack``, which the meter's torch hook and zbpipe's runtime use),
     counted alive after the step and ``gc.collect()``. Of those, ``alive_input_buffers`` are the
-    stages' current input buffers (received, or handed over by the local stage in V placement):
-    torch's ``PipelineStage`` keeps them until the next step replaces them, m per stage at most,
-    so they are alive after every step of every schedule without growing.
-The two must agree on who leaks. Memory only: nothing here is timed.
+    buffers a stage receives its inputs into (torch allocates them once and reuses them every
+    step: m per stage, never growing) and ``alive_local_inputs`` the inputs the stage before it
+    on the same rank handed over (V placement): torch's stage keeps those until the next step,
+    zbpipe drops them after the receiving stage's backward.
+The two must agree on who keeps what. Memory only: nothing here is timed.
 """
 
 from __future__ import annotations
@@ -39,6 +46,24 @@ def _chunk(seed: int):
 
 def _loss(out, target):
     return ((out - target) ** 2).mean()
+
+
+def _input_buffers(stages: list, handed: bool) -> set:
+    """Storages of the stages' input buffers: received (``handed=False``) or handed over by the
+    stage before on this rank."""
+    import torch
+
+    from zbpipe.saved import storage_ptr
+
+    local = {st.stage_index for st in stages}
+    return {
+        storage_ptr(info.buffer)
+        for st in stages
+        if (st.stage_index - 1 in local) == handed
+        for infos in st.args_recv_info.values()
+        for info in infos
+        if isinstance(info.buffer, torch.Tensor)
+    }
 
 
 def measure(rank: int, world: int, schedule: str, steps: int) -> list[dict]:
@@ -83,14 +108,9 @@ def measure(rank: int, world: int, schedule: str, steps: int) -> list[dict]:
         s = meter.end_step()
         alive = [r() for r in saved_refs]
         alive = [t for t in alive if t is not None]
-        inputs = {
-            storage_ptr(info.buffer)
-            for st in stages
-            for infos in st.args_recv_info.values()
-            for info in infos
-            if isinstance(info.buffer, torch.Tensor)
-        }
-        buffers = [t for t in alive if storage_ptr(t) in inputs]
+        received, handed = _input_buffers(stages, False), _input_buffers(stages, True)
+        buffers = [t for t in alive if storage_ptr(t) in received]
+        local_inputs = [t for t in alive if storage_ptr(t) in handed]
         rows.append(
             {
                 "peak_bytes": s.peak_bytes,
@@ -101,6 +121,7 @@ def measure(rank: int, world: int, schedule: str, steps: int) -> list[dict]:
                 "alive_bytes": sum(t.untyped_storage().nbytes() for t in alive),
                 "alive_input_buffers": len(buffers),
                 "alive_input_buffer_bytes": sum(t.untyped_storage().nbytes() for t in buffers),
+                "alive_local_inputs": len(local_inputs),
             }
         )
     SavedTensors._pack = pack
@@ -123,9 +144,15 @@ def main() -> None:
         for r, rows in enumerate(per_rank):
             peaks = " ".join(f"{x['peak_bytes'] / mib:.2f}" for x in rows)
             grow = " ".join(f"{x['retained_bytes'] / mib:.2f}" for x in rows)
-            alive = " ".join(f"{x['alive_tensors']}({x['alive_input_buffers']})" for x in rows)
+            alive = " ".join(
+                f"{x['alive_tensors']}({x['alive_input_buffers']},{x['alive_local_inputs']})"
+                for x in rows
+            )
             print(f"{schedule:20s} rank {r}: peak MiB/step {peaks} | retained MiB/step {grow}")
-            print(f"{'':20s}         alive saved tensors (input buffers) after each step: {alive}")
+            print(
+                f"{'':20s}         alive saved tensors (receive buffers, local hand-offs) "
+                f"after each step: {alive}"
+            )
     config = {"hidden": HIDDEN, "rows": ROWS, "microbatches": M, "ranks": 2, "steps": args.steps}
     print(f"wrote {write_result('torch_zbv_leak', {'config': config, 'results': out})}")
 

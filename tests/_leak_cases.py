@@ -14,9 +14,10 @@ Left out of both: module state (parameters, buffers, their ``.grad``), which liv
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -100,7 +101,8 @@ def _tensor_storages(exclude: set[int]) -> int:
     ptrs = {
         s.data_ptr()
         for obj in gc.get_objects()
-        if isinstance(obj, torch.Tensor) and (s := census._storage(obj)) is not None
+        # issubclass(type(...)): isinstance would ask a deprecated torch alias for its __class__
+        if issubclass(type(obj), torch.Tensor) and (s := census._storage(obj)) is not None
     }
     return len(ptrs - exclude - {0})
 
@@ -114,11 +116,17 @@ def counts_per_step(
     batch, an optimizer step). ``metered``: a :class:`SavedActivationMeter` watches (it must
     change no lifetime); its live bytes are returned too.
     """
-    # What exists now (torch, zbpipe, imported modules) is never collected: out of the way, the
-    # collections and the count below take milliseconds instead of a second.
+    with frozen_gc():
+        return [_count_case(rank, world, case, steps, counted) for case in cases]
+
+
+@contextlib.contextmanager
+def frozen_gc() -> Iterator[None]:
+    """What exists now (torch, zbpipe, imported modules) is left out of collections and counts:
+    they take milliseconds instead of a second."""
     gc.freeze()
     try:
-        return [_count_case(rank, world, case, steps, counted) for case in cases]
+        yield
     finally:
         gc.unfreeze()  # collected at exit as usual (a frozen extension object is reported leaked)
 
