@@ -11,8 +11,10 @@ aliases, and weakly), torch's schedule keeps nothing from step to step either.
 
 2 ranks, V placement, 4 chunks of Linear(256)-GELU-Linear(256), 64 rows per microbatch, m = 4.
 Each step is measured two ways:
-  * ``SavedActivationMeter`` (begin_step / end_step): the step's own peak of saved bytes, and the
-    bytes it saved that are still alive after the step and a ``gc.collect()`` (per-step growth);
+  * ``SavedActivationMeter`` (begin_step / end_step): the step's own peak of the bytes held for
+    backward (saved tensors, the deferred queue, pending sends: for torch's schedule its saved
+    tensors and sends, not the gradients its split records for W), and the bytes still held after
+    the step and a ``gc.collect()`` (per-step growth);
   * an independent count: a weak reference to every tensor saved during the step (wrapped around
     ``zbpipe.saved.SavedTensors._pack``, which the meter's torch hook and zbpipe's runtime use),
     counted alive after the step and ``gc.collect()``. Of those, ``alive_input_buffers`` are the
@@ -46,6 +48,23 @@ def _chunk(seed: int):
 
 def _loss(out, target):
     return ((out - target) ** 2).mean()
+
+
+def _count_sends(stage, meter) -> None:
+    """Count each tensor a torch stage hands to a send until its storage is freed, as zbpipe's
+    stage seam does for its own schedules (torch's split keeps its recorded gradients unseen)."""
+    from zbpipe.saved import count_until_freed
+
+    for name in ("get_fwd_send_ops", "get_bwd_send_ops"):
+        ops_of = getattr(stage, name)
+
+        def counted(mb, _ops_of=ops_of):
+            ops = _ops_of(mb)
+            for op in ops:
+                count_until_freed(op.tensor, meter)
+            return ops
+
+        setattr(stage, name, counted)
 
 
 def _input_buffers(stages: list, handed: bool) -> set:
@@ -90,7 +109,8 @@ def measure(rank: int, world: int, schedule: str, steps: int) -> list[dict]:
     meter = SavedActivationMeter()
     if schedule == "torch:ZBVZeroBubble":
         for st in stages:
-            meter.attach(st)
+            meter.attach(st)  # its saved tensors
+            _count_sends(st, meter)  # and, as zbpipe's seam reports them, what it sends
         sched = ScheduleZBVZeroBubble(stages, M, loss_fn=_loss)
     else:
         memory = {"ZBV": "zb", "ZBVHalf": "half", "ZBVMin": "min"}[schedule]

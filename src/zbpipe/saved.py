@@ -78,6 +78,25 @@ class Holder:
             self._finalizer()  # tell the observer now, and only once
 
 
+def count_until_freed(t: torch.Tensor, observer: Observer) -> None:
+    """Tell ``observer`` about ``t``'s storage now and again when that storage is freed.
+
+    For tensors zbpipe hands to someone else, a pending send: torch's runtime keeps each send's
+    work, and with it the tensor (for an activation, a detached alias of it), until the end of
+    the step. The storage, not the tensor object, is what the alias shares; torch keeps a
+    storage's Python object alive as long as the storage, so its finalizer fires when the memory
+    goes. A storage that outlives the send (an input passed through unchanged) counts as long.
+    """
+    try:
+        storage = _local(t).untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return
+    ptr, nbytes = storage.data_ptr(), storage.nbytes()
+    if ptr:
+        observer.on_pack(ptr, nbytes)
+        weakref.finalize(storage, observer.on_free, ptr, nbytes)
+
+
 def storage_and_bytes(t: torch.Tensor) -> tuple[int, int]:
     """``(data pointer, bytes)`` of ``t``'s storage (a DTensor's: its local shard's); ``(0, 0)``
     for a tensor subclass without one (an observer does not count it)."""

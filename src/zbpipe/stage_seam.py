@@ -43,7 +43,7 @@ from .deferred import (
     post_accumulate_hooks_parked,
     weight_census,
 )
-from .saved import Observer, SavedTensors, param_storages
+from .saved import Observer, SavedTensors, count_until_freed, param_storages
 
 logger = logging.getLogger(__name__)
 
@@ -183,6 +183,8 @@ class StageSeam:
         nxt = self.stages.get(stage.stage_index + 1)
         if nxt is not None:
             nxt.set_local_fwd_input(output, mb)
+        elif not stage.is_last:
+            self._count_send(output if isinstance(output, (tuple, list)) else (output,))
 
     # ------------------------------------------------------------------ B
     def backward_input(
@@ -303,6 +305,15 @@ class StageSeam:
         prev = self.stages.get(stage.stage_index - 1)
         if prev is not None:  # V placement: hand the input gradient to the local previous stage
             C.set_local_bwd_input(prev, stage.get_local_bwd_output(mb), mb)
+        elif not stage.is_first:
+            self._count_send(stage.bwd_cache.get(mb, ()))
+
+    def _count_send(self, tensors: Iterable[Any]) -> None:
+        """A meter counts what torch's runtime is about to send until the send lets go of it."""
+        if self.meter is not None:
+            for t in tensors:
+                if isinstance(t, torch.Tensor):
+                    count_until_freed(t, self.meter)
 
     @contextlib.contextmanager
     def _slot_holding(self, stage: Any, store: WeightGradStore) -> Iterator[None]:
