@@ -13,8 +13,8 @@ zbpipe drops them after the receiving stage's backward. A memory meter must chan
 the metered cases must not grow either, nor torch's own ScheduleZBVZeroBubble watched by the
 meter (whose saved-tensor holders once made a reference cycle with each graph, so every graph
 of a split backward outlived its step: the "torch leak" benchmarks/torch_zbv_leak.py reported).
-One process group for every case (starting processes is the slow part): about 35 s on this
-project's 2 cores.
+One process group for every case (starting processes is the slow part): 31-36 s on this
+project's 2 cores, up to 95 s while other jobs share them.
 """
 
 import gc
@@ -71,7 +71,7 @@ def test_the_counts_see_a_graph_kept_from_every_step():
         assert growing if keep else len(set(counts)) == 1, (keep, counts)
 
 
-@pytest.mark.timeout(600)  # about 35 s on 2 cores; the run below has its own deadline
+@pytest.mark.timeout(600)  # 31-96 s on 2 shared cores; the run below has its own deadline
 def test_no_schedule_keeps_more_after_step_20_than_after_step_5():
     per_rank = run_ranks(leak.counts_per_step, 2, CASES, STEPS, COUNTED, timeout=540)
     failures = []
