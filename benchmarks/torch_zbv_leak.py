@@ -1,19 +1,28 @@
-"""Minimal reproduction: torch's ScheduleZBVZeroBubble keeps saved tensors alive across steps.
+"""What torch's ScheduleZBVZeroBubble and zbpipe's ZB-V keep alive after each step (issue 19).
 
-Run: ``PYTHONPATH=src python benchmarks/torch_zbv_leak.py [--steps 6]`` (2 gloo ranks, about a
+Run: ``PYTHONPATH=src python benchmarks/torch_zbv_leak.py [--steps 6]`` (2 gloo ranks, under a
 minute on 2 shared cores); prints a table and writes benchmarks/results/torch_zbv_leak.json.
+
+Written to show a leak in torch's ZBVZeroBubble, it showed one in zbpipe's memory meter: the
+meter's saved-tensor holders kept each tensor itself, which made a reference cycle through
+autograd's graph (holder -> tensor -> grad_fn -> ... -> the node that saved it -> holder), so no
+graph of a split backward was ever freed once watched. With the meter fixed (it holds detached
+aliases, and weakly), torch's schedule keeps nothing from step to step either.
 
 2 ranks, V placement, 4 chunks of Linear(256)-GELU-Linear(256), 64 rows per microbatch, m = 4.
 Each step is measured two ways:
-  * ``SavedActivationMeter`` (begin_step / end_step): the step's own peak of saved bytes, and the
-    bytes it saved that are still alive after the step and a ``gc.collect()`` (per-step growth);
+  * ``SavedActivationMeter`` (begin_step / end_step): the step's own peak of the bytes held for
+    backward (saved tensors, the deferred queue, pending sends: for torch's schedule its saved
+    tensors and sends, not the gradients its split records for W), and the bytes still held after
+    the step and a ``gc.collect()`` (per-step growth);
   * an independent count: a weak reference to every tensor saved during the step (wrapped around
     ``zbpipe.saved.SavedTensors._pack``, which the meter's torch hook and zbpipe's runtime use),
     counted alive after the step and ``gc.collect()``. Of those, ``alive_input_buffers`` are the
-    stages' current input buffers (received, or handed over by the local stage in V placement):
-    torch's ``PipelineStage`` keeps them until the next step replaces them, m per stage at most,
-    so they are alive after every step of every schedule without growing.
-The two must agree on who leaks. Memory only: nothing here is timed.
+    buffers a stage receives its inputs into (torch allocates them once and reuses them every
+    step: m per stage, never growing) and ``alive_local_inputs`` the inputs the stage before it
+    on the same rank handed over (V placement): torch's stage keeps those until the next step,
+    zbpipe drops them after the receiving stage's backward.
+The two must agree on who keeps what. Memory only: nothing here is timed.
 """
 
 from __future__ import annotations
@@ -41,6 +50,41 @@ def _loss(out, target):
     return ((out - target) ** 2).mean()
 
 
+def _count_sends(stage, meter) -> None:
+    """Count each tensor a torch stage hands to a send until its storage is freed, as zbpipe's
+    stage seam does for its own schedules (torch's split keeps its recorded gradients unseen)."""
+    from zbpipe.saved import count_until_freed
+
+    for name in ("get_fwd_send_ops", "get_bwd_send_ops"):
+        ops_of = getattr(stage, name)
+
+        def counted(mb, _ops_of=ops_of):
+            ops = _ops_of(mb)
+            for op in ops:
+                count_until_freed(op.tensor, meter)
+            return ops
+
+        setattr(stage, name, counted)
+
+
+def _input_buffers(stages: list, handed: bool) -> set:
+    """Storages of the stages' input buffers: received (``handed=False``) or handed over by the
+    stage before on this rank."""
+    import torch
+
+    from zbpipe.saved import storage_ptr
+
+    local = {st.stage_index for st in stages}
+    return {
+        storage_ptr(info.buffer)
+        for st in stages
+        if (st.stage_index - 1 in local) == handed
+        for infos in st.args_recv_info.values()
+        for info in infos
+        if isinstance(info.buffer, torch.Tensor)
+    }
+
+
 def measure(rank: int, world: int, schedule: str, steps: int) -> list[dict]:
     """Per step on this rank: meter peak / retained / carried bytes and alive saved tensors."""
     import torch
@@ -65,7 +109,8 @@ def measure(rank: int, world: int, schedule: str, steps: int) -> list[dict]:
     meter = SavedActivationMeter()
     if schedule == "torch:ZBVZeroBubble":
         for st in stages:
-            meter.attach(st)
+            meter.attach(st)  # its saved tensors
+            _count_sends(st, meter)  # and, as zbpipe's seam reports them, what it sends
         sched = ScheduleZBVZeroBubble(stages, M, loss_fn=_loss)
     else:
         memory = {"ZBV": "zb", "ZBVHalf": "half", "ZBVMin": "min"}[schedule]
@@ -83,14 +128,9 @@ def measure(rank: int, world: int, schedule: str, steps: int) -> list[dict]:
         s = meter.end_step()
         alive = [r() for r in saved_refs]
         alive = [t for t in alive if t is not None]
-        inputs = {
-            storage_ptr(info.buffer)
-            for st in stages
-            for infos in st.args_recv_info.values()
-            for info in infos
-            if isinstance(info.buffer, torch.Tensor)
-        }
-        buffers = [t for t in alive if storage_ptr(t) in inputs]
+        received, handed = _input_buffers(stages, False), _input_buffers(stages, True)
+        buffers = [t for t in alive if storage_ptr(t) in received]
+        local_inputs = [t for t in alive if storage_ptr(t) in handed]
         rows.append(
             {
                 "peak_bytes": s.peak_bytes,
@@ -101,6 +141,7 @@ def measure(rank: int, world: int, schedule: str, steps: int) -> list[dict]:
                 "alive_bytes": sum(t.untyped_storage().nbytes() for t in alive),
                 "alive_input_buffers": len(buffers),
                 "alive_input_buffer_bytes": sum(t.untyped_storage().nbytes() for t in buffers),
+                "alive_local_inputs": len(local_inputs),
             }
         )
     SavedTensors._pack = pack
@@ -123,9 +164,15 @@ def main() -> None:
         for r, rows in enumerate(per_rank):
             peaks = " ".join(f"{x['peak_bytes'] / mib:.2f}" for x in rows)
             grow = " ".join(f"{x['retained_bytes'] / mib:.2f}" for x in rows)
-            alive = " ".join(f"{x['alive_tensors']}({x['alive_input_buffers']})" for x in rows)
+            alive = " ".join(
+                f"{x['alive_tensors']}({x['alive_input_buffers']},{x['alive_local_inputs']})"
+                for x in rows
+            )
             print(f"{schedule:20s} rank {r}: peak MiB/step {peaks} | retained MiB/step {grow}")
-            print(f"{'':20s}         alive saved tensors (input buffers) after each step: {alive}")
+            print(
+                f"{'':20s}         alive saved tensors (receive buffers, local hand-offs) "
+                f"after each step: {alive}"
+            )
     config = {"hidden": HIDDEN, "rows": ROWS, "microbatches": M, "ranks": 2, "steps": args.steps}
     print(f"wrote {write_result('torch_zbv_leak', {'config': config, 'results': out})}")
 

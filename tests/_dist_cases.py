@@ -445,9 +445,9 @@ def v_saved_peak_within_budget(rank, world, m, modes):
     for mode in modes:
         stages = [PipelineStage(_v_chunk(s), s, n_stages, torch.device("cpu")) for s in mine]
         # The graph engine: its B frees only activation-only tensors, as the plan's memory model
-        # (F allocates 1 unit, W frees it) assumes. The deferred engine's B frees every saved
-        # tensor but keeps each Linear's input and output gradient for W: on these tiny
-        # Linear-GELU-Linear chunks that is more than the forward saved (docs/backward.md).
+        # (F allocates 1 unit, W frees it) assumes, but it also keeps each boundary's gradient
+        # until W, and both engines' sends wait for the step's end: the meter counts them all
+        # (docs/backward.md, "Memory between B and W"), the plan does not (issue 19 part 2).
         sched = zbpipe.ScheduleZBV(stages, m, loss_fn=_mean_loss, memory=mode, split="graph")
         meter = SavedActivationMeter()
         sched.attach_meter(meter)

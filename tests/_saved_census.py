@@ -92,12 +92,17 @@ def module_state_storages(modules: Iterable[nn.Module]) -> set[int]:
 
 
 def stage_input_buffers(stages: Iterable[PipelineStage]) -> set[int]:
-    """torch's ``PipelineStage`` keeps each microbatch's input buffer (received, or handed over
-    by a local stage in V placement) until the next step reuses or replaces it: bounded by m per
-    stage, the stage's, not a saved tensor left behind."""
+    """The buffers torch's ``PipelineStage`` receives each microbatch's input into: allocated
+    once and reused by every step's receive, so the last step's inputs stay in them (bounded by
+    m per stage, the stage's, not a saved tensor left behind).
+
+    Not among them: the inputs a local stage hands over in V placement (torch kept those until
+    the next step; zbpipe drops them once the receiving stage's backward is done)."""
+    local = {st.stage_index for st in stages}
     return {
         s.data_ptr()
         for st in stages
+        if st.stage_index - 1 not in local
         for infos in st.args_recv_info.values()
         for info in infos
         if isinstance(info.buffer, torch.Tensor) and (s := _storage(info.buffer)) is not None

@@ -231,3 +231,32 @@ def test_tensor_hook_attributes_zbpipe_reads_see_the_hooks():
     w.register_post_accumulate_grad_hook(lambda p: None)
     assert C.has_grad_hooks(w), "torch no longer keeps register_hook hooks in _backward_hooks"
     assert C.has_post_accumulate_grad_hooks(w), "torch renamed _post_accumulate_grad_hooks"
+
+
+def test_local_hand_off_buffers_are_dropped_and_a_later_none_gradient_reads_as_zero():
+    """V placement: zbpipe drops torch's references to local hand-offs (``drop_local_inputs``);
+    a None gradient handed over afterwards must still read as a zero output gradient, as torch's
+    own ``set_local_bwd_input`` makes it by zeroing the buffer the last hand-off left."""
+    import types
+
+    import torch
+    from torch.distributed.pipelining.stage import _PipelineStageBase, _RecvInfo
+
+    meta = types.SimpleNamespace(shape=torch.Size([2, 3]), dtype=torch.float32)
+    act = _RecvInfo("x", 0, torch.ones(2, 3), meta)
+    grad = _RecvInfo("g", 2, torch.ones(2, 3), meta)
+    stage = types.SimpleNamespace(
+        args_recv_info={0: (act,)},
+        grad_recv_info={0: (grad,)},
+        device=torch.device("cpu"),
+        has_backward=True,
+        is_last=False,
+    )
+    stage.set_local_bwd_input = types.MethodType(_PipelineStageBase.set_local_bwd_input, stage)
+    C.drop_local_inputs(stage, 0, fwd=True, bwd=True)
+    assert act.buffer is None and grad.buffer is None
+    C.set_local_bwd_input(stage, (None,), 0)
+    assert torch.equal(grad.buffer, torch.zeros(2, 3))
+    handed = torch.full((2, 3), 5.0)
+    C.set_local_bwd_input(stage, (handed,), 0)
+    assert grad.buffer is handed

@@ -5,12 +5,14 @@ count below is a sum of those sizes worked out in the test. B and W are played b
 holders the way zbpipe's split backward does (``Holder.release``); "never freed" keeps the graph.
 """
 
+import contextlib
 import gc
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from zbpipe.memory import SavedActivationMeter
-from zbpipe.saved import SavedTensors
+from zbpipe.saved import SavedTensors, param_storages
 
 # Distinct powers of two: any sum identifies which tensors are alive.
 FREED_AT_B, FREED_AT_W, NEVER_FREED = 1024, 4096, 16384  # bytes (float32: 256, 1024, 4096 elements)
@@ -97,3 +99,57 @@ def test_a_storage_saved_twice_counts_once_and_parameters_not_at_all():
     assert meter.peak_bytes == FREED_AT_W
     saved.release_all()
     assert meter.live_bytes == 0
+
+
+def _lifetimes(hooked: bool, backward: bool) -> tuple[list[list[bool]], int]:
+    """Which activations of a small net are alive after the forward and after the graph is done
+    with (a backward, or the loss dropped), with or without the meter's saved-tensor hooks.
+
+    The activations are every module output (weakly referenced by storage); Tanh saves its own
+    output, GELU and LayerNorm their inputs, the Linears theirs. The meter's ``SavedTensors``
+    stays referenced throughout, as the stage seam keeps it until B or W.
+    """
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(8, 16),
+        torch.nn.GELU(),
+        torch.nn.Linear(16, 16),
+        torch.nn.Tanh(),
+        torch.nn.LayerNorm(16),
+        torch.nn.Linear(16, 4),
+    )
+    refs = []
+    for mod in net:
+        mod.register_forward_hook(lambda m, i, o: refs.append(StorageWeakRef(o.untyped_storage())))
+    meter = SavedActivationMeter()
+    saved = SavedTensors(observer=meter, skip=param_storages(net.parameters()))
+    with saved.hooks() if hooked else contextlib.nullcontext():
+        loss = net(torch.randn(5, 8)).pow(2).sum()
+    gc.collect()
+    alive = [[not r.expired() for r in refs]]
+    if backward:
+        loss.backward()  # retain_graph=False: autograd frees each node's saved tensors
+    del loss
+    gc.collect()
+    alive.append([not r.expired() for r in refs])
+    live = meter.live_bytes
+    assert saved is not None  # referenced until here
+    return alive, live
+
+
+def test_the_meter_changes_no_lifetime():
+    """Saved tensors die when autograd lets them go, meter or not: after a fused backward, or
+    when the graph is dropped unused (a holder keeping the tensor itself was a reference cycle
+    through the graph: the first Tanh output below, saved by its own node, never died)."""
+    gc.freeze()  # what exists now is out of the way: the collections below take milliseconds
+    try:
+        runs = [
+            (backward, _lifetimes(False, backward), _lifetimes(True, backward))
+            for backward in (True, False)
+        ]
+    finally:
+        gc.unfreeze()
+    for backward, (plain, _), (metered, live) in runs:
+        assert metered == plain, f"backward={backward}: {metered} != {plain}"
+        assert not any(plain[1]), "the reference itself kept an activation"
+        assert live == 0, f"backward={backward}: the meter still counts {live} bytes"

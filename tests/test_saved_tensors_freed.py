@@ -4,8 +4,8 @@ a storage weak reference to every tensor autograd saves, by whichever hook packs
 
 2 gloo ranks, the tricky tiny GPT, m = 4, two steps per case, every case in one process group
 (starting processes is the slow part). Not counted: parameters and buffers (module state), and
-the stage input buffers torch's ``PipelineStage`` keeps for the next step (see
-``stage_input_buffers``).
+the buffers torch's ``PipelineStage`` receives inputs into and reuses every step (see
+``stage_input_buffers``): an input a local stage handed over (V placement) must be freed.
 """
 
 import gc

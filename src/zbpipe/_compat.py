@@ -24,6 +24,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch.distributed.pipelining.schedules import (  # noqa: F401  (re-exported)
     PipelineScheduleMulti,
     PipelineScheduleSingle,
@@ -125,6 +126,43 @@ def weight_runners(stage: _PipelineStageBase) -> dict[int, Any]:
 def num_stage_inputs(stage: _PipelineStageBase) -> int:
     """How many positional inputs the stage's forward takes (from torch's shape inference)."""
     return len(stage_metas(stage, "inputs"))
+
+
+# --- V placement: what torch's stage keeps of a local hand-off ----------------------------------
+# ``set_local_fwd_input`` / ``set_local_bwd_input`` store the handed tensors in the receiving
+# stage's receive infos (``args_recv_info[mb]`` / ``grad_recv_info[mb]``, ``_RecvInfo.buffer``)
+# and nothing clears them: each stays until the next step hands over the same microbatch. The
+# forward one is a detached alias of the sending stage's output, so m activations (and m input
+# gradients) per local hand-off outlived every step. A buffer filled by a point-to-point receive
+# is allocated once and reused by every step's ``irecv``: it must stay.
+
+
+def drop_local_inputs(stage: _PipelineStageBase, mb: int | None, *, fwd: bool, bwd: bool) -> None:
+    """Forget the tensors a stage on this rank handed ``stage`` for ``mb`` (None: every mb).
+
+    ``fwd``: the activations (call only when the previous stage is on this rank); ``bwd``: the
+    output gradients (only when the next stage is). The next hand-off sets them again.
+    """
+    for table, wanted in ((stage.args_recv_info, fwd), (stage.grad_recv_info, bwd)):
+        if not wanted:
+            continue
+        for infos in table.values() if mb is None else (table.get(mb, ()),):
+            for info in infos:
+                if not info.is_root_arg:
+                    info.buffer = None
+
+
+def set_local_bwd_input(stage: _PipelineStageBase, grads: tuple[Any, ...], mb: int) -> None:
+    """``stage.set_local_bwd_input(grads, mb)`` after :func:`drop_local_inputs` emptied its buffers.
+
+    torch answers a None gradient by zeroing the buffer the last hand-off left (and reads it as
+    the zero output gradient); once dropped there is none, so a zero one is made from the metadata.
+    """
+    for info, g in zip(stage.grad_recv_info[mb], grads, strict=True):
+        meta = info.tensor_meta
+        if g is None and info.buffer is None and meta is not None and not info.is_root_arg:
+            info.buffer = torch.zeros(meta.shape, dtype=meta.dtype, device=stage.device)
+    stage.set_local_bwd_input(grads, mb)
 
 
 def post_accumulate_grad_hooks(t: Any) -> dict[Any, Any] | None:

@@ -51,7 +51,7 @@ from .backward_graph import (
     _num_slots,
     _stage0_targets,
 )
-from .saved import ACTIVATION, KEEP, SavedTensors, mark_unpacking, storage_ptr
+from .saved import ACTIVATION, KEEP, Holder, SavedTensors, mark_unpacking, storage_ptr
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +69,7 @@ class WeightGrad:
         params: list[torch.nn.Parameter],
         param_nodes: list[Node],
         known_storages: set[int],
+        held: Sequence[Holder] = (),
     ) -> None:
         self._groups: list[_Group] | None = groups
         self._conflicts = conflicts
@@ -76,6 +77,8 @@ class WeightGrad:
         self._params = params
         self._param_nodes = param_nodes
         self._known_storages = known_storages
+        # A memory meter's count of the recorded gradients this W keeps (zbpipe.saved.Holder).
+        self._held = list(held)
 
     @property
     def done(self) -> bool:
@@ -150,6 +153,9 @@ class WeightGrad:
                 if parts:
                     _accumulate(p, parts, self._known_storages)
         self._params, self._param_nodes = [], []
+        for h in self._held:
+            h.release()
+        self._held = []
 
     @staticmethod
     def _boundary_pass(b: _Boundary, retain: bool) -> tuple[Tensor | None, ...]:
@@ -228,6 +234,22 @@ def _group_pass(members: list[_Boundary], wanted: list[GradientEdge], retain: bo
     )
 
 
+def _held(
+    boundaries: list[_Boundary],
+    root_seeds: list[tuple[Node, int, Tensor]],
+    saved: SavedTensors | None,
+) -> list[Holder]:
+    """Counters for the gradients W keeps from B (every boundary's, the root seeds'), told to
+    whoever observes this microbatch's saved tensors: memory the graph engine holds and the
+    deferred one does not."""
+    observer = saved.observer if saved is not None else None
+    if observer is None:
+        return []
+    grads = [g for b in boundaries for g in b.grads or () if g is not None]
+    grads += [g for _, _, g in root_seeds if g is not None]
+    return [Holder(g, observer, hold=False) for g in grads]
+
+
 def backward_input(
     outputs: Sequence[Tensor],
     output_grads: Sequence[Tensor | None] | None,
@@ -239,7 +261,8 @@ def backward_input(
 
     ``saved``: the holders of what this microbatch's forward saved (:mod:`zbpipe.saved`). B tags
     each unpack with the kind of node doing it and afterwards releases what only activation
-    nodes used: W never runs those nodes, so their saved tensors need not live until W.
+    nodes used: W never runs those nodes, so their saved tensors need not live until W. Its
+    ``observer`` (a memory meter) is also told about the gradients W keeps from B.
 
     ``outputs`` are the stage's output tensors, or ``[loss]`` on the last stage with
     ``output_grads=None`` (then every gradient is ones). Parameter gradients are not computed here;
@@ -352,7 +375,15 @@ def backward_input(
     root_nodes = {n for n, _, _ in root_seeds}
     for gr in groups:
         gr.params = _foldable(g, gr, root_nodes)
-    wg = WeightGrad(groups, conflicts, root_seeds, grad_params, param_nodes, known)
+    wg = WeightGrad(
+        groups,
+        conflicts,
+        root_seeds,
+        grad_params,
+        param_nodes,
+        known,
+        _held(boundaries, root_seeds, saved),
+    )
     logger.debug(
         "B: %d nodes in A, %d targets, %d boundaries (%d with conflict) in %d groups (%d folded), "
         "%d root seeds: W makes %d calls",

@@ -115,7 +115,10 @@ class WeightGradStore:
             return
         held = None
         if self._observer is not None:
-            held = (Holder(x2d, self._observer), Holder(g2d, self._observer))
+            held = (
+                Holder(x2d, self._observer, hold=False),
+                Holder(g2d, self._observer, hold=False),
+            )
         entries.append((weight, x2d, g2d, dtype, held))
 
     def run(self) -> None:

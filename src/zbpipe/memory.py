@@ -1,9 +1,21 @@
 """Measure the activation memory a pipeline stage keeps for backward.
 
-:class:`SavedActivationMeter` counts the bytes of tensors autograd saves during forwards and stops
-counting them when they are released (by zbpipe's split backward, see :mod:`zbpipe.saved`) or when
-the graph that saved them is freed (a fused backward). Parameters (and views of them) are not
-activations and are not counted; a storage saved several times counts once.
+:class:`SavedActivationMeter` counts the bytes of every tensor held for a backward pass, from the
+moment it is held until it is let go:
+
+* tensors autograd saves during forwards, until zbpipe's split backward releases them (see
+  :mod:`zbpipe.saved`) or autograd frees them (a fused backward, a graph dropped);
+* the deferred engine's queue: each queued weight GEMM's input and output gradient, B to W;
+* the graph engine's recorded gradients: what arrived at every boundary in B, kept until W;
+* pending sends: a stage output or input gradient handed to torch's runtime to send, until the
+  send lets go of it (torch's runtime keeps every send of a step until the step ends).
+
+Parameters (and views of them) are not activations and are not counted; a storage held several
+times counts once. Measuring changes nothing: the meter keeps storage pointers and sizes, never a
+tensor, and zbpipe's holders keep detached aliases, weakly (a tensor dies when it would unwatched).
+Not counted: what torch's stage receives into (buffers it allocates once and reuses every step)
+until something above holds it, and the gradient a local next stage hands over in V placement.
+torch's own schedules (``meter.attach``) are watched for their saved tensors only.
 
 Steps are measured separately, so a leak cannot pass for a high peak::
 
@@ -22,11 +34,13 @@ torch's built-in schedules.
 Observer interface (anything that holds tensors for backward can report them): call
 ``on_pack(storage, nbytes)`` when a tensor starts being held and ``on_free(storage, nbytes)`` when
 it stops, with ``storage`` the storage's data pointer (0: not counted) and ``nbytes`` its size.
-Calls must pair up per holder; several holders of one storage count it once.
+Calls must pair up per holder; several holders of one storage count it once. ``on_free`` may come
+from a finalizer, in whatever thread drops the last reference: the meter takes a lock.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,13 +61,14 @@ class StepMemory:
 
 
 class SavedActivationMeter:
-    """Live and per-step peak bytes of saved activations.
+    """Live and per-step peak bytes of what is held for backward (the module docstring lists it).
 
-    An observer of :class:`zbpipe.saved.Holder` (and of the deferred engine's weight-gradient
-    store, which reports the activations it keeps from B to W).
+    An observer of :class:`zbpipe.saved.Holder`: saved tensors, the deferred engine's queue, the
+    graph engine's recorded gradients, and (:func:`zbpipe.saved.count_until_freed`) pending sends.
     """
 
     def __init__(self) -> None:
+        self._lock = threading.RLock()  # re-entrant: a collection inside on_pack may free
         self.live_bytes = 0
         """Every live saved byte this meter counted, whichever step saved it."""
         self._refs: dict[int, int] = {}  # storage pointer -> holders alive
@@ -91,23 +106,25 @@ class SavedActivationMeter:
     def on_pack(self, storage: int, nbytes: int) -> None:
         if storage == 0:
             return
-        n = self._refs.get(storage, 0)
-        if n == 0:
-            self.live_bytes += nbytes
-            self._born[storage] = self._step
-            self._step_live += nbytes
-            self._step_peak = max(self._step_peak, self._step_live)
-        self._refs[storage] = n + 1
+        with self._lock:
+            n = self._refs.get(storage, 0)
+            if n == 0:
+                self.live_bytes += nbytes
+                self._born[storage] = self._step
+                self._step_live += nbytes
+                self._step_peak = max(self._step_peak, self._step_live)
+            self._refs[storage] = n + 1
 
     def on_free(self, storage: int, nbytes: int) -> None:
-        if storage == 0 or storage not in self._refs:
-            return
-        self._refs[storage] -= 1
-        if self._refs[storage] == 0:
-            del self._refs[storage]
-            self.live_bytes -= nbytes
-            if self._born.pop(storage) == self._step:
-                self._step_live -= nbytes
+        with self._lock:
+            if storage == 0 or storage not in self._refs:
+                return
+            self._refs[storage] -= 1
+            if self._refs[storage] == 0:
+                del self._refs[storage]
+                self.live_bytes -= nbytes
+                if self._born.pop(storage) == self._step:
+                    self._step_live -= nbytes
 
     def attach(self, stage: Any) -> Patch:
         """Count what a torch ``PipelineStage``'s forwards save (for torch's built-in schedules).

@@ -12,7 +12,19 @@ nodes (GELU's input, attention probabilities, ...) are released, because W never
 nodes. After W everything is released. What W needs (the inputs of weight matmuls, LayerNorm
 statistics, ...) stays until W: exactly the memory ``Costs.mem_w`` models.
 
-Observers (``on_pack(holder)`` / ``on_release(holder)``) let :mod:`zbpipe.memory` count bytes.
+Observers (``on_pack`` / ``on_free``) let :mod:`zbpipe.memory` count bytes.
+
+Nothing here may change when a tensor dies, or a memory meter would measure itself:
+
+* a holder keeps a *detached alias* of the tensor (same storage and version counter, no
+  ``grad_fn``). Holding the tensor itself made a reference cycle through autograd's C++ graph,
+  which Python's garbage collector cannot see: holder -> tensor -> its ``grad_fn`` -> ... -> the
+  node that saved it -> the holder (every node's saved-tensor hooks also keep the pack hook, hence
+  the :class:`SavedTensors` and its holders). Unless zbpipe released every holder, the graph was
+  never freed: torch's split-backward schedules watched by the meter "leaked" every graph;
+* :class:`SavedTensors` keeps only weak references to its holders, so a holder (and its tensor)
+  dies when autograd drops it (a fused backward frees each node's saved tensors as it runs), not
+  when zbpipe gets round to :meth:`SavedTensors.release_all`.
 """
 
 from __future__ import annotations
@@ -37,28 +49,23 @@ class Observer(Protocol):
 
 
 class Holder:
-    """One saved tensor. ``release()`` drops it; a later unpack raises a clear error."""
+    """One tensor held for backward, told to ``observer`` until released or collected.
 
-    __slots__ = (
-        "tensor",
-        "nbytes",
-        "storage",
-        "unpacked_as",
-        "_observer",
-        "_finalizer",
-        "__weakref__",
-    )
+    ``hold=True`` (a saved tensor): keeps a detached alias of it for the unpack; ``release()``
+    drops it and a later unpack raises a clear error. ``hold=False``: only counts a tensor
+    someone else holds (the deferred engine's queue, the graph engine's recorded gradients)
+    until ``release()`` or until the holder itself is collected.
+    """
 
-    def __init__(self, tensor: torch.Tensor, observer: Observer | None) -> None:
-        self.tensor: torch.Tensor | None = tensor
-        local = _local(tensor)  # a DTensor's bytes are its local shard's
-        try:
-            storage = local.untyped_storage()
-            self.storage, self.nbytes = storage.data_ptr(), storage.nbytes()
-        except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
-            self.storage, self.nbytes = 0, 0
+    __slots__ = ("tensor", "nbytes", "storage", "unpacked_as", "_finalizer", "__weakref__")
+
+    def __init__(
+        self, tensor: torch.Tensor, observer: Observer | None, *, hold: bool = True
+    ) -> None:
+        # The alias, not the tensor: see the module docstring (no cycle through the graph).
+        self.tensor: torch.Tensor | None = tensor.detach() if hold else None
+        self.storage, self.nbytes = storage_and_bytes(tensor)
         self.unpacked_as: str | None = None
-        self._observer = observer
         self._finalizer = None
         if observer is not None:
             observer.on_pack(self.storage, self.nbytes)
@@ -66,10 +73,38 @@ class Holder:
             self._finalizer = weakref.finalize(self, observer.on_free, self.storage, self.nbytes)
 
     def release(self) -> None:
-        if self.tensor is not None:
-            self.tensor = None
-            if self._finalizer is not None:
-                self._finalizer()  # tell the observer now, and only once
+        self.tensor = None
+        if self._finalizer is not None:
+            self._finalizer()  # tell the observer now, and only once
+
+
+def count_until_freed(t: torch.Tensor, observer: Observer) -> None:
+    """Tell ``observer`` about ``t``'s storage now and again when that storage is freed.
+
+    For tensors zbpipe hands to someone else, a pending send: torch's runtime keeps each send's
+    work, and with it the tensor (for an activation, a detached alias of it), until the end of
+    the step. The storage, not the tensor object, is what the alias shares; torch keeps a
+    storage's Python object alive as long as the storage, so its finalizer fires when the memory
+    goes. A storage that outlives the send (an input passed through unchanged) counts as long.
+    """
+    try:
+        storage = _local(t).untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return
+    ptr, nbytes = storage.data_ptr(), storage.nbytes()
+    if ptr:
+        observer.on_pack(ptr, nbytes)
+        weakref.finalize(storage, observer.on_free, ptr, nbytes)
+
+
+def storage_and_bytes(t: torch.Tensor) -> tuple[int, int]:
+    """``(data pointer, bytes)`` of ``t``'s storage (a DTensor's: its local shard's); ``(0, 0)``
+    for a tensor subclass without one (an observer does not count it)."""
+    try:
+        storage = _local(t).untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return 0, 0
+    return storage.data_ptr(), storage.nbytes()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -109,9 +144,16 @@ class SavedTensors:
     """The saved tensors of one (stage, microbatch) forward."""
 
     def __init__(self, observer: Observer | None = None, skip: set[int] | None = None) -> None:
-        self.holders: list[Holder] = []
-        self._observer = observer
+        # Weak: autograd owns the holders (the graph's saved-tensor slots); this only finds them.
+        self._holders: list[weakref.ref[Holder]] = []
+        self.observer = observer
+        """Told about every tensor held for this microbatch's backward (B adds its own)."""
         self._skip = skip or set()  # storages never worth holding (the stage's parameters)
+
+    @property
+    def holders(self) -> list[Holder]:
+        """The holders the graph still has (a freed node's are gone)."""
+        return [h for ref in self._holders if (h := ref()) is not None]
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
@@ -119,8 +161,8 @@ class SavedTensors:
     def _pack(self, t: torch.Tensor) -> Any:
         if storage_ptr(t) in self._skip:
             return t  # a parameter (or a view of one): releasing it would free nothing
-        h = Holder(t, self._observer)
-        self.holders.append(h)
+        h = Holder(t, self.observer)
+        self._holders.append(weakref.ref(h))
         return h
 
     def release_activation_only(self) -> int:
@@ -135,7 +177,7 @@ class SavedTensors:
     def release_all(self) -> None:
         for h in self.holders:
             h.release()
-        self.holders.clear()
+        self._holders.clear()
 
 
 def _unpack(packed: Any) -> torch.Tensor:

@@ -49,7 +49,7 @@ from .deferred import (
     post_accumulate_hooks_parked,
     weight_census,
 )
-from .saved import Observer, SavedTensors, param_storages
+from .saved import Observer, SavedTensors, count_until_freed, param_storages
 from .validation import compiled_submodule
 
 logger = logging.getLogger(__name__)
@@ -210,6 +210,8 @@ class StageSeam:
         nxt = self.stages.get(stage.stage_index + 1)
         if nxt is not None:
             nxt.set_local_fwd_input(output, mb)
+        elif not stage.is_last:
+            self._count_send(output if isinstance(output, (tuple, list)) else (output,))
 
     # ------------------------------------------------------------------ B
     def backward_input(
@@ -313,10 +315,17 @@ class StageSeam:
 
     # ------------------------------------------------------------------ bookkeeping
     def release(self, key: Key) -> None:
-        """Free what the forward of ``key`` saved (after its last backward pass)."""
+        """Free what the forward of ``key`` saved (after its last backward pass).
+
+        With V placement this also drops what torch's stage keeps of a local hand-off for this
+        microbatch (:func:`zbpipe._compat.drop_local_inputs`): the input a local previous stage
+        handed over and the output gradient a local next stage did; torch would keep both until
+        the next step.
+        """
         saved = self._saved.pop(key, None)
         if saved is not None:
             saved.release_all()
+        self._drop_local_inputs(key[0], key[1])
 
     def pending_weight_passes(self) -> list[Key]:
         """The ``(stage, microbatch)`` keys whose B ran but whose W has not (yet)."""
@@ -337,11 +346,27 @@ class StageSeam:
         for saved in self._saved.values():
             saved.release_all()
         self._saved.clear()
+        for idx in self.stages:  # what a forward-only or failed step handed over locally
+            self._drop_local_inputs(idx, None)
+
+    def _drop_local_inputs(self, idx: int, mb: int | None) -> None:
+        fwd, bwd = idx - 1 in self.stages, idx + 1 in self.stages
+        if fwd or bwd:
+            C.drop_local_inputs(self.stages[idx], mb, fwd=fwd, bwd=bwd)
 
     def _hand_backward(self, stage: Any, mb: int) -> None:
         prev = self.stages.get(stage.stage_index - 1)
         if prev is not None:  # V placement: hand the input gradient to the local previous stage
-            prev.set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
+            C.set_local_bwd_input(prev, stage.get_local_bwd_output(mb), mb)
+        elif not stage.is_first:
+            self._count_send(stage.bwd_cache.get(mb, ()))
+
+    def _count_send(self, tensors: Iterable[Any]) -> None:
+        """A meter counts what torch's runtime is about to send until the send lets go of it."""
+        if self.meter is not None:
+            for t in tensors:
+                if isinstance(t, torch.Tensor):
+                    count_until_freed(t, self.meter)
 
     @contextlib.contextmanager
     def _slot_holding(self, stage: Any, store: WeightGradStore) -> Iterator[None]:
