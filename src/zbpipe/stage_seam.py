@@ -359,7 +359,7 @@ class StageSeam:
         if prev is not None:  # V placement: hand the input gradient to the local previous stage
             C.set_local_bwd_input(prev, stage.get_local_bwd_output(mb), mb)
         elif not stage.is_first:
-            self._count_send(stage.bwd_cache.get(mb, ()))
+            self._count_send(C.input_grad_cache(stage).get(mb, ()))
 
     def _count_send(self, tensors: Iterable[Any]) -> None:
         """A meter counts what torch's runtime is about to send until the send lets go of it."""
