@@ -1,6 +1,7 @@
-"""Graph analysis for the split backward (:mod:`zbpipe.backward`): walk a stage's autograd graph
-once, find the activation region, the boundaries where W re-enters, the stage-0 targets, and the
-groups of boundaries one W call can serve. Vocabulary: see :mod:`zbpipe.backward`'s docstring.
+"""Graph analysis for the graph engine's split backward (:mod:`zbpipe.engines.graph_backward`):
+walk a stage's autograd graph once, find the activation region, the boundaries where W re-enters,
+the stage-0 targets, and the groups of boundaries one W call can serve. Vocabulary: see
+:mod:`zbpipe.engines.graph_backward`'s docstring.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 from torch import Tensor
 from torch.autograd.graph import Node, get_gradient_edge
 
-from . import _compat as C
+from .. import _compat as C
 
 
 @dataclass
@@ -275,5 +276,6 @@ def _acc_shape(acc: Node) -> tuple[int, ...]:
 
 
 def _num_slots(node: Node) -> int:
-    # No fallback: guessing 1 would silently drop the gradients of a multi-output target's other slots.
+    # No fallback: guessing 1 would silently drop the gradients of a multi-output target's other
+    # slots.
     return len(C.node_input_metadata(node))
