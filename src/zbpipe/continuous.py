@@ -107,6 +107,11 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
     ``post_validate``: keyword arguments of :class:`~zbpipe.optim.PostValidatedStep`
     (``max_norm``, ``check_finite``) to clip by the global gradient norm / skip non-finite steps
     with no barrier; sync mode only. ``costs`` / ``memory_limit`` go to the plan generator.
+    ``split``: the split-backward engine, as for the planned schedules (``"auto"``,
+    ``"deferred"``, ``"graph"``; :attr:`split` is the one chosen). ``exact``: the deferred
+    engine's W adds each weight gradient as ``AccumulateGrad`` does instead of inside its GEMMs,
+    so in sync mode the gradients, and the parameters, are bitwise those of a plain loop that
+    runs one fused backward per microbatch (the graph engine ignores it).
     """
 
     layout = "loop"
@@ -131,6 +136,7 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
         post_validate: dict[str, Any] | None = None,
         check_peers: bool = True,
         split: Split = "auto",
+        exact: bool = False,
     ) -> None:
         stages = check_schedule_args(type(self), stages, n_microbatches, costs)
         if mode not in MODES:
@@ -167,10 +173,11 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
         self.mode = mode
         self.costs = costs if costs is not None else Costs()
         self.stage = stages[0]
-        engine = choose_engine(split, stages, type(self).__name__)
+        engine = choose_engine(split, stages, type(self).__name__, exact=exact)
         #: the split-backward engine in use: "deferred" or "graph" (see zbpipe.engines)
         self.split: EngineName = engine.name
         engine.check_stages(type(self), stages)
+        self.exact = exact  # W adds as AccumulateGrad does (there is no fused BW to keep)
         self.seam = StageSeam(stages, engine)
         self.seam.split_keys = EVERY_KEY  # a continuous plan splits every backward
         p, m = self.pp_group_size, n_microbatches
