@@ -293,7 +293,7 @@ def _prepare_fsdp(stage: Any, unshard: bool) -> None:
        The deferred engine's W reads no weight (its GEMMs take activations and gradients),
        so it does not unshard. Every dp rank runs the same plan, so collectives match.
     """
-    module = stage.submod
+    module: torch.nn.Module = stage.submod
     if not isinstance(module, FSDPModule):
         return
     module.set_is_last_backward(False)

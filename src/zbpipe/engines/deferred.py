@@ -75,7 +75,8 @@ class WeightGradStore:
         self.immediate = False
         #: ids of the weights whose post-accumulate hooks B parked: always queued, so W fires them
         self.parked: frozenset[int] = frozenset()
-        self._entries: list | None = []  # (weight, x2d, g2d, dtype, holders for the observer)
+        # (weight, x2d, g2d, dtype, holders for the observer), each set to None once computed
+        self._entries: list[Any] | None = []
         self._observer = observer
 
     @property
@@ -155,7 +156,7 @@ class WeightGradStore:
         self._entries = None
 
 
-def _run_accumulating(entries: list) -> None:
+def _run_accumulating(entries: list[Any]) -> None:
     """W with each GEMM accumulating into ``.grad`` where it can (``WeightGradStore.exact=False``).
 
     A weight used twice takes its products one at a time (the first one stolen, the next added

@@ -36,7 +36,7 @@ def backward_full(
             def hook(gr: Tensor, i: int = i) -> None:
                 captured[i] = gr if i not in captured else captured[i] + gr
 
-            handles.append(x.register_hook(hook))
+            handles.append(x.register_hook(hook))  # type: ignore[no-untyped-call]
     try:
         if outs:
             torch.autograd.backward(outs, grads)

@@ -35,7 +35,7 @@ activation work. So a chain of layers still costs one call per boundary.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -68,7 +68,7 @@ class WeightGrad:
         groups: list[_Group],
         conflicts: list[_Boundary],
         root_seeds: list[tuple[Node, int, Tensor]],
-        params: list[torch.nn.Parameter],
+        params: list[Tensor],
         param_nodes: list[Node],
         known_storages: set[int],
     ) -> None:
@@ -116,8 +116,8 @@ class WeightGrad:
             else:
                 seeds.setdefault((child, nr), []).append(g)
 
-        for child, nr, g in root_seeds:
-            collect(child, nr, g)
+        for child, nr, seed in root_seeds:
+            collect(child, nr, seed)
         # Conflict calls run the activation children again (with undefined gradients), so nothing
         # may be freed until they are done: they go first, all with retain_graph=True.
         any_conflict = bool(conflicts)
@@ -209,7 +209,9 @@ class WeightGrad:
                 contributions[i].append(g)
 
 
-def _group_pass(members: list[_Boundary], wanted: list[GradientEdge], retain: bool) -> tuple:
+def _group_pass(
+    members: list[_Boundary], wanted: list[GradientEdge], retain: bool
+) -> tuple[Tensor | None, ...]:
     """One call seeded at every member's recorded gradient, capturing ``wanted``.
 
     ``_group_boundaries`` guarantees that nothing below a member's activation children leads to
@@ -234,7 +236,7 @@ def backward_input(
     outputs: Sequence[Tensor],
     output_grads: Sequence[Tensor | None] | None,
     inputs: Sequence[Any],
-    params: Sequence[torch.nn.Parameter],
+    params: Sequence[Tensor],
     saved: SavedTensors | None = None,
 ) -> tuple[tuple[Tensor | None, ...], WeightGrad]:
     """B: gradients of ``inputs`` (not accumulated into ``.grad``) and the pending W.
@@ -331,7 +333,7 @@ def backward_input(
         mark_unpacking(None)
         for h in handles:
             h.remove()
-    if release_early:
+    if release_early and saved is not None:
         saved.release_activation_only()
 
     by_edge = dict(zip([(e.node, e.output_nr) for e in reached_inputs], res[: len(reached_inputs)]))
@@ -346,14 +348,14 @@ def backward_input(
         b for b in boundaries if b.grads is not None and any(x is not None for x in b.grads)
     ]
 
-    known = {_storage(t) for t in grads} | {_storage(t) for t in res if t is not None}
+    known = _storages(grads) | _storages(res)
     for b in boundaries:
-        known |= {_storage(t) for t in b.grads if t is not None}
+        known |= _storages(b.grads or ())
     conflicts = [b for b in boundaries if b.conflict]
     groups = _group_boundaries(g, [b for b in boundaries if not b.conflict])
     root_nodes = {n for n, _, _ in root_seeds}
-    for gr in groups:
-        gr.params = _foldable(g, gr, root_nodes)
+    for group in groups:
+        group.params = _foldable(g, group, root_nodes)
     wg = WeightGrad(groups, conflicts, root_seeds, grad_params, param_nodes, known)
     logger.debug(
         "B: %d nodes in A, %d targets, %d boundaries (%d with conflict) in %d groups (%d folded), "
@@ -370,14 +372,16 @@ def backward_input(
     return tuple(result), wg
 
 
-def _tagger(kind: str):
+def _tagger(kind: str) -> Callable[[tuple[Tensor | None, ...]], None]:
     def hook(grad_outputs: tuple[Tensor | None, ...]) -> None:
         mark_unpacking(kind)
 
     return hook
 
 
-def _recorder(store: dict[Node, tuple[Tensor | None, ...]], node: Node):
+def _recorder(
+    store: dict[Node, tuple[Tensor | None, ...]], node: Node
+) -> Callable[[tuple[Tensor | None, ...]], None]:
     def hook(grad_outputs: tuple[Tensor | None, ...]) -> None:
         store[node] = tuple(grad_outputs)
 
@@ -388,7 +392,7 @@ def _recorder(store: dict[Node, tuple[Tensor | None, ...]], node: Node):
 # small helpers
 
 
-def _unique_params(params: Sequence[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+def _unique_params(params: Sequence[Tensor]) -> list[Tensor]:
     seen: set[int] = set()
     out = []
     for p in params:
@@ -405,4 +409,6 @@ def _sum(parts: list[Tensor]) -> Tensor:
     return total
 
 
-_storage = storage_ptr
+def _storages(tensors: Iterable[Tensor | None]) -> set[int]:
+    """The storages of ``tensors`` (W must copy, not steal, a gradient sharing one of them)."""
+    return {ptr for t in tensors if t is not None and (ptr := storage_ptr(t)) is not None}

@@ -6,6 +6,7 @@ the stage-0 targets, and the groups of boundaries one W call can serve. Vocabula
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -222,7 +223,7 @@ def _foldable(g: _Graph, gr: _Group, root_nodes: set[Node]) -> list[Node] | None
     return list(found)
 
 
-def _unique(edges) -> list[tuple[Node, int]]:
+def _unique(edges: Iterable[tuple[Node, int]]) -> list[tuple[Node, int]]:
     return list(dict.fromkeys(edges))
 
 
@@ -272,7 +273,7 @@ def _param_shaped(node: Node, below: frozenset[Node]) -> bool:
 
 
 def _acc_shape(acc: Node) -> tuple[int, ...]:
-    return tuple(acc.variable.shape)
+    return tuple(acc.variable.shape)  # type: ignore[attr-defined]  # an AccumulateGrad node
 
 
 def _num_slots(node: Node) -> int:

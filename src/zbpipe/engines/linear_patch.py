@@ -130,7 +130,10 @@ class DeferredLinear(nn.Linear):
         # Complex weights: autograd's gradients take conjugates, which this engine's GEMMs do not.
         if store is None or self.weight.is_complex():
             return F.linear(input, self.weight, self.bias)
-        return _LinearFunction.apply(input, self.weight, self.bias, store)
+        out: Tensor = _LinearFunction.apply(  # type: ignore[no-untyped-call]  # torch's is untyped
+            input, self.weight, self.bias, store
+        )
+        return out
 
 
 @functools.cache
@@ -171,8 +174,9 @@ def patch_linears(module: nn.Module, slot: StoreSlot) -> int:
     found = _linears(module)
     for lin in found:
         if "_zbpipe_unpatched" not in lin.__dict__:
-            lin._zbpipe_unpatched = type(lin)  # type: ignore[assignment]
-            lin.__class__ = _deferred_class(type(lin))
+            cls: type = type(lin)
+            lin._zbpipe_unpatched = cls  # type: ignore[assignment]
+            lin.__class__ = _deferred_class(cls)
         lin._zbpipe_slot = slot  # type: ignore[assignment]
     return len(found)
 
@@ -193,7 +197,7 @@ def post_accumulate_hooks_parked(linears: Sequence[nn.Module]) -> Iterator[froze
     B, tied to an embedding say, fires in W too: after its last accumulation). Yields the ids
     of the weights whose hooks it parked (a store must queue those: see ``immediate``).
     """
-    parked: list[tuple[dict, dict]] = []
+    parked: list[tuple[dict[Any, Any], dict[Any, Any]]] = []
     ids = set()
     for lin in linears:
         weight = own_parameter(lin, "weight")  # None under a parametrization: not deferred
