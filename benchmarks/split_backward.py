@@ -5,9 +5,9 @@ repetition runs, on fresh forwards of the same module and data, interleaved in a
 
   fused     torch.autograd.backward (the stage's ordinary backward)
   deferred  zbpipe's deferred engine: B = one autograd pass in which Linears queue their weight
-            GEMMs, W = WeightGradStore.run (zbpipe.deferred)
+            GEMMs, W = WeightGradStore.run (zbpipe.engines.deferred)
   graph     zbpipe's graph engine: B = autograd.grad to the inputs, W = WeightGrad.run
-            (zbpipe.backward)
+            (zbpipe.engines.graph_backward)
   torch     torch's stage_backward_input / stage_backward_weight (a middle stage only: on stage
             0 torch skips I and runs a whole backward in W)
 
@@ -48,8 +48,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llama_blocks import build_chunks  # noqa: E402
 from results_io import paired_ratios, write_result  # noqa: E402
 
-from zbpipe.backward import WeightGrad, backward_full, backward_input  # noqa: E402
-from zbpipe.deferred import StoreSlot, WeightGradStore, patch_linears  # noqa: E402
+from zbpipe.engines.deferred import WeightGradStore  # noqa: E402
+from zbpipe.engines.fused import backward_full  # noqa: E402
+from zbpipe.engines.graph_backward import WeightGrad, backward_input  # noqa: E402
+from zbpipe.engines.linear_patch import StoreSlot, patch_linears  # noqa: E402
 
 ENGINES = ("fused", "deferred", "graph", "torch")
 

@@ -37,7 +37,14 @@ def batch(k: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _schedule(
-    rank: int, world: int, m: int, mode: str, opt: str, seed: int = SEED, split: str = "auto"
+    rank: int,
+    world: int,
+    m: int,
+    mode: str,
+    opt: str,
+    seed: int = SEED,
+    split: str = "auto",
+    exact: bool = False,
 ) -> ScheduleContinuous:
     mod = build_stages(CFG, world, seed=seed)[rank]
     stage = PipelineStage(mod, rank, world, torch.device("cpu"))
@@ -48,6 +55,7 @@ def _schedule(
         mode=mode,
         optimizer=lambda ps: make_optimizer(opt, ps),
         split=split,
+        exact=exact,
     )
 
 
@@ -66,9 +74,18 @@ def _params(sched: ScheduleContinuous) -> dict:
     return {n: p.detach().numpy().copy() for n, p in sched.stage.submod.named_parameters()}
 
 
-def train(rank: int, world: int, m: int, n: int, mode: str, opt: str, split: str = "auto") -> dict:
+def train(
+    rank: int,
+    world: int,
+    m: int,
+    n: int,
+    mode: str,
+    opt: str,
+    split: str = "auto",
+    exact: bool = False,
+) -> dict:
     """n mini-batches then flush; this stage's parameters, the losses per call, live versions."""
-    sched = _schedule(rank, world, m, mode, opt, split=split)
+    sched = _schedule(rank, world, m, mode, opt, split=split, exact=exact)
     records = _feed(sched, rank, world, m, range(n))
     flushed = [(kk, [float(x) for x in ls]) for kk, ls in sched.flush()]
     return dict(
@@ -186,6 +203,32 @@ def plain_loop(world: int, m: int, n: int, opt: str) -> list[dict[str, torch.Ten
         loss.backward()
         o.step()
         o.zero_grad(set_to_none=True)
+    return [{name: p.detach() for name, p in mod.named_parameters()} for mod in mods]
+
+
+def fused_loop(world: int, m: int, n: int, opt: str) -> list[dict[str, torch.Tensor]]:
+    """The synchronous loop a pipeline without a split backward runs: one fused backward per
+    microbatch accumulating into ``.grad``, the sum divided by m (``scale_grads``), one step.
+
+    Runs on one thread, as every rank does: the thread count changes how CPU kernels split
+    their reductions (a bias's or an embedding's gradient sums over rows), hence the bits.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        mods = build_stages(CFG, world, seed=SEED)
+        model = nn.Sequential(*mods)
+        o = make_optimizer(opt, list(model.parameters()))
+        for k in range(n):
+            ids, tgt = batch(k, m)
+            for x, y in zip(ids.tensor_split(m), tgt.tensor_split(m)):
+                lm_loss(model(x), y).backward()
+            for p in model.parameters():
+                p.grad.div_(m)
+            o.step()
+            o.zero_grad(set_to_none=True)
+    finally:
+        torch.set_num_threads(threads)
     return [{name: p.detach() for name, p in mod.named_parameters()} for mod in mods]
 
 

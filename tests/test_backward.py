@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from _custom_function import Scale
-from zbpipe.backward import WeightGrad, backward_full, backward_input
+from zbpipe.engines.fused import backward_full
+from zbpipe.engines.graph_backward import WeightGrad, backward_input
 
 RTOL, ATOL = 1e-6, 1e-7
 

@@ -22,8 +22,8 @@ pytestmark = pytest.mark.dist
 
 N = 5
 MB = {2: 3, 4: 4}  # microbatches per mini-batch for each world size
-# (mode, optimizer, split): the default engine for this model is the deferred one; the last
-# case keeps the graph engine covered.
+# (mode, optimizer, split[, exact]): the default engine for this model is the deferred one;
+# case 6 keeps the graph engine covered, case 7 is sync with exact=True.
 CASES = [
     ("sync", "sgd", "auto"),
     ("sync", "adamw", "auto"),
@@ -32,6 +32,7 @@ CASES = [
     ("stash", "adamw", "auto"),
     ("2bw", "adamw", "auto"),
     ("2bw", "sgd", "graph"),
+    ("sync", "adamw", "auto", True),
 ]
 
 
@@ -39,7 +40,7 @@ CASES = [
 def runs(request):
     world = request.param
     m = MB[world]
-    cases = [(m, N, mode, opt, split) for mode, opt, split in CASES]
+    cases = [(m, N, *case) for case in CASES]
     out = run_ranks(cc.train_cases, world, cases, timeout=240)
     return world, m, {i: [out[r][i] for r in range(world)] for i in range(len(CASES))}
 
@@ -86,10 +87,25 @@ def _assert_params(world, per_rank, ref, opt, tol, what):
 @pytest.mark.parametrize("case", [0, 1], ids=["sgd-momentum", "adamw"])
 def test_sync_equals_plain_training_loop(runs, case):
     world, m, res = runs
-    mode, opt, _ = CASES[case]
+    mode, opt = CASES[case][:2]
     ref = cc.plain_loop(world, m, N, opt)
     _assert_params(world, res[case], ref, opt, TOL[opt], f"sync {opt} on {world} ranks")
     assert all(r["steps"] == N for r in res[case])
+
+
+def test_sync_exact_is_bitwise_a_loop_of_fused_backwards(runs):
+    """exact=True: every weight gradient is added as AccumulateGrad adds it, so each stage's
+    gradients, and after N AdamW steps its parameters, are bitwise those of a plain loop running
+    one fused backward per microbatch (AdamW: its normalization shows any rounding difference)."""
+    world, m, res = runs
+    ref = cc.fused_loop(world, m, N, "adamw")
+    for r in range(world):
+        got = res[7][r]["params"]
+        for name, want in ref[r].items():
+            assert np.array_equal(got[name], want.numpy()), (
+                f"rank {r} {name}: exact=True is off by "
+                f"{cc.rel_err(got[name], want):.2e} relative from the fused loop"
+            )
 
 
 def test_sync_same_seed_runs_are_bitwise_identical(runs):
@@ -126,7 +142,7 @@ def test_losses_tagged_with_their_minibatch(runs):
 @pytest.mark.parametrize("case", [3, 5], ids=["sgd-momentum", "adamw"])
 def test_2bw_follows_its_version_rule(runs, case):
     world, m, res = runs
-    _, opt, _ = CASES[case]
+    opt = CASES[case][1]
     ref, _ = cc.reference(world, m, N, opt, lambda s, g: max(g // m - 1, 0))  # k runs on W(k-1)
     _assert_params(world, res[case], ref, opt, TOL[opt], f"2bw {opt}")
 

@@ -1,4 +1,4 @@
-"""The deferred engine (zbpipe.deferred): B queues Linear weight GEMMs, W runs them.
+"""The deferred engine (zbpipe.engines.deferred): B queues Linear weight GEMMs, W runs them.
 
 Every test builds a module, keeps an unpatched deep copy as the reference, runs the reference
 with one plain fused ``backward()`` and the patched original the way the stage seam does: the
@@ -32,10 +32,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from _custom_function import Scale
-from zbpipe.deferred import (
+from zbpipe.engines import choose_engine
+from zbpipe.engines.deferred import WeightGradStore
+from zbpipe.engines.linear_patch import (
     DeferredLinear,
     StoreSlot,
-    WeightGradStore,
     patch_linears,
     patched_linears,
     post_accumulate_hooks_parked,
@@ -45,7 +46,7 @@ from zbpipe.deferred import (
 from zbpipe.memory import SavedActivationMeter
 from zbpipe.planning import Action, Costs, Plan, plan, simulate
 from zbpipe.planning.fuse import fuse_adjacent_backward
-from zbpipe.stage_seam import StageSeam, choose_engine
+from zbpipe.stage_seam import StageSeam
 
 # ---------------------------------------------------------------------------------------------
 # harness: the seam's F / B / W on one module, and the plain reference
@@ -580,20 +581,20 @@ def _stages(*modules):
 def test_linear_heavy_stage_picks_deferred():
     stage = nn.Sequential(nn.Linear(64, 64), nn.Conv2d(3, 8, 3))
     assert weight_census(stage) == (64 * 64, 8 * 3 * 3 * 3)
-    assert choose_engine("auto", _stages(stage), "Test") == "deferred"
+    assert choose_engine("auto", _stages(stage), "Test").name == "deferred"
 
 
 def test_conv_heavy_stage_picks_graph_and_says_so(caplog):
     stage = nn.Sequential(nn.Conv2d(64, 64, 3), nn.Linear(8, 8))
-    with caplog.at_level(logging.INFO, logger="zbpipe.stage_seam"):
-        assert choose_engine("auto", _stages(stage), "Test") == "graph"
+    with caplog.at_level(logging.INFO, logger="zbpipe.engines"):
+        assert choose_engine("auto", _stages(stage), "Test").name == "graph"
     assert "graph engine" in caplog.text and "split='deferred'" in caplog.text
 
 
 def test_embedding_does_not_count_as_other_weight_work():
     stage = nn.Sequential(nn.Embedding(1000, 64), nn.Linear(64, 64))
     assert weight_census(stage) == (64 * 64, 0)
-    assert choose_engine("auto", _stages(stage), "Test") == "deferred"
+    assert choose_engine("auto", _stages(stage), "Test").name == "deferred"
 
 
 def test_compiled_blocks_count_as_neither_kind_so_auto_stays_deferred():
@@ -604,13 +605,13 @@ def test_compiled_blocks_count_as_neither_kind_so_auto_stays_deferred():
         b.compile(backend="eager")
     stage = nn.Sequential(*blocks)
     assert weight_census(stage) == (64 * 64, 0)
-    assert choose_engine("auto", _stages(stage), "Test") == "deferred"
+    assert choose_engine("auto", _stages(stage), "Test").name == "deferred"
 
 
 def test_explicit_split_is_taken_and_a_bad_one_raises():
     stage = nn.Conv2d(64, 64, 3)
-    assert choose_engine("deferred", _stages(stage), "Test") == "deferred"
-    assert choose_engine("graph", _stages(nn.Linear(4, 4)), "Test") == "graph"
+    assert choose_engine("deferred", _stages(stage), "Test").name == "deferred"
+    assert choose_engine("graph", _stages(nn.Linear(4, 4)), "Test").name == "graph"
     with pytest.raises(ValueError, match=r"'auto', 'deferred', 'graph'.*'fused'"):
         choose_engine("fused", _stages(stage), "Test")
 
@@ -659,7 +660,7 @@ def test_seam_runs_every_bw_but_a_stages_first_through_the_store(engine, exact, 
     fused backward: no .grad yet); its BW1 and stage 1's BW2 (stage 1's first backward is the
     split B0) go through the deferred store, where W accumulates inside the GEMMs. exact=True
     and the graph engine keep torch's fused backward for every BW."""
-    seam = StageSeam([], engine, exact=exact)
+    seam = StageSeam([], choose_engine(engine, [], "Test", exact=exact))
     seam.assign(_acts("0F0 1F0 1B0 0BW0 1W0 0F1 0BW1 1F2 1BW2 0F2 0B2 0W2"))
     assert seam.split_keys == {(1, 0), (0, 2)}
     assert seam.store_bw_keys == store_bw

@@ -57,13 +57,13 @@ import torch.distributed as dist
 from . import _compat as C
 from .continuous_stream import StreamFrontier
 from .continuous_versions import WeightVersions
+from .engines import EngineName, Split, choose_engine
 from .optim import PostValidatedStep, StepReport
 from .planning import Costs
 from .planning.continuous_plan import MODES, continuous_parts, plan_continuous, version_bound
-from .stage_seam import EVERY_KEY, Engine, Split, StageSeam, choose_engine
+from .stage_seam import EVERY_KEY, StageSeam
 from .step_inputs import drop_inputs_off_stage0, microbatch_inputs
 from .validation import (
-    check_not_compiled,
     check_peers_agree,
     check_schedule_args,
     check_step_args,
@@ -107,6 +107,11 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
     ``post_validate``: keyword arguments of :class:`~zbpipe.optim.PostValidatedStep`
     (``max_norm``, ``check_finite``) to clip by the global gradient norm / skip non-finite steps
     with no barrier; sync mode only. ``costs`` / ``memory_limit`` go to the plan generator.
+    ``split``: the split-backward engine, as for the planned schedules (``"auto"``,
+    ``"deferred"``, ``"graph"``; :attr:`split` is the one chosen). ``exact``: the deferred
+    engine's W adds each weight gradient as ``AccumulateGrad`` does instead of inside its GEMMs,
+    so in sync mode the gradients, and the parameters, are bitwise those of a plain loop that
+    runs one fused backward per microbatch (the graph engine ignores it).
     """
 
     layout = "loop"
@@ -131,6 +136,7 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
         post_validate: dict[str, Any] | None = None,
         check_peers: bool = True,
         split: Split = "auto",
+        exact: bool = False,
     ) -> None:
         stages = check_schedule_args(type(self), stages, n_microbatches, costs)
         if mode not in MODES:
@@ -167,11 +173,12 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
         self.mode = mode
         self.costs = costs if costs is not None else Costs()
         self.stage = stages[0]
-        #: the split-backward engine in use: "deferred" or "graph" (see zbpipe.stage_seam)
-        self.split: Engine = choose_engine(split, stages, type(self).__name__)
-        if self.split == "graph":
-            check_not_compiled(type(self), stages)
-        self.seam = StageSeam(stages, self.split)
+        engine = choose_engine(split, stages, type(self).__name__, exact=exact)
+        #: the split-backward engine in use: "deferred" or "graph" (see zbpipe.engines)
+        self.split: EngineName = engine.name
+        engine.check_stages(type(self), stages)
+        self.exact = exact  # W adds as AccumulateGrad does (there is no fused BW to keep)
+        self.seam = StageSeam(stages, engine)
         self.seam.split_keys = EVERY_KEY  # a continuous plan splits every backward
         p, m = self.pp_group_size, n_microbatches
         self.parts = continuous_parts(p, m, self.costs, memory_limit, mode)

@@ -25,17 +25,17 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from . import _compat as C
+from .engines import EngineName, Split, choose_engine
 from .inputs import FirstStageKeywords
 from .memory import SavedActivationMeter
 from .nonfinite import NonfiniteLosses
 from .planning import Costs, Layout, Plan
 from .planning.fuse import fuse_adjacent_backward
 from .profile import CostProfiler, ProfileConfig
-from .stage_seam import Engine, Split, StageSeam, choose_engine
+from .stage_seam import StageSeam
 from .step_inputs import drop_inputs_off_stage0, microbatch_inputs
 from .trace import Tracer
 from .validation import (
-    check_not_compiled,
     check_peers_agree,
     check_plan_for_runtime,
     check_schedule_args,
@@ -115,10 +115,11 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
             self.pp_group_size, n_microbatches, self.costs, **plan_options
         )
         check_plan_for_runtime(self.plan, stages)
-        #: the split-backward engine in use: "deferred" or "graph" (see zbpipe.stage_seam)
-        self.split: Engine = choose_engine(split, stages, type(self).__name__)
-        if self.plan.uses_split_backward() and self.split == "graph":
-            check_not_compiled(type(self), stages)
+        engine = choose_engine(split, stages, type(self).__name__, exact=exact)
+        #: the split-backward engine in use: "deferred" or "graph" (see zbpipe.engines)
+        self.split: EngineName = engine.name
+        if self.plan.uses_split_backward():
+            engine.check_stages(type(self), stages)
         if check_peers:
             fingerprint = config_fingerprint(
                 type(self), n_microbatches, self._num_stages, self.plan
@@ -128,7 +129,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
                 f"stages={self._num_stages}, plan {fingerprint})"
             )
             check_peers_agree(type(self), stages[0].group, self.rank, fingerprint, summary)
-        self.seam = StageSeam(stages, self.split, exact=self.exact)
+        self.seam = StageSeam(stages, engine)
         self._lower(self.plan)
         self.tracer = Tracer(rank=self.rank, enabled=trace or profiling, device=stages[0].device)
         self._profiler = (
@@ -166,8 +167,8 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         guarantees the ranks agree (``zbpipe.profile`` exchanges the fingerprint first).
         """
         check_plan_for_runtime(new_plan, self._stages)
-        if new_plan.uses_split_backward() and self.split == "graph":
-            check_not_compiled(type(self), self._stages)
+        if new_plan.uses_split_backward():
+            self.seam.engine.check_stages(type(self), self._stages)
         self._lower(new_plan)
         self.plan = new_plan
 

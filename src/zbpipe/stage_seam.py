@@ -5,16 +5,17 @@ flush-free one) wait for their receives and post their sends themselves, then ca
 the compute, so F, B (with either engine), W and BW are written once:
 
 * **F**: :meth:`StageSeam.forward` wraps the stage's forward. It owns what the forward saves
-  (:mod:`zbpipe.saved`) when the graph engine or a memory meter needs it, and, with the deferred
-  engine, opens the microbatch's :class:`~zbpipe.deferred.WeightGradStore` for the stage's
-  Linears. :meth:`~StageSeam.hand_forward` passes the output to a local next stage (V
-  placement: no send).
+  (:mod:`zbpipe.saved`) when the engine or a memory meter needs it, and opens the engine's
+  scope for a microbatch whose backward runs through it (the deferred engine's
+  :class:`~zbpipe.engines.deferred.WeightGradStore`). :meth:`~StageSeam.hand_forward` passes the
+  output to a local next stage (V placement: no send).
 * **B**: :meth:`StageSeam.backward_input` takes the stage output and its gradient (or the
   loss), runs the engine's input pass, fills the stage's ``bwd_cache`` for the send, frees what
   only B needed, and hands the input gradient to a local previous stage.
 * **W**: :meth:`StageSeam.backward_weight` runs the pending weight pass, then frees what it held.
-* **BW**: :meth:`StageSeam.full_backward`: torch's fused backward, or (deferred engine, every
-  BW but a stage's first of the step) B with each weight GEMM accumulated at once.
+* **BW**: :meth:`StageSeam.full_backward`: torch's fused backward, or (an engine whose
+  ``bw_through_store`` says so, every BW but a stage's first of the step) the engine's B with
+  each weight GEMM accumulated at once.
 
 A stage built with torch's ``dw_builder`` brings its own weight pass, so zbpipe's engines stay
 out of it: its B is torch's ``backward_one_chunk(full_backward=False)`` (the stage's ordinary
@@ -22,11 +23,10 @@ autograd backward, then ``dw_builder()`` kept for W) and its W runs that runner,
 torch's own runtime does. Before any backward, the seam checks that every stage output that
 requires grad got a gradient (:func:`check_output_grads`).
 
-Two engines (:mod:`zbpipe.deferred`, :mod:`zbpipe.backward`; docs/backward.md says when each is
-right): ``"deferred"`` makes B one ordinary autograd pass in which Linears queue their weight
-GEMMs for W; ``"graph"`` asks autograd for the input edges in B and re-enters the graph per
-weight region in W. Keys are ``(stage_index, microbatch)``, the microbatch being whatever index
-the stage's caches use (the step's for planned schedules, a global one for continuous).
+The engine (:mod:`zbpipe.engines`; docs/backward.md says when each is right) is an object with
+one protocol, :class:`~zbpipe.engines.SplitEngine`: the seam never asks which one it holds.
+Keys are ``(stage_index, microbatch)``, the microbatch being whatever index the stage's caches
+use (the step's for planned schedules, a global one for continuous).
 """
 
 from __future__ import annotations
@@ -34,30 +34,16 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch.distributed.fsdp import FSDPModule
 
 from . import _compat as C
-from .backward import WeightGrad, backward_full, backward_input
-from .deferred import (
-    StoreSlot,
-    WeightGradStore,
-    patch_linears,
-    patched_linears,
-    post_accumulate_hooks_parked,
-    weight_census,
-)
+from .engines import Key, SplitEngine
 from .saved import Observer, SavedTensors, count_until_freed, param_storages
-from .validation import compiled_submodule
 
 logger = logging.getLogger(__name__)
-
-Engine = Literal["deferred", "graph"]
-Split = Literal["auto", "deferred", "graph"]
-SPLITS: tuple[str, ...] = ("auto", "deferred", "graph")
-Key = tuple[int, int]
 
 
 class _EveryKey:
@@ -70,63 +56,17 @@ class _EveryKey:
 EVERY_KEY: Container[Key] = _EveryKey()
 
 
-def choose_engine(split: str, stages: Sequence[Any], owner: str) -> Engine:
-    """The engine for ``split``: ``"auto"`` is deferred unless most weight work is not in Linears.
-
-    ``auto`` counts weight elements (:func:`zbpipe.deferred.weight_census`): where matrix-like
-    weights outside ``nn.Linear`` (convolutions, custom matmuls) outnumber the Linears', the
-    deferred engine would leave most weight-gradient work in B, so the graph engine is chosen
-    and a log line says why. A stage with a ``torch.compile``d submodule always gets the
-    deferred engine: the graph engine cannot split a compiled region and refuses it.
-    """
-    if split not in SPLITS:
-        raise ValueError(f"{owner}: split must be one of {SPLITS}, got {split!r}")
-    if split != "auto":
-        return split  # type: ignore[return-value]
-    compiled = [
-        getattr(st, "stage_index", i)
-        for i, st in enumerate(stages)
-        if compiled_submodule(st.submod) is not None
-    ]
-    if compiled:
-        logger.info(
-            "zbpipe %s: split='auto' chose the deferred engine: stage(s) %s hold torch.compile'd "
-            "submodules, which the graph engine cannot split (their weight gradients come in B)",
-            owner,
-            compiled,
-        )
-        return "deferred"
-    linear = other = 0
-    for st in stages:
-        a, b = weight_census(st.submod)
-        linear, other = linear + a, other + b
-    if other > linear:
-        logger.info(
-            "zbpipe %s: split='auto' chose the graph engine: %d weight elements are outside "
-            "nn.Linear against %d inside, so deferring Linear GEMMs would leave most weight "
-            "work in B; pass split='deferred' to override",
-            owner,
-            other,
-            linear,
-        )
-        return "graph"
-    return "deferred"
-
-
 class StageSeam:
-    """Runs F, B, W and BW of this rank's stages with one backward engine.
+    """Runs F, B, W and BW of this rank's stages with one split-backward ``engine``.
 
     ``split_keys``: the ``(stage, microbatch)`` keys whose backward the plan splits into B and
-    W; ``store_bw_keys``: the keys whose fused BW runs as the deferred engine's B then W at once
+    W; ``store_bw_keys``: the keys whose fused BW runs as the engine's B then W at once
     (:meth:`assign` fills both from a rank's order). Other BWs are torch's fused backward, which
-    needs neither a store nor early release. ``exact``:
-    the deferred engine's W adds each weight gradient as a fused backward does, bit for bit,
-    instead of accumulating inside its GEMM (:class:`~zbpipe.deferred.WeightGradStore`).
+    needs neither the engine nor early release.
     """
 
-    def __init__(self, stages: Sequence[Any], engine: Engine, *, exact: bool = False) -> None:
-        self.engine: Engine = engine
-        self.exact = exact
+    def __init__(self, stages: Sequence[Any], engine: SplitEngine) -> None:
+        self.engine = engine
         self.stages = {st.stage_index: st for st in stages}
         #: stages built with torch's ``dw_builder``: B and W are torch's, the runner its W
         self.own_w: frozenset[int] = frozenset(
@@ -135,32 +75,23 @@ class StageSeam:
         self.split_keys: Container[Key] = ()
         self.store_bw_keys: Container[Key] = ()
         self.meter: Observer | None = None
-        self._pending: dict[Key, WeightGrad | WeightGradStore] = {}
         self._saved: dict[Key, SavedTensors] = {}
-        self._stores: dict[Key, WeightGradStore] = {}
-        self._slots: dict[int, StoreSlot] = {}
-        self._linears: dict[int, list[torch.nn.Module]] = {}
-        if engine == "deferred":
-            for st in stages:
-                slot = self._slots[st.stage_index] = StoreSlot()
-                n = patch_linears(st.submod, slot)
-                self._linears[st.stage_index] = patched_linears(st.submod)
-                logger.debug("zbpipe: stage %d: %d Linears defer their W", st.stage_index, n)
+        engine.attach(stages)
 
     def assign(self, actions: Iterable[Any]) -> None:
         """Set :attr:`split_keys` and :attr:`store_bw_keys` from this rank's compute actions.
 
-        With the deferred engine (and not ``exact``), every BW but a stage's first backward of
-        the step runs as B then W: W adds into the ``.grad`` the first backward created inside
-        its GEMMs, where torch's fused backward writes a weight-sized product and adds it in a
-        second pass. A stage's first backward usually finds no ``.grad`` (``zero_grad`` sets
-        them to None), so both ways create it alike and torch's, with no Python per Linear, is
-        kept.
+        With an engine whose ``bw_through_store`` says so (the deferred one, not ``exact``),
+        every BW but a stage's first backward of the step runs as B then W: W adds into the
+        ``.grad`` the first backward created inside its GEMMs, where torch's fused backward
+        writes a weight-sized product and adds it in a second pass. A stage's first backward
+        usually finds no ``.grad`` (``zero_grad`` sets them to None), so both ways create it
+        alike and torch's, with no Python per Linear, is kept.
         """
         split: set[Key] = set()
         store_bw: set[Key] = set()
         seen: set[int] = set()
-        fast_bw = self.engine == "deferred" and not self.exact
+        fast_bw = self.engine.bw_through_store
         for a in actions:
             key = (a.stage, a.microbatch)
             if a.kind == "B":
@@ -172,16 +103,9 @@ class StageSeam:
         self.split_keys, self.store_bw_keys = split, store_bw
 
     def claim_linears(self) -> None:
-        """Point this rank's patched Linears at this seam's slots again (call per step).
-
-        A second schedule built on the same modules takes their Linears over (``patch_linears``
-        re-points them); without this, this schedule would silently stop deferring.
-        """
-        for idx, linears in self._linears.items():
-            slot = self._slots[idx]
-            if linears and linears[0].__dict__.get("_zbpipe_slot") is not slot:
-                for lin in linears:
-                    lin._zbpipe_slot = slot
+        """Take this rank's stages back from another schedule built on the same modules (call
+        per step): the deferred engine points their patched Linears at its slots again."""
+        self.engine.claim_linears()
 
     # ------------------------------------------------------------------ F
     @contextlib.contextmanager
@@ -195,14 +119,14 @@ class StageSeam:
         )
         with contextlib.ExitStack() as scope:
             if stage.has_backward and (
-                (split and self.engine == "graph") or self.meter is not None
+                (split and self.engine.uses_saved_holders) or self.meter is not None
             ):
                 skip = param_storages(stage.submod.parameters())
                 saved = self._saved[key] = SavedTensors(observer=self.meter, skip=skip)
                 scope.enter_context(saved.hooks())
-            if split and self.engine == "deferred":
-                store = self._stores[key] = WeightGradStore(self.meter, exact=self.exact)
-                scope.enter_context(self._slot_holding(stage, store))
+            if split:
+                fused = key in self.store_bw_keys
+                scope.enter_context(self.engine.forward_scope(key, self.meter, fused=fused))
             yield
 
     def hand_forward(self, stage: Any, output: Any, mb: int) -> None:
@@ -225,8 +149,8 @@ class StageSeam:
 
         ``loss``: the microbatch's loss on the last stage (else the received output gradients
         are used). ``params``: the weights W computes (default: the stage module's parameters,
-        read after FSDP unsharded them); the graph engine needs them, the deferred one queues
-        whatever weights its Linears used.
+        read after FSDP unsharded them, when the engine asks: the graph engine does, the
+        deferred one queues whatever weights its Linears used).
         """
         key = (stage.stage_index, mb)
         if stage.stage_index in self.own_w:
@@ -240,27 +164,15 @@ class StageSeam:
             check_output_grads(stage, mb, outputs, output_grads)
         # The graph engine collects the unsharded parameters (the graph's leaves) before B; the
         # deferred B is an ordinary autograd pass, unsharded by FSDP2's own pre-backward hooks.
-        _prepare_fsdp(stage, unshard=self.engine == "graph")
-        saved = self._saved.get(key)
-        if self.engine == "deferred":
-            store = self._pending[key] = self._stores.pop(key)  # clear() frees it if B fails
-            # Activation checkpointing recomputes forwards inside this pass: they must reach the
-            # same store (and the same autograd.Function) as the original forward did.
-            linears = self._linears[stage.stage_index]
-            with self._slot_holding(stage, store), post_accumulate_hooks_parked(linears) as hooked:
-                store.parked = hooked  # those weights' GEMMs wait for W, which fires the hooks
-                store.deferring = True
-                try:
-                    grads = backward_full(outputs, output_grads, input_values)
-                finally:
-                    store.deferring = False
-            if saved is not None:  # B freed the graph; only the store's tensors remain
-                saved.release_all()
-        else:
-            weights = params() if params is not None else _trainable(stage)
-            grads, self._pending[key] = backward_input(
-                outputs, output_grads, input_values, weights, saved=saved
-            )
+        _prepare_fsdp(stage, unshard=self.engine.unshards_for_backward)
+        grads = self.engine.backward_input(
+            key,
+            outputs,
+            output_grads,
+            input_values,
+            params if params is not None else lambda: _trainable(stage),
+            self._saved.get(key),
+        )
         if not stage.is_first:
             C.input_grad_cache(stage)[mb] = tuple(grads[: C.num_stage_inputs(stage)])
         if stage.is_last and not stage.is_first:
@@ -284,8 +196,8 @@ class StageSeam:
             return
         # The graph engine re-enters the graph (a weight-norm's gradient reads the weight); the
         # deferred one reads only queued activations, so a resharded FSDP block stays sharded.
-        _prepare_fsdp(stage, unshard=self.engine == "graph")
-        self._pending.pop(key).run()
+        _prepare_fsdp(stage, unshard=self.engine.unshards_for_backward)
+        self.engine.backward_weight(key)
         self.release(key)
 
     # ------------------------------------------------------------------ BW
@@ -293,9 +205,7 @@ class StageSeam:
         self, stage: Any, mb: int, loss: torch.Tensor | None, last_backward: bool
     ) -> None:
         """BW of ``stage`` on ``mb``: torch's fused backward, or B then W (:meth:`assign`)."""
-        store = self._stores.get((stage.stage_index, mb))
-        if store is not None:  # F opened a store: a store_bw_keys key
-            store.immediate = True  # its GEMMs accumulate during B; only hooked ones wait for W
+        if (stage.stage_index, mb) in self.store_bw_keys:  # F told the engine (forward_scope)
             self.backward_input(stage, mb, loss)
             self.backward_weight(stage, mb)
             return
@@ -330,17 +240,11 @@ class StageSeam:
     def pending_weight_passes(self) -> list[Key]:
         """The ``(stage, microbatch)`` keys whose B ran but whose W has not (yet)."""
         torch_w = [(i, mb) for i in self.own_w for mb in C.weight_runners(self.stages[i])]
-        return sorted([*self._pending, *torch_w])
+        return sorted([*self.engine.pending_keys(), *torch_w])
 
     def clear(self) -> None:
         """Drop every pending pass and saved tensor (a step ended, or failed midway)."""
-        for pending in self._pending.values():
-            if isinstance(pending, WeightGradStore):
-                pending.release()
-        for store in self._stores.values():
-            store.release()
-        self._pending.clear()
-        self._stores.clear()
+        self.engine.clear()
         for i in self.own_w:  # torch keeps a dw_builder stage's pending weight passes itself
             C.weight_runners(self.stages[i]).clear()
         for saved in self._saved.values():
@@ -367,15 +271,6 @@ class StageSeam:
             for t in tensors:
                 if isinstance(t, torch.Tensor):
                     count_until_freed(t, self.meter)
-
-    @contextlib.contextmanager
-    def _slot_holding(self, stage: Any, store: WeightGradStore) -> Iterator[None]:
-        slot = self._slots[stage.stage_index]
-        slot.store = store
-        try:
-            yield
-        finally:
-            slot.store = None
 
 
 def check_output_grads(stage: Any, mb: int, outputs: Any, grads: Sequence[Any]) -> None:
@@ -423,7 +318,7 @@ def _prepare_fsdp(stage: Any, unshard: bool) -> None:
        The deferred engine's W reads no weight (its GEMMs take activations and gradients),
        so it does not unshard. Every dp rank runs the same plan, so collectives match.
     """
-    module = stage.submod
+    module: torch.nn.Module = stage.submod
     if not isinstance(module, FSDPModule):
         return
     module.set_is_last_backward(False)

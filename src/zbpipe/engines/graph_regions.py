@@ -1,16 +1,18 @@
-"""Graph analysis for the split backward (:mod:`zbpipe.backward`): walk a stage's autograd graph
-once, find the activation region, the boundaries where W re-enters, the stage-0 targets, and the
-groups of boundaries one W call can serve. Vocabulary: see :mod:`zbpipe.backward`'s docstring.
+"""Graph analysis for the graph engine's split backward (:mod:`zbpipe.engines.graph_backward`):
+walk a stage's autograd graph once, find the activation region, the boundaries where W re-enters,
+the stage-0 targets, and the groups of boundaries one W call can serve. Vocabulary: see
+:mod:`zbpipe.engines.graph_backward`'s docstring.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from torch import Tensor
 from torch.autograd.graph import Node, get_gradient_edge
 
-from . import _compat as C
+from .. import _compat as C
 
 
 @dataclass
@@ -221,7 +223,7 @@ def _foldable(g: _Graph, gr: _Group, root_nodes: set[Node]) -> list[Node] | None
     return list(found)
 
 
-def _unique(edges) -> list[tuple[Node, int]]:
+def _unique(edges: Iterable[tuple[Node, int]]) -> list[tuple[Node, int]]:
     return list(dict.fromkeys(edges))
 
 
@@ -271,9 +273,10 @@ def _param_shaped(node: Node, below: frozenset[Node]) -> bool:
 
 
 def _acc_shape(acc: Node) -> tuple[int, ...]:
-    return tuple(acc.variable.shape)
+    return tuple(acc.variable.shape)  # type: ignore[attr-defined]  # an AccumulateGrad node
 
 
 def _num_slots(node: Node) -> int:
-    # No fallback: guessing 1 would silently drop the gradients of a multi-output target's other slots.
+    # No fallback: guessing 1 would silently drop the gradients of a multi-output target's other
+    # slots.
     return len(C.node_input_metadata(node))

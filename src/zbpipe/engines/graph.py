@@ -1,0 +1,83 @@
+"""The graph engine: every weight gradient in W, through ``autograd.grad`` on the stage graph.
+
+B asks autograd for the input edges only and records the gradients arriving at the weight
+regions' boundaries; W re-enters the graph there (:mod:`zbpipe.engines.graph_backward`, with
+the graph analysis in :mod:`zbpipe.engines.graph_regions`). General (any graph, no patching),
+and dearer than a fused backward: it walks the graph in Python every microbatch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Literal
+
+from torch import Tensor
+
+from ..saved import Observer, SavedTensors
+from ..validation import check_not_compiled
+from .graph_backward import WeightGrad, backward_input
+
+if TYPE_CHECKING:
+    from . import Key
+
+__all__ = ["GraphEngine"]
+
+
+class GraphEngine:
+    """The graph engine on one rank's stages (the :class:`~zbpipe.engines.SplitEngine` the seam
+    calls): B keeps each key's :class:`~zbpipe.engines.graph_backward.WeightGrad` until W."""
+
+    def __init__(self) -> None:
+        self.name: Literal["graph"] = "graph"
+        #: B collects the unsharded parameters (the leaves of the forward's graph) and W may read
+        #: a weight (a weight-norm's gradient does): both need FSDP2 blocks unsharded
+        self.unshards_for_backward = True
+        #: B tags what the forward saved and frees the activation-only tensors at its end
+        self.uses_saved_holders = True
+        #: a fused BW stays torch's fused backward: B then W here would only cost more
+        self.bw_through_store = False
+        self._pending: dict[Key, WeightGrad] = {}
+
+    def attach(self, stages: Sequence[Any]) -> None:
+        """Nothing to prepare: the engine works on whatever graph the forward builds."""
+
+    def claim_linears(self) -> None:
+        """Nothing to claim: no module is patched."""
+
+    def check_stages(self, owner: type, stages: Sequence[Any]) -> None:
+        """Refuse compiled submodules: a compiled region is one opaque node B cannot split."""
+        check_not_compiled(owner, stages)
+
+    def forward_scope(
+        self, key: Key, meter: Observer | None, *, fused: bool
+    ) -> AbstractContextManager[None]:
+        """Nothing around F: the seam's saved-tensor holders are all B needs from it."""
+        return contextlib.nullcontext()
+
+    def backward_input(
+        self,
+        key: Key,
+        outputs: Sequence[Any],
+        output_grads: Sequence[Tensor | None] | None,
+        inputs: Sequence[Any],
+        params: Callable[[], list[Tensor]],
+        saved: SavedTensors | None,
+    ) -> tuple[Tensor | None, ...]:
+        """B: the input gradients; W's graph calls wait, with ``params()`` as the weights."""
+        grads, self._pending[key] = backward_input(
+            outputs, output_grads, inputs, params(), saved=saved
+        )
+        return grads
+
+    def backward_weight(self, key: Key) -> None:
+        """W: re-enter the graph where B recorded the boundary gradients."""
+        self._pending.pop(key).run()
+
+    def pending_keys(self) -> list[Key]:
+        return list(self._pending)
+
+    def clear(self) -> None:
+        """Drop every pending W (and with it the graph it kept)."""
+        self._pending.clear()

@@ -1,0 +1,252 @@
+"""The deferred engine's Linears: ``nn.Linear`` modules whose weight GEMM can wait for W.
+
+A Linear is patched by swapping its class for a subclass whose ``forward`` reads a
+:class:`StoreSlot` shared by the stage. The runtime fills the slot only around a zbpipe F or B
+of a microbatch whose backward runs through the deferred engine; everywhere else (a plain
+``loss.backward()``, ``eval()``, torch's own schedules, a stage's first fused BW) the slot is
+empty and the module is an ordinary Linear. Patching the module, not every op, keeps the cost
+to one Python check per Linear call.
+
+During B, a patched Linear computes its input gradient (and its bias gradient, a cheap sum) and
+queues ``(weight, input, grad_output)`` in the slot's
+:class:`~zbpipe.engines.deferred.WeightGradStore` instead of the weight gradient; W runs the GEMM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .._compat import has_grad_hooks, is_compiled, own_parameter, post_accumulate_grad_hooks
+from .accumulate import weight_grad
+
+if TYPE_CHECKING:
+    from .deferred import WeightGradStore
+
+__all__ = [
+    "DeferredLinear",
+    "StoreSlot",
+    "patch_linears",
+    "patched_linears",
+    "post_accumulate_hooks_parked",
+    "unpatch_linears",
+    "weight_census",
+]
+
+
+class StoreSlot:
+    """Which :class:`WeightGradStore` a stage's patched Linears use right now (None: none)."""
+
+    __slots__ = ("store",)
+
+    def __init__(self) -> None:
+        self.store: WeightGradStore | None = None
+
+
+def _deferrable(weight: Tensor) -> bool:
+    """Whether W may compute ``weight``'s gradient. Not: a weight computed in the forward (a
+    parametrization such as weight_norm: B's autograd pass walks its small graph and frees it,
+    so W could not reach the parameters behind it); a weight with ``register_hook`` hooks
+    (autograd calls them with the gradient B computes, which a deferred GEMM would leave None).
+    Complex Linears never get here: :class:`DeferredLinear` runs them as plain ``F.linear``."""
+    return weight.grad_fn is None and not has_grad_hooks(weight)
+
+
+class _LinearFunction(torch.autograd.Function):
+    """``F.linear`` whose weight gradient waits in a :class:`WeightGradStore` during B.
+
+    Runs once per Linear call in F and in B, so it is written for speed: one context attribute,
+    no reshape of 2-D tensors (docs/backward.md has the per-call costs).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, store: WeightGradStore
+    ) -> Tensor:
+        device = x.device.type
+        # Autocast casts inside F.linear; the backward (which autograd runs without autocast)
+        # must compute in the same dtype, then cast back as autocast's _to_copy backward would.
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        x_dtype = x.dtype
+        if dtype is not None and x_dtype != dtype and x.is_floating_point():
+            x = x.to(dtype)  # saved (and held until W) at the size autocast's own Linear saves
+        ctx.save_for_backward(x, weight)
+        # (store, the weight W accumulates into, whether W may compute it, autocast dtype,
+        # input dtype, bias dtype). The weight is kept apart from the saved one: non-reentrant
+        # activation checkpointing hands B a detached copy from its recompute in place of each
+        # saved tensor. Some weights get their gradient in B, like a fused backward's
+        # (:func:`_deferrable`).
+        ctx.state = (
+            store,
+            weight,
+            _deferrable(weight),
+            dtype,
+            x_dtype,
+            None if bias is None else bias.dtype,
+        )
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        store, leaf_weight, deferrable, dtype, x_dtype, bias_dtype = ctx.state
+        need_x, need_w, need_b, _ = ctx.needs_input_grad
+        g2d = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, grad_out.shape[-1])
+        grad_x = grad_w = grad_b = None
+        if need_x:
+            grad_x = grad_out.matmul(weight if dtype is None else weight.to(dtype))
+            if grad_x.dtype != x_dtype:
+                grad_x = grad_x.to(x_dtype)
+        if need_b:
+            grad_b = g2d.sum(0)
+            if grad_b.dtype != bias_dtype:
+                grad_b = grad_b.to(bias_dtype)
+        if need_w:
+            x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+            if deferrable and store.deferring and not torch.is_grad_enabled():
+                store.put(leaf_weight, x2d, g2d, dtype)  # W computes it
+            else:  # a fused backward, or create_graph=True: an ordinary Linear
+                grad_w = weight_grad(g2d, x2d, dtype, weight.dtype)
+        return grad_x, grad_w, grad_b, None
+
+
+class DeferredLinear(nn.Linear):
+    """An ``nn.Linear`` whose weight gradient W can compute later (see the module docstring).
+
+    Made by :func:`patch_linears` (which swaps the class of existing modules; parameters,
+    hooks and state dict are untouched); identical to ``nn.Linear`` while its slot is empty.
+    """
+
+    _zbpipe_slot: StoreSlot
+
+    def forward(self, input: Tensor) -> Tensor:
+        store = self._zbpipe_slot.store
+        # Complex weights: autograd's gradients take conjugates, which this engine's GEMMs do not.
+        if store is None or self.weight.is_complex():
+            return F.linear(input, self.weight, self.bias)
+        out: Tensor = _LinearFunction.apply(  # type: ignore[no-untyped-call]  # torch's is untyped
+            input, self.weight, self.bias, store
+        )
+        return out
+
+
+@functools.cache
+def _deferred_class(cls: type) -> type:
+    """``DeferredLinear`` for ``nn.Linear``; for another subclass that keeps Linear's forward
+    (FSDP2's ``FSDPLinear``, say), a subclass of it with the deferred forward."""
+    if cls is nn.Linear:
+        return DeferredLinear
+    return type(f"Deferred{cls.__name__}", (cls,), {"forward": DeferredLinear.forward})
+
+
+def _patchable(module: nn.Module) -> bool:
+    if "_zbpipe_unpatched" in module.__dict__:  # patched already
+        return True
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+
+
+def _linears(module: nn.Module) -> list[nn.Module]:
+    """Patchable Linears of ``module``, skipping compiled subtrees.
+
+    A compiled region is one opaque autograd node: its Linears' weight gradients are computed in
+    B with the rest of the region, whatever class they have.
+    """
+    if is_compiled(module):
+        return []
+    if _patchable(module):
+        return [module]
+    return [lin for child in module.children() for lin in _linears(child)]
+
+
+def patch_linears(module: nn.Module, slot: StoreSlot) -> int:
+    """Make every patchable Linear under ``module`` a deferred one reading ``slot``.
+
+    Patches ``nn.Linear`` and subclasses that keep its ``forward``; skips compiled subtrees.
+    Patching again (a second schedule on the same modules) points the Linears at the new slot.
+    Returns the number of Linears patched.
+    """
+    found = _linears(module)
+    for lin in found:
+        if "_zbpipe_unpatched" not in lin.__dict__:
+            cls: type = type(lin)
+            lin._zbpipe_unpatched = cls  # type: ignore[assignment]
+            lin.__class__ = _deferred_class(cls)
+        lin._zbpipe_slot = slot  # type: ignore[assignment]
+    return len(found)
+
+
+def patched_linears(module: nn.Module) -> list[nn.Module]:
+    """The Linears under ``module`` that :func:`patch_linears` patched."""
+    return [sub for sub in module.modules() if "_zbpipe_unpatched" in sub.__dict__]
+
+
+@contextlib.contextmanager
+def post_accumulate_hooks_parked(linears: Sequence[nn.Module]) -> Iterator[frozenset[int]]:
+    """Around B: hold back the ``register_post_accumulate_grad_hook`` hooks of ``linears``' weights.
+
+    Autograd runs a leaf's ``AccumulateGrad``, and with it the leaf's post-accumulate hooks, even
+    when the gradient reaching it is None, which is what B hands a weight whose GEMM it queued:
+    the hooks would fire in B on a ``.grad`` W has not written yet, then again in W. Parked, they
+    fire once, in W, after the accumulation (a weight that also gets a part of its gradient in
+    B, tied to an embedding say, fires in W too: after its last accumulation). Yields the ids
+    of the weights whose hooks it parked (a store must queue those: see ``immediate``).
+    """
+    parked: list[tuple[dict[Any, Any], dict[Any, Any]]] = []
+    ids = set()
+    for lin in linears:
+        weight = own_parameter(lin, "weight")  # None under a parametrization: not deferred
+        hooks = post_accumulate_grad_hooks(weight)
+        if hooks:  # the dict autograd's C++ hook reads at call time: emptied in place
+            parked.append((hooks, dict(hooks)))
+            ids.add(id(weight))
+            hooks.clear()
+    try:
+        yield frozenset(ids)
+    finally:
+        for hooks, saved in parked:
+            hooks.update(saved)
+
+
+def unpatch_linears(module: nn.Module) -> int:
+    """Give every Linear :func:`patch_linears` patched under ``module`` its class back."""
+    n = 0
+    for sub in module.modules():
+        original = sub.__dict__.pop("_zbpipe_unpatched", None)
+        if original is not None:
+            sub.__class__ = original
+            sub.__dict__.pop("_zbpipe_slot", None)
+            n += 1
+    return n
+
+
+def weight_census(module: nn.Module) -> tuple[int, int]:
+    """(elements of patchable Linear weights, elements of other matrix-like weights).
+
+    "Other" counts parameters with two or more dimensions outside patchable Linears and outside
+    ``nn.Embedding`` (an embedding's gradient is a scatter of rows, not a GEMM): the weight
+    work the deferred engine leaves in B. ``split="auto"`` compares the two.
+    """
+    in_linears = {id(p) for lin in _linears(module) for p in lin.parameters()}
+    # A compiled region's weight gradients are computed in B by either engine (the graph engine
+    # refuses it): neither kind of work, so it does not push auto towards the graph engine.
+    compiled = {id(p) for m in module.modules() if is_compiled(m) for p in m.parameters()}
+    in_embeddings = {
+        id(p) for m in module.modules() if isinstance(m, nn.Embedding) for p in m.parameters()
+    }
+    linear = other = 0
+    for p in module.parameters():
+        if not p.requires_grad:
+            continue
+        if id(p) in compiled:
+            continue
+        if id(p) in in_linears:
+            linear += p.numel() if p.dim() >= 2 else 0
+        elif p.dim() >= 2 and id(p) not in in_embeddings:
+            other += p.numel()
+    return linear, other
