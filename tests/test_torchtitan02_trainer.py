@@ -29,7 +29,7 @@ import pytest
 import _torchtitan_assets as assets
 from _torchtitan_trainer import RECIPE, ROOT, assert_same_losses, losses, torchrun
 
-pytestmark = [pytest.mark.torchtitan02_trainer, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.torchtitan02_trainer, pytest.mark.timeout(900)]
 
 STEPS = 3
 ZBV_TOML = RECIPE / "llama3_debug_cpu_zbv.toml"
