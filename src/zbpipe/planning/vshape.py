@@ -17,16 +17,21 @@ microbatch afterwards, so the oldest unfinished microbatch can always go all the
 last stage, and B and W (which only free memory in the usual cost models) never wait for it.
 
 A few strategy knobs change tie-breaks; ``plan_zbv`` tries each and keeps the shortest plan.
+The paper's hand-made ZB-V order and its executor are in ``vorder``.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from .core import Action
 from .costs import StageCosts
-from .rules import EPS, Value, makes, needs, within
+from .rules import EPS
+
+#: One action as the schedulers record it: ``(stage, kind, microbatch)``.
+Step = tuple[int, str, int]
 
 
 @dataclass(frozen=True)
@@ -50,11 +55,37 @@ class VShapeStrategy:
     mark (keeps memory headroom for chunk-1 forwards)."""
 
 
+class StepOrder(Mapping[int, tuple[Action, ...]]):
+    """Per-rank orders recorded as :data:`Step` triples, made into ``Action`` s when first read.
+
+    A V plan search times about twenty candidate orders and keeps one or two; an ``Action`` is
+    a validated frozen dataclass that costs more to make than a scheduler decision, so the losers
+    never make theirs.
+    """
+
+    def __init__(self, steps: list[list[Step]]) -> None:
+        self._steps = steps
+        self._actions: dict[int, tuple[Action, ...]] = {}
+
+    def __getitem__(self, rank: int) -> tuple[Action, ...]:
+        if rank not in self._actions:
+            if not 0 <= rank < len(self._steps):
+                raise KeyError(rank)
+            self._actions[rank] = tuple(Action(s, k, mb) for s, k, mb in self._steps[rank])
+        return self._actions[rank]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(len(self._steps)))
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+
 @dataclass(frozen=True)
 class GreedyResult:
     """The per-rank orders the greedy produced, with its own timing estimate."""
 
-    order: dict[int, tuple[Action, ...]]
+    order: Mapping[int, tuple[Action, ...]]
     makespan: float
     longest_span: float
     peak_memory: dict[int, float]
@@ -78,18 +109,63 @@ def min_budget(stage_costs: list[StageCosts], num_ranks: int) -> float:
     )
 
 
+class StageTable:
+    """Per-stage constants of a V run, looked up once instead of on every decision.
+
+    The schedulers ask for the same few numbers tens of thousands of times per plan; lists
+    indexed by stage cost a fraction of ``StageCosts`` method calls, and each float is exactly
+    what those methods return, so the timings (and every tie they decide) are unchanged.
+    """
+
+    def __init__(self, p: int, stage_costs: list[StageCosts]) -> None:
+        n = 2 * p
+        sc = stage_costs
+        self.rank_of = [s if s < p else n - 1 - s for s in range(n)]
+        self.dur = {k: [c.time(k) for c in sc] for k in ("F", "B", "W", "BW")}
+        self.mem = {k: [c.mem(k) for c in sc] for k in ("F", "B", "W", "BW")}
+        # A value reaches the neighbour stage ``comm`` after it is made, or at once on the same
+        # rank: F goes down the V (s -> s + 1), the input gradient comes back (s -> s - 1); the
+        # one same-rank hop is the turn of the V. Adding 0.0 to a time leaves it as it is.
+        rank_of = self.rank_of
+        self.down_delay = [
+            0.0 if s + 1 < n and rank_of[s] == rank_of[s + 1] else sc[s].comm for s in range(n)
+        ]
+        self.up_delay = [
+            0.0 if s > 0 and rank_of[s] == rank_of[s - 1] else sc[s].comm for s in range(n)
+        ]
+
+
 class _VGreedy:
-    """The state of one greedy V run; :meth:`decide` is the module docstring's priorities."""
+    """The state of one greedy V run; :meth:`decide` is the module docstring's priorities.
+
+    A run makes about one decision per action (p=32, m=128: 25,000), so the state is flat lists
+    indexed by stage or rank, and the rank that decides next comes from a heap.
+    """
 
     def __init__(
         self, p: int, m: int, stage_costs: list[StageCosts], budget: float, strategy: VShapeStrategy
     ) -> None:
         n_stages = 2 * p
-        self.p, self.m, self.sc, self.budget, self.strategy = p, m, stage_costs, budget, strategy
-        self.n_stages = n_stages
-        self.rank_of = [s if s < p else n_stages - 1 - s for s in range(n_stages)]
-        self.chunks = [(r, n_stages - 1 - r) for r in range(p)]  # (chunk 0, chunk 1) per rank
-        self.f_end: dict[tuple[int, int], float] = {}
+        self.p, self.m, self.strategy = p, m, strategy
+        self.last = n_stages - 1
+        table = StageTable(p, stage_costs)
+        self.rank_of = table.rank_of
+        self.dur_f, self.dur_b, self.dur_w = table.dur["F"], table.dur["B"], table.dur["W"]
+        self.mem_f, self.mem_b, self.mem_w = table.mem["F"], table.mem["B"], table.mem["W"]
+        self.down_delay, self.up_delay = table.down_delay, table.up_delay
+        self.fp_f = [_future_peak_after_f(c) for c in stage_costs]
+        self.fp_b = [_future_peak_after_b(c) for c in stage_costs]
+        self.fp_b_minus_f = [b - f for b, f in zip(self.fp_b, self.fp_f)]
+        self.limit = budget + EPS  # ``within(x, budget)`` is ``x <= budget + EPS``
+        self.lead_cap = [
+            None
+            if strategy.chunk0_lead is None
+            else strategy.chunk0_lead + strategy.lead_slope * (p - 1 - r)
+            for r in range(p)
+        ]
+        # f_in[s][mb]: when F(s - 1, mb)'s activation is on stage s's rank (F runs in microbatch
+        # order, so the list grows in microbatch order); stage 0 has its inputs at time 0
+        self.f_in: list[list[float]] = [[] for _ in range(n_stages)]
         self.next_f = [0] * n_stages  # F runs in microbatch order on each stage
         self.b_ready: list[list[tuple[float, int]]] = [[] for _ in range(n_stages)]  # (arr, mb)
         self.w_queue: list[list[tuple[int, int]]] = [[] for _ in range(p)]  # FIFO (stage, mb)
@@ -101,65 +177,75 @@ class _VGreedy:
         self.peak = [0.0] * p
         self.first_start: list[float | None] = [None] * p
         self.remaining = [3 * 2 * m] * p
-        self.order: list[list[Action]] = [[] for _ in range(p)]
+        self.order: list[list[Step]] = [[] for _ in range(p)]
         self.blocked = [False] * p
+        # (time, rank) of every rank that may decide; an entry whose time is no longer the
+        # rank's is stale and skipped (every change of ``time`` pushes a fresh one)
+        self.heap: list[tuple[float, int]] = [(0.0, r) for r in range(p)]
 
-    def arrival(self, src_stage: int, dst_stage: int, end: float) -> float:
-        same = self.rank_of[src_stage] == self.rank_of[dst_stage]
-        return end if same else end + self.sc[src_stage].comm
-
-    def f_arrival(self, s: int) -> float | None:
+    def f_start(self, r: int, s: int) -> float | None:
+        """When the next F of stage ``s`` may start on rank ``r``: its input's arrival; None if
+        there is no next F, its input is not made yet, or the budget does not allow it."""
         mb = self.next_f[s]
         if mb >= self.m:
             return None
         if s == 0:
-            return 0.0
-        prev = self.f_end.get((s - 1, mb))
-        return None if prev is None else self.arrival(s - 1, s, prev)
-
-    def f_fits(self, r: int, s: int) -> bool:
-        fp = _future_peak_after_f(self.sc[s])
-        if not within(self.reserved[r] + fp, self.budget):
-            return False
-        c0, c1 = self.chunks[r]
-        if s == c0:
+            arrival = 0.0
+        else:
+            arrived = self.f_in[s]
+            if mb >= len(arrived):
+                return None
+            arrival = arrived[mb]
+        fp = self.fp_f[s]
+        if self.reserved[r] + fp > self.limit:
+            return None
+        if s == r:  # chunk 0
             # Deadlock freedom: the microbatches stuck between this rank's two chunks must leave
             # room for one chunk-1 forward, whatever else is in flight (that drains on its own).
-            waiting = self.next_f[c0] - self.next_f[c1] + 1
-            if not within(waiting * fp + _future_peak_after_f(self.sc[c1]), self.budget):
-                return False
-            lead = self.strategy.chunk0_lead
-            if lead is not None and waiting > lead + self.strategy.lead_slope * (self.p - 1 - r):
-                return False
-        return True
+            c1 = self.last - r
+            waiting = mb - self.next_f[c1] + 1
+            if waiting * fp + self.fp_f[c1] > self.limit:
+                return None
+            cap = self.lead_cap[r]
+            if cap is not None and waiting > cap:
+                return None
+        return arrival
 
-    def run(self, r: int, a: Action, start: float) -> None:
-        c = self.sc[a.stage]
-        end = start + c.time(a.kind)
+    def run_f(self, r: int, s: int, start: float) -> None:
+        mb = self.next_f[s]
+        self.next_f[s] = mb + 1
+        end = self._commit(r, (s, "F", mb), start, self.dur_f[s], self.mem_f[s])
+        self.reserved[r] += self.fp_f[s]
+        if s == self.last:
+            heapq.heappush(self.b_ready[s], (end, mb))
+        else:
+            at = end + self.down_delay[s]
+            self.f_in[s + 1].append(at)
+            self.wake(s + 1, at)
+
+    def run_b(self, r: int, s: int, mb: int, start: float) -> None:
+        end = self._commit(r, (s, "B", mb), start, self.dur_b[s], self.mem_b[s])
+        self.reserved[r] += self.fp_b_minus_f[s]
+        self.w_queue[r].append((s, mb))
+        if s > 0:
+            at = end + self.up_delay[s]
+            heapq.heappush(self.b_ready[s - 1], (at, mb))
+            self.wake(s - 1, at)
+
+    def run_w(self, r: int, s: int, mb: int, start: float) -> None:
+        self._commit(r, (s, "W", mb), start, self.dur_w[s], self.mem_w[s])
+        self.reserved[r] -= self.fp_b[s]
+
+    def _commit(self, r: int, step: Step, start: float, dur: float, mem: float) -> float:
+        end = start + dur
         if self.first_start[r] is None:
             self.first_start[r] = start
-        self.order[r].append(a)
+        self.order[r].append(step)
         self.time[r] = self.free[r] = end
         self.remaining[r] -= 1
-        self.mem[r] += c.mem(a.kind)
+        self.mem[r] += mem
         self.peak[r] = max(self.peak[r], self.mem[r])
-        s, mb = a.stage, a.microbatch
-        if a.kind == "F":
-            self.reserved[r] += _future_peak_after_f(c)
-            self.next_f[s] += 1
-            self.f_end[(s, mb)] = end
-            if s == self.n_stages - 1:
-                heapq.heappush(self.b_ready[s], (end, mb))
-            else:
-                self.wake(s + 1, self.arrival(s, s + 1, end))
-        elif a.kind == "B":
-            self.reserved[r] += _future_peak_after_b(c) - _future_peak_after_f(c)
-            self.w_queue[r].append((s, mb))
-            if s > 0:
-                heapq.heappush(self.b_ready[s - 1], (self.arrival(s, s - 1, end), mb))
-                self.wake(s - 1, self.arrival(s, s - 1, end))
-        else:
-            self.reserved[r] -= _future_peak_after_b(c)
+        return end
 
     def wake(self, dst_stage: int, at: float) -> None:
         # a new dependency: a rank idling until a later arrival (or with nothing to wait for)
@@ -170,73 +256,77 @@ class _VGreedy:
             self.time[q] = max(self.free[q], at)
         elif self.time[q] > self.free[q]:
             self.time[q] = max(self.free[q], min(self.time[q], at))
-
-    def any_f_ready(self, r: int, t: float) -> bool:
-        for s in self.chunks[r]:
-            a = self.f_arrival(s)
-            if a is not None and a <= t + EPS and self.f_fits(r, s):
-                return True
-        return False
-
-    def ready_b(self, r: int, t: float) -> int | None:
-        """The stage whose B runs now: the earliest arrived, ties to the later stage."""
-        best: tuple[tuple[int, int], int] | None = None
-        for s in reversed(self.chunks[r]):
-            q = self.b_ready[s]
-            if q and q[0][0] <= t + EPS:
-                key = (q[0][1], -s)
-                if best is None or key < best[0]:
-                    best = (key, s)
-        return None if best is None else best[1]
+        else:
+            return
+        heapq.heappush(self.heap, (self.time[q], q))
 
     def decide(self, r: int) -> float | None:
         """Run one action on rank r, or return the time to wake up at (None: wait for events)."""
         t, strategy = self.time[r], self.strategy
-        c0, c1 = self.chunks[r]
-        s_b = self.ready_b(r, t)
-        if s_b is not None and not (strategy.f_first and self.any_f_ready(r, t)):
+        c0, c1 = r, self.last - r
+        lim = t + EPS
+        q0, q1 = self.b_ready[c0], self.b_ready[c1]
+        # the B to run: the earliest arrived microbatch, ties to the later stage (chunk 1)
+        ok0 = bool(q0) and q0[0][0] <= lim
+        if q1 and q1[0][0] <= lim and (not ok0 or q1[0][1] <= q0[0][1]):
+            s_b = c1
+        else:
+            s_b = c0 if ok0 else -1
+        if s_b >= 0 and strategy.f_first:
+            for s in (c0, c1):
+                a = self.f_start(r, s)
+                if a is not None and a <= lim:
+                    s_b = -1  # a ready F goes first
+                    break
+        if s_b >= 0:
             _, mb = heapq.heappop(self.b_ready[s_b])
-            self.run(r, Action(s_b, "B", mb), t)
+            self.run_b(r, s_b, mb, t)
             return t
         has_w = self.w_head[r] < len(self.w_queue[r])
         arrivals: list[float] = []
         for s in (c1, c0):
-            a = self.f_arrival(s)
-            if a is None or not self.f_fits(r, s):
+            a = self.f_start(r, s)
+            if a is None:
                 continue  # if it does not fit, only this rank's own B/W can unblock it
-            if a <= t + EPS:
+            if a <= lim:
                 high_water = self.mem[r] + EPS >= max(self.peak[r], EPS)
                 if s == c0 and has_w and strategy.w_before_f and high_water:
                     break
-                self.run(r, Action(s, "F", self.next_f[s]), t)
+                self.run_f(r, s, t)
                 return t
             arrivals.append(a)
-        arrivals += [self.b_ready[s][0][0] for s in (c1, c0) if self.b_ready[s]]
+        if q1:
+            arrivals.append(q1[0][0])
+        if q0:
+            arrivals.append(q0[0][0])
         if has_w:
             soon = min(arrivals, default=None)
             s, mb = self.w_queue[r][self.w_head[r]]
-            if soon is None or soon - t >= strategy.w_wait * self.sc[s].w - EPS:
+            if soon is None or soon - t >= strategy.w_wait * self.dur_w[s] - EPS:
                 self.w_head[r] += 1
-                self.run(r, Action(s, "W", mb), t)
+                self.run_w(r, s, mb, t)
                 return t
         return min(arrivals) if arrivals else None
 
     def schedule(self) -> GreedyResult:
-        p = self.p
-        while True:
-            live = [r for r in range(p) if self.remaining[r] > 0 and not self.blocked[r]]
-            if not live:
-                if any(self.remaining):
-                    stuck = [r for r in range(p) if self.remaining[r]]
-                    raise RuntimeError(f"greedy V scheduler deadlocked on ranks {stuck} (bug)")
-                break
-            r = min(live, key=lambda q: (self.time[q], q))
+        heap, time, blocked, remaining = self.heap, self.time, self.blocked, self.remaining
+        # The live rank with the smallest (time, rank) decides next, as a scan would pick it.
+        while heap:
+            t, r = heapq.heappop(heap)
+            if t != time[r] or blocked[r] or not remaining[r]:
+                continue  # stale entry
             wake_at = self.decide(r)
             if wake_at is None:
-                self.blocked[r] = True
-            elif wake_at > self.time[r]:
-                self.time[r] = wake_at
-        return _greedy_result(self.order, self.first_start, self.time, self.peak)
+                blocked[r] = True
+                continue
+            if wake_at > time[r]:
+                time[r] = wake_at
+            if remaining[r]:
+                heapq.heappush(heap, (time[r], r))
+        if any(remaining):
+            stuck = [r for r in range(self.p) if remaining[r]]
+            raise RuntimeError(f"greedy V scheduler deadlocked on ranks {stuck} (bug)")
+        return greedy_result(self.order, self.first_start, self.time, self.peak)
 
 
 def greedy_v(
@@ -250,176 +340,14 @@ def greedy_v(
     return _VGreedy(num_ranks, n_microbatches, stage_costs, budget, strategy).schedule()
 
 
-def zbv_fb_order(
-    num_ranks: int, n_microbatches: int, with_w: bool = False
-) -> dict[int, list[Action]]:
-    """The order of the ZB-V paper's hand-made schedule (Qi et al. 2024, Sec. 6).
-
-    Rank ``r``: ``2(p - r) - 1`` chunk-0 forwards; ``r`` pairs (chunk-1 F, chunk-0 F);
-    ``p - r`` pairs (chunk-1 F, chunk-1 B); then the steady (F0 B0 F1 B1) rounds, and the
-    cool-down backwards. Without ``with_w`` W is left out and the executor places it where the
-    real costs leave gaps; with it, W follows its B in warm-up and steady state and the
-    cool-down's W come last, as in the paper's figure.
-    Microbatches beyond ``n_microbatches`` (the warm-up needs ``2p - 1``) are dropped.
-    """
-    p = num_ranks
-    mm = max(2 * p - 1, n_microbatches)
-    return {
-        r: [a for a in _zbv_rank_order(r, p, mm, with_w) if a.microbatch < n_microbatches]
-        for r in range(p)
-    }
-
-
-def _zbv_rank_order(r: int, p: int, mm: int, with_w: bool) -> list[Action]:
-    """Rank ``r``'s order in :func:`zbv_fb_order`, for ``mm`` microbatches."""
-    c0, c1 = r, 2 * p - 1 - r
-    nf = {c0: 0, c1: 0}
-    nb = {c0: 0, c1: 0}
-    seq: list[Action] = []
-
-    def f(s: int) -> None:
-        seq.append(Action(s, "F", nf[s]))
-        nf[s] += 1
-
-    nw = {c0: 0, c1: 0}
-
-    def b(s: int, w: bool = True) -> None:
-        seq.append(Action(s, "B", nb[s]))
-        nb[s] += 1
-        if with_w and w:
-            seq.append(Action(s, "W", nw[s]))
-            nw[s] += 1
-
-    for _ in range(2 * (p - r) - 1):
-        f(c0)
-    for _ in range(r):
-        f(c1)
-        f(c0)
-    for _ in range(p - r):
-        f(c1)
-        b(c1)
-    while nf[c1] < nf[c0] or nf[c0] < mm:
-        if nf[c0] < mm:
-            f(c0)
-        b(c0)
-        f(c1)
-        b(c1)
-    for _ in range(r):
-        b(c0, w=False)
-        b(c1, w=False)
-    while nb[c0] < mm:
-        b(c0)
-    if with_w:
-        for s in (c1, c0):
-            while nw[s] < mm:
-                seq.append(Action(s, "W", nw[s]))
-                nw[s] += 1
-    return seq
-
-
-class _FixedOrder:
-    """The state of one :func:`execute_fb_order` run: the rules' dependencies, real costs."""
-
-    def __init__(self, p: int, stage_costs: list[StageCosts], fb_order: dict[int, list[Action]]):
-        self.p, self.sc, self.fb_order = p, stage_costs, fb_order
-        self.last = 2 * p - 1
-        self.rank_of = [s if s < p else self.last - s for s in range(2 * p)]
-        self.done: dict[Value, float] = {}  # when each produced value was made
-        self.pos = [0] * p
-        self.time = [0.0] * p
-        self.first: list[float | None] = [None] * p
-        self.mem = [0.0] * p
-        self.peak = [0.0] * p
-        self.pending_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]
-        self.order: list[list[Action]] = [[] for _ in range(p)]
-        self.fixed_w = any(a.kind == "W" for acts in fb_order.values() for a in acts)
-
-    def run(self, r: int, a: Action, start: float) -> None:
-        c = self.sc[a.stage]
-        if self.first[r] is None:
-            self.first[r] = start
-        self.time[r] = start + c.time(a.kind)
-        for value in makes(a):
-            self.done[value] = self.time[r]
-        self.order[r].append(a)
-        self.mem[r] += c.mem(a.kind)
-        self.peak[r] = max(self.peak[r], self.mem[r])
-        if a.kind == "B" and not self.fixed_w:
-            self.pending_w[r].append((a.stage, a.microbatch))
-
-    def arrival(self, a: Action) -> float | None:
-        """When everything ``a`` needs is on its rank; None if something is not made yet."""
-        t = 0.0
-        for value in needs(a, self.last):
-            if value not in self.done:
-                return None
-            src = value[0]
-            extra = self.sc[src].comm if self.rank_of[src] != self.rank_of[a.stage] else 0.0
-            t = max(t, self.done[value] + extra)
-        return t
-
-    def pop_w(self, r: int) -> None:
-        s, mb = self.pending_w[r].pop(0)
-        self.run(r, Action(s, "W", mb), self.time[r])
-
-    def next_ready(self) -> tuple[float, int] | None:
-        """The rank whose next action could start earliest (causal, like a simulator)."""
-        cands = []
-        for r in range(self.p):
-            if self.pos[r] < len(self.fb_order[r]):
-                t = self.arrival(self.fb_order[r][self.pos[r]])
-                if t is not None:
-                    cands.append((max(t, self.time[r]), r))
-        return min(cands) if cands else None
-
-
-def execute_fb_order(
-    num_ranks: int,
-    n_microbatches: int,
-    stage_costs: list[StageCosts],
-    budget: float,
-    fb_order: dict[int, list[Action]],
-    eager_w: bool,
-) -> GreedyResult | None:
-    """Run a fixed per-rank F/B order and place every W by the real costs.
-
-    A W runs when the rank's next F/B has not arrived yet (filling the gap), when that F
-    would overflow ``budget``, or right after its B if ``eager_w``. Returns None if the
-    order cannot be completed within ``budget`` (an F blocked by memory with no W to run).
-    """
-    ex = _FixedOrder(num_ranks, stage_costs, fb_order)
-    remaining = sum(len(v) for v in fb_order.values())
-    while remaining:
-        nxt = ex.next_ready()
-        if nxt is None:
-            return None
-        start, r = nxt
-        a = fb_order[r][ex.pos[r]]
-        f_overflows = a.kind == "F" and not within(ex.mem[r] + stage_costs[a.stage].mem_f, budget)
-        if f_overflows and not ex.pending_w[r]:
-            return None
-        if ex.pending_w[r] and (eager_w or f_overflows or start > ex.time[r] + EPS):
-            ex.pop_w(
-                r
-            )  # right after its B, to free memory, or to fill the gap before ``a`` arrives
-            continue
-        ex.run(r, a, start)
-        ex.pos[r] += 1
-        remaining -= 1
-    for r in range(num_ranks):
-        while ex.pending_w[r]:
-            ex.pop_w(r)
-    return _greedy_result(ex.order, ex.first, ex.time, ex.peak)
-
-
-def _greedy_result(
-    order: list[list[Action]], first_start: list[float | None], ends: list[float], peak: list[float]
+def greedy_result(
+    order: list[list[Step]], first_start: list[float | None], ends: list[float], peak: list[float]
 ) -> GreedyResult:
     """Package a timed per-rank order (start of each rank's first action, end of its last)."""
     p = len(ends)
     starts = [fs or 0.0 for fs in first_start]
     return GreedyResult(
-        order={r: tuple(order[r]) for r in range(p)},
+        order=StepOrder(order),
         makespan=max(ends) - min(starts),
         longest_span=max(e - s for s, e in zip(starts, ends)),
         peak_memory={r: peak[r] for r in range(p)},

@@ -36,14 +36,8 @@ from .improve import improve
 from .rules import EPS, check_sizes, within
 from .simulator import simulate
 from .vblocks import block_candidates
-from .vshape import (
-    GreedyResult,
-    VShapeStrategy,
-    execute_fb_order,
-    greedy_v,
-    min_budget,
-    zbv_fb_order,
-)
+from .vorder import execute_fb_order, zbv_fb_order
+from .vshape import GreedyResult, VShapeStrategy, greedy_v, min_budget
 
 log = logging.getLogger(__name__)
 
