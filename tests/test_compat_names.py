@@ -242,6 +242,8 @@ def test_local_hand_off_buffers_are_dropped_and_a_later_none_gradient_reads_as_z
     import torch
     from torch.distributed.pipelining.stage import _PipelineStageBase, _RecvInfo
 
+    if "tensor_meta" not in inspect.signature(_RecvInfo).parameters:
+        pytest.skip("torch 2.11's set_local_bwd_input refuses None gradients: nothing to rebuild")
     meta = types.SimpleNamespace(shape=torch.Size([2, 3]), dtype=torch.float32)
     act = _RecvInfo("x", 0, torch.ones(2, 3), meta)
     grad = _RecvInfo("g", 2, torch.ones(2, 3), meta)
@@ -254,7 +256,7 @@ def test_local_hand_off_buffers_are_dropped_and_a_later_none_gradient_reads_as_z
     )
     stage.set_local_bwd_input = types.MethodType(_PipelineStageBase.set_local_bwd_input, stage)
     C.drop_local_inputs(stage, 0, fwd=True, bwd=True)
-    assert act.buffer is None and grad.buffer is None
+    assert act.buffer.numel() == 0 and grad.buffer.numel() == 0  # freed
     C.set_local_bwd_input(stage, (None,), 0)
     assert torch.equal(grad.buffer, torch.zeros(2, 3))
     handed = torch.full((2, 3), 5.0)

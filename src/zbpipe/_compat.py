@@ -148,8 +148,20 @@ def drop_local_inputs(stage: _PipelineStageBase, mb: int | None, *, fwd: bool, b
             continue
         for infos in table.values() if mb is None else (table.get(mb, ()),):
             for info in infos:
-                if not info.is_root_arg:
-                    info.buffer = None
+                if _is_receive(info) and isinstance(info.buffer, torch.Tensor):
+                    # An empty tensor, not None: torch 2.11 resets ``buffer.grad`` on every
+                    # receive info when a step starts.
+                    info.buffer = info.buffer.new_empty(0)
+
+
+def _is_receive(info: Any) -> bool:
+    """A receive info with a buffer, not stage 0's root-argument placeholder: torch >= 2.13 marks
+    those ``is_root_arg``; torch 2.11 gives them their own class, without a buffer."""
+    return hasattr(info, "buffer") and not getattr(info, "is_root_arg", False)
+
+
+def _is_dropped(buffer: Any) -> bool:
+    return buffer is None or (isinstance(buffer, torch.Tensor) and buffer.numel() == 0)
 
 
 def set_local_bwd_input(stage: _PipelineStageBase, grads: tuple[Any, ...], mb: int) -> None:
@@ -159,9 +171,10 @@ def set_local_bwd_input(stage: _PipelineStageBase, grads: tuple[Any, ...], mb: i
     the zero output gradient); once dropped there is none, so a zero one is made from the metadata.
     """
     for info, g in zip(stage.grad_recv_info[mb], grads, strict=True):
-        meta = info.tensor_meta
-        if g is None and info.buffer is None and meta is not None and not info.is_root_arg:
-            info.buffer = torch.zeros(meta.shape, dtype=meta.dtype, device=stage.device)
+        if g is None and _is_receive(info) and _is_dropped(info.buffer):
+            meta = getattr(info, "tensor_meta", None)  # torch 2.11 has none: it refuses None
+            if meta is not None:
+                info.buffer = torch.zeros(meta.shape, dtype=meta.dtype, device=stage.device)
     stage.set_local_bwd_input(grads, mb)
 
 
