@@ -34,7 +34,7 @@ from .core import Plan, PlanError, make_plan, v_placement
 from .costs import Costs, StageCosts
 from .improve import improve
 from .rules import EPS, check_sizes, within
-from .simulator import simulate
+from .simulator import simulate_timing
 from .vblocks import block_candidates
 from .vorder import execute_fb_order, zbv_fb_order
 from .vshape import GreedyResult, VShapeStrategy, greedy_v, min_budget
@@ -186,11 +186,10 @@ def _polish(
         evals = max(100, evals // 4)
     plan = improve(plan, costs, memory_limit=budget, max_seconds=None, max_evals=evals)
     try:  # independent check of deadlock freedom and memory
-        r = simulate(plan, costs, memory_limit=budget)
+        r = simulate_timing(plan, costs, memory_limit=budget)
     except PlanError as exc:  # a bug in the generator, not the user's fault
         raise RuntimeError(f"plan_zbv built an invalid plan ({label}): {exc}") from exc
-    span = max(iv[-1].end - iv[0].start for iv in r.timeline.values() if iv)
-    return (round(span, 9), round(r.makespan, 9)), plan, label
+    return (round(r.longest_span, 9), round(r.makespan, 9)), plan, label
 
 
 def improve_budget(num_ranks: int, n_microbatches: int) -> int:
