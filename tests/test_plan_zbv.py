@@ -205,3 +205,27 @@ def test_v_min_block_unit_costs_hand_worked_p2() -> None:
         ("W", 0): 8,
     }
     assert off == pytest.approx(want)
+
+
+@pytest.mark.parametrize("memory", ["zb", "half", "min"])
+@pytest.mark.parametrize("p", [3, 8])
+def test_greedy_candidates_equal_separate_greedy_runs(p, memory) -> None:
+    # greedy_candidates skips runs it can prove equal to an earlier one (the same strategy, or a
+    # lead cap no rank reaches); every strategy must still get exactly what its own run gives.
+    from zbpipe.planning.vshape import greedy_candidates, greedy_v
+    from zbpipe.planning.zbv import _budget, _strategies
+
+    costs = Costs(**HEADLINE)
+    sc = costs.per_stage(2 * p)
+    budget = _budget(p, sc, memory, None)
+    strategies = _strategies(p, memory)
+    got = list(greedy_candidates(p, 3 * p, sc, budget, strategies))
+    assert [strategy for strategy, _ in got] == strategies
+    for strategy, res in got:
+        alone = greedy_v(p, 3 * p, sc, budget, strategy)
+        assert dict(res.order) == dict(alone.order)
+        assert (res.makespan, res.longest_span, res.peak_memory) == (
+            alone.makespan,
+            alone.longest_span,
+            alone.peak_memory,
+        )

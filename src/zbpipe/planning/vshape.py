@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .core import Action
 from .costs import StageCosts
@@ -179,6 +179,9 @@ class _VGreedy:
         self.remaining = [3 * 2 * m] * p
         self.order: list[list[Step]] = [[] for _ in range(p)]
         self.blocked = [False] * p
+        # per rank, the most microbatches a chunk-0 forward that passed every other check left
+        # waiting for their chunk 1: a lead cap at or above it never changes a decision
+        self.max_waiting = [0] * p
         # (time, rank) of every rank that may decide; an entry whose time is no longer the
         # rank's is stale and skipped (every change of ``time`` pushes a fresh one)
         self.heap: list[tuple[float, int]] = [(0.0, r) for r in range(p)]
@@ -209,6 +212,8 @@ class _VGreedy:
             cap = self.lead_cap[r]
             if cap is not None and waiting > cap:
                 return None
+            if waiting > self.max_waiting[r]:
+                self.max_waiting[r] = waiting
         return arrival
 
     def run_f(self, r: int, s: int, start: float) -> None:
@@ -338,6 +343,40 @@ def greedy_v(
 ) -> GreedyResult:
     """Build per-rank orders for a V placement by event-driven greedy list scheduling."""
     return _VGreedy(num_ranks, n_microbatches, stage_costs, budget, strategy).schedule()
+
+
+def greedy_candidates(
+    num_ranks: int,
+    n_microbatches: int,
+    stage_costs: list[StageCosts],
+    budget: float,
+    strategies: list[VShapeStrategy],
+) -> Iterator[tuple[VShapeStrategy, GreedyResult]]:
+    """:func:`greedy_v` for each strategy, in order, without running the same schedule twice.
+
+    A strategy seen before gets the same result. So does one whose lead cap would never bind:
+    a run without a cap records, per rank, the most microbatches any chunk-0 forward it allowed
+    left waiting (``max_waiting``); a cap at or above that on every rank rejects none of them,
+    so the capped run makes every decision the uncapped one made.
+    """
+    p = num_ranks
+    done: dict[VShapeStrategy, GreedyResult] = {}
+    uncapped: dict[VShapeStrategy, tuple[GreedyResult, list[int]]] = {}
+    for st in strategies:
+        if st not in done:
+            free = replace(st, chunk0_lead=None, lead_slope=0)
+            ref = uncapped.get(free)
+            lead = st.chunk0_lead
+            if ref is not None and lead is not None:
+                res, most = ref
+                if all(most[r] <= lead + st.lead_slope * (p - 1 - r) for r in range(p)):
+                    done[st] = res
+        if st not in done:
+            run = _VGreedy(num_ranks, n_microbatches, stage_costs, budget, st)
+            done[st] = run.schedule()
+            if st.chunk0_lead is None:
+                uncapped[replace(st, lead_slope=0)] = (done[st], run.max_waiting)
+        yield st, done[st]
 
 
 def greedy_result(

@@ -37,7 +37,7 @@ from .rules import EPS, check_sizes, within
 from .simulator import simulate_timing
 from .vblocks import block_candidates
 from .vorder import execute_fb_order, zbv_fb_order
-from .vshape import GreedyResult, VShapeStrategy, greedy_v, min_budget
+from .vshape import GreedyResult, VShapeStrategy, greedy_candidates, min_budget
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +91,8 @@ def _candidates(
     res = execute_fb_order(p, m, sc, budget, zbv_fb_order(p, m, with_w=True), eager_w=False)
     if res is not None:
         yield "zbv-order(paper W)", res
-    for st in _strategies(p, memory):
-        yield f"greedy{st}", greedy_v(p, m, sc, budget, st)
+    for st, res in greedy_candidates(p, m, sc, budget, _strategies(p, memory)):
+        yield f"greedy{st}", res
 
 
 def plan_zbv(
