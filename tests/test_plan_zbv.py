@@ -205,3 +205,35 @@ def test_v_min_block_unit_costs_hand_worked_p2() -> None:
         ("W", 0): 8,
     }
     assert off == pytest.approx(want)
+
+
+@pytest.mark.parametrize("memory", ["zb", "half", "min"])
+@pytest.mark.parametrize("p", [3, 8])
+def test_greedy_candidates_equal_separate_greedy_runs(p, memory) -> None:
+    # greedy_candidates skips runs it can prove equal to an earlier one (the same strategy, or a
+    # lead cap no rank reaches) and gives up on a run once its longest rank span is certain to
+    # exceed the bar; every other strategy must get exactly what its own run gives.
+    from zbpipe.planning.vshape import greedy_candidates, greedy_v
+    from zbpipe.planning.zbv import _budget, _strategies
+
+    costs = Costs(**HEADLINE)
+    sc = costs.per_stage(2 * p)
+    budget = _budget(p, sc, memory, None)
+    strategies = _strategies(p, memory)
+    alone = [greedy_v(p, 3 * p, sc, budget, strategy) for strategy in strategies]
+    spans = sorted(round(res.longest_span, 9) for res in alone)
+    for bar in (None, spans[len(spans) // 2]):
+        got = list(greedy_candidates(p, 3 * p, sc, budget, strategies, lambda b=bar: b))
+        assert [strategy for strategy, _ in got] == strategies
+        for (_, res), full in zip(got, alone):
+            if res is None:  # gave up: only allowed when the whole run ends above the bar
+                assert bar is not None and round(full.longest_span, 9) > bar
+                continue
+            assert dict(res.order) == dict(full.order)
+            assert (res.makespan, res.longest_span, res.peak_memory) == (
+                full.makespan,
+                full.longest_span,
+                full.peak_memory,
+            )
+        if bar is not None:
+            assert any(res is None for _, res in got)

@@ -108,3 +108,28 @@ def test_summary_mentions_numbers():
     res = simulate(plan_1f1b(2, 2))
     text = res.summary()
     assert f"{res.bubble_rate:.2%}" in text and "makespan 9" in text
+
+
+@pytest.mark.parametrize("name", ["1F1B", "ZBH1", "ZBV", "Continuous"])
+def test_simulate_timing_gives_simulates_numbers(name):
+    # The generators rank candidates with simulate_timing (no Interval per action): its makespan,
+    # longest rank span and peaks must be simulate's, bit for bit, or a generator would choose
+    # differently than the documented simulator says it should.
+    from zbpipe.planning import plan
+    from zbpipe.planning.simulator import simulate_timing
+
+    costs = Costs(f=1, b=1.2, w=0.6, comm=0.05)
+    pl = plan(name, 4, 9, costs=costs)
+    full = simulate(pl, costs)
+    timing = simulate_timing(pl, costs)
+    spans = [ivs[-1].end - ivs[0].start for ivs in full.timeline.values() if ivs]
+    assert timing.makespan == full.makespan
+    assert timing.longest_span == max(spans)
+    assert timing.peak_memory == full.peak_memory
+
+
+def test_simulate_timing_raises_what_simulate_raises():
+    from zbpipe.planning.simulator import simulate_timing
+
+    with pytest.raises(PlanError, match=r"rank 0 step 3 \(0F3\).*memory_limit 3"):
+        simulate_timing(plan_1f1b(4, 8), memory_limit=3)

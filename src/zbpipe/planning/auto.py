@@ -320,7 +320,7 @@ def _baseline_candidates(
     name: str, p: int, m: int, costs: Costs, limit: float
 ) -> tuple[list[Candidate], float]:
     """ZB-H1 and 1F1B-with-W-after-B, if they fit; and the latter's makespan (inf if not)."""
-    from .simulator import simulate  # the shared simulator times the baselines
+    from .simulator import simulate_timing  # the shared simulator times the baselines
     from .zbh1 import plan_zbh1, zbh1_rank_order
 
     sc = costs.per_stage(p)
@@ -338,9 +338,8 @@ def _baseline_candidates(
     for label, orders in baselines:
         if not fits(orders, sc, limit):
             continue
-        r = simulate(make_plan(name, p, m, loop_placement(p, p), orders), costs)
-        span = max(iv[-1].end - iv[0].start for iv in r.timeline.values() if iv)
-        out.append(Candidate(span, r.makespan, label, orders))
+        r = simulate_timing(make_plan(name, p, m, loop_placement(p, p), orders), costs)
+        out.append(Candidate(r.longest_span, r.makespan, label, orders))
     return out, out[0].makespan
 
 

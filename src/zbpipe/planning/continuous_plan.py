@@ -56,7 +56,7 @@ from .auto import STRATEGIES, AutoStrategy, list_schedule, onef1b_peak
 from .core import Action, Plan, PlanError, loop_placement, make_plan
 from .costs import Costs, StageCosts
 from .rules import EPS, check_sizes, fits
-from .simulator import simulate
+from .simulator import simulate_timing
 from .zbh1 import zbh1_rank_order
 
 log = logging.getLogger(__name__)
@@ -182,14 +182,14 @@ def continuous_parts(
 
     def probe(parts: tuple[Orders, Orders, Orders], n: int = _PROBE) -> float:
         cp = ContinuousParts(*parts, minibatch_size=m, mode=mode, memory_limit=limit, source="")
-        return simulate(make_plan("probe", p, n * m, placement, cp.join(n)), costs).makespan
+        return simulate_timing(make_plan("probe", p, n * m, placement, cp.join(n)), costs).makespan
 
     if mode == "sync":
         ref = None
         scored = []
         for i, (name, seg) in enumerate(_sync_segments(p, m, sc, limit)):
-            r = simulate(make_plan("segment", p, m, placement, seg), costs)
-            span = max(iv[-1].end - iv[0].start for iv in r.timeline.values() if iv)
+            r = simulate_timing(make_plan("segment", p, m, placement, seg), costs)
+            span = r.longest_span
             if ref is None:  # w-after-b comes first: the bound every candidate must meet
                 ref = (span, r.makespan)
             elif span > ref[0] + EPS or r.makespan > ref[1] + EPS:
@@ -263,7 +263,7 @@ def plan_continuous(
         source=parts.source,
         step_after=step_positions(orders, m, n),
     )
-    simulate(plan, costs, parts.memory_limit)  # deadlock and memory: raises PlanError
+    simulate_timing(plan, costs, parts.memory_limit)  # deadlock and memory: raises PlanError
     check_continuous(plan)
     return plan
 

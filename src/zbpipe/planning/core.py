@@ -123,27 +123,35 @@ def validate_structure(plan: Plan) -> None:
             raise PlanError(f"plan {plan.name}: stage {s} placed on rank {r}, outside 0..{p - 1}")
     seen: dict[tuple[int, str, int], int] = {}
     done_kinds: dict[tuple[int, int], set[str]] = {}
+    placement = plan.placement
     for rank, actions in plan.order.items():
         for step, a in enumerate(actions):
-            where = f"plan {plan.name}: rank {rank} step {step} ({a})"
-            if a.stage not in plan.placement:
-                raise PlanError(f"{where}: stage {a.stage} does not exist")
-            if plan.placement[a.stage] != rank:
-                raise PlanError(f"{where}: stage {a.stage} lives on rank {plan.placement[a.stage]}")
-            if a.microbatch >= m:
-                raise PlanError(f"{where}: microbatch {a.microbatch} >= n_microbatches {m}")
-            key = (a.stage, a.kind, a.microbatch)
+            stage, kind, mb = a.stage, a.kind, a.microbatch
+            # every check is a comparison; the message is only built for the one that fails
+            if stage not in placement:
+                raise _step_error(plan, rank, step, a, f"stage {stage} does not exist")
+            if placement[stage] != rank:
+                raise _step_error(
+                    plan, rank, step, a, f"stage {stage} lives on rank {placement[stage]}"
+                )
+            if mb >= m:
+                raise _step_error(plan, rank, step, a, f"microbatch {mb} >= n_microbatches {m}")
+            key = (stage, kind, mb)
             if key in seen:
-                raise PlanError(f"{where}: duplicate, first at step {seen[key]}")
-            done = done_kinds.setdefault((a.stage, a.microbatch), set())
-            if a.kind in ("B", "BW") and "F" not in done:
-                raise PlanError(f"{where}: backward before its forward")
-            if a.kind == "W" and "B" not in done:
-                raise PlanError(f"{where}: weight gradient before its input gradient B")
-            if a.kind in ("B", "BW") and ({"B", "BW"} & done):
-                raise PlanError(f"{where}: second backward for the same microbatch")
+                raise _step_error(plan, rank, step, a, f"duplicate, first at step {seen[key]}")
+            done = done_kinds.get((stage, mb))
+            if done is None:
+                done = done_kinds[(stage, mb)] = set()
+            if kind in ("B", "BW") and "F" not in done:
+                raise _step_error(plan, rank, step, a, "backward before its forward")
+            if kind == "W" and "B" not in done:
+                raise _step_error(
+                    plan, rank, step, a, "weight gradient before its input gradient B"
+                )
+            if kind in ("B", "BW") and ("B" in done or "BW" in done):
+                raise _step_error(plan, rank, step, a, "second backward for the same microbatch")
             seen[key] = step
-            done.add(a.kind)
+            done.add(kind)
     for s in stages:
         for mb in range(m):
             kinds = done_kinds.get((s, mb), set())
@@ -153,6 +161,10 @@ def validate_structure(plan: Plan) -> None:
                     f"plan {plan.name}: stage {s} microbatch {mb} has {sorted(kinds)}; "
                     f"needs {missing}"
                 )
+
+
+def _step_error(plan: Plan, rank: int, step: int, a: Action, what: str) -> PlanError:
+    return PlanError(f"plan {plan.name}: rank {rank} step {step} ({a}): {what}")
 
 
 def format_grid(plan: Plan, width: int | None = None) -> str:

@@ -35,17 +35,30 @@ class StageCosts:
     mem_b: float
     mem_w: float
 
+    # ``time`` and ``mem`` run once per action in every simulation: plain comparisons, no dict.
     def time(self, kind: str) -> float:
         """Duration of one action of ``kind`` (F, B, W or BW) on this stage."""
+        if kind == "F":
+            return self.f
+        if kind == "B":
+            return self.b
+        if kind == "W":
+            return self.w
         if kind == "BW":
             return self.b + self.w
-        return {"F": self.f, "B": self.b, "W": self.w}[kind]
+        raise KeyError(kind)
 
     def mem(self, kind: str) -> float:
         """Change in activation memory when an action of ``kind`` ends (F allocates at start)."""
+        if kind == "F":
+            return self.mem_f
+        if kind == "B":
+            return self.mem_b
+        if kind == "W":
+            return self.mem_w
         if kind == "BW":
             return self.mem_b + self.mem_w
-        return {"F": self.mem_f, "B": self.mem_b, "W": self.mem_w}[kind]
+        raise KeyError(kind)
 
 
 @dataclass(frozen=True)

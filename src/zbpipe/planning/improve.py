@@ -22,22 +22,49 @@ import bisect
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
+from itertools import accumulate
 
 from .core import Action, Plan
 from .costs import Costs
-from .rules import EPS, needs, peak_memory, producers, within
+from .rules import EPS, makes, needs, within
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
 class _Eval:
-    """One simulation: per-action start/end, and the objective."""
+    """One simulation: per-action start/end, and the objective.
 
-    start: list[float]
-    end: list[float]
-    key: tuple[float, float, float]
+    The objective is (span, makespan, feed), compared in that order; ``feed`` (a sum over most
+    actions) is computed only when a comparison gets that far, which most trials never do.
+    """
+
+    def __init__(
+        self, start: list[float], end: list[float], head: tuple[float, float], feeders: list[int]
+    ) -> None:
+        self.start, self.end = start, end
+        self.head = head
+        """``(span, makespan)``, rounded: the objective without its tie-break."""
+        self._feeders = feeders
+        self._feed: float | None = None
+
+    @property
+    def feed(self) -> float:
+        """The tie-break: F and B feed other actions, so finishing them earlier is progress even
+        before it shortens the span (W feed nothing and are left free to move)."""
+        if self._feed is None:
+            self._feed = round(sum(map(self.end.__getitem__, self._feeders)), 6)
+        return self._feed
+
+    @property
+    def key(self) -> tuple[float, float, float]:
+        return (*self.head, self.feed)
+
+    def better_than(self, other: _Eval) -> bool:
+        """``self.key < other.key``, computing ``feed`` only on a tie of the rest."""
+        if self.head != other.head:
+            return self.head < other.head
+        return self.feed < other.feed
 
 
 class _Model:
@@ -49,27 +76,46 @@ class _Model:
         last = plan.num_stages - 1
         self.actions: list[Action] = []
         self.rank: list[int] = []
-        ids: dict[Action, int] = {}
+        self.order: list[list[int]] = []
         for r in range(plan.num_ranks):
-            for a in plan.order[r]:
-                ids[a] = len(self.actions)
-                self.actions.append(a)
-                self.rank.append(r)
+            self.order.append(
+                list(range(len(self.actions), len(self.actions) + len(plan.order[r])))
+            )
+            self.actions.extend(plan.order[r])
+            self.rank.extend([r] * len(plan.order[r]))
         self.sc = sc
-        made_by = producers(self.actions)
+        # which action makes each value, by id (keyed by plain tuples: hashing an Action, a
+        # dataclass, is a Python call)
+        made_by = {v: i for i, a in enumerate(self.actions) for v in makes(a)}
         self.dur = [sc[a.stage].time(a.kind) for a in self.actions]
         self.deps: list[tuple[tuple[int, float], ...]] = []
         self.same_rank_deps: list[set[int]] = [set() for _ in self.actions]
         for i, a in enumerate(self.actions):
             deps = []
-            for d in (ids[made_by[v]] for v in needs(a, last)):
+            for d in (made_by[v] for v in needs(a, last)):
                 delay = 0.0 if self.rank[d] == self.rank[i] else sc[self.actions[d].stage].comm
                 deps.append((d, delay))
                 if self.rank[d] == self.rank[i]:
                     self.same_rank_deps[i].add(d)
             self.deps.append(tuple(deps))
-        self.order = [[ids[a] for a in plan.order[r]] for r in range(plan.num_ranks)]
+        step = {a: i for seq in self.order for i, a in enumerate(seq)}
+        # a same-rank input after its consumer is a rank waiting on itself (moves keep the order)
+        self.waits_on_itself = any(step[d] > step[a] for a in step for d in self.same_rank_deps[a])
+        self.is_w = [a.kind == "W" for a in self.actions]
         self.feeders = [i for i, a in enumerate(self.actions) if a.kind != "W"]
+        self.mem_delta = [sc[a.stage].mem(a.kind) for a in self.actions]
+        # For the simulation's inner loop, each action's input from another rank, if any (-1:
+        # none) with its comm delay. There is at most one (rules.needs: a B's other input is its
+        # own F), and a same-rank input needs no check: it runs earlier on the rank, so it is
+        # simulated and ends no later than the previous action, where the action starts anyway.
+        self.cross_dep = [-1] * len(self.actions)
+        self.cross_lag = [0.0] * len(self.actions)
+        for i, inputs in enumerate(self.deps):
+            cross = [(d, delay) for d, delay in inputs if d not in self.same_rank_deps[i]]
+            if len(cross) > 1:
+                raise AssertionError(f"{self.actions[i]} waits on two other ranks")  # rules.needs
+            if cross:
+                self.cross_dep[i], self.cross_lag[i] = cross[0]
 
     def evaluate(
         self, order: list[list[int]], base: _Eval | None = None, since: float = 0.0
@@ -88,7 +134,7 @@ class _Model:
             start = [0.0] * n
             end = [-1.0] * n
         else:
-            start, end = list(base.start), list(base.end)
+            start, end = base.start[:], base.end[:]
             for r, seq in enumerate(order):
                 i = bisect.bisect_left(seq, since, key=base.start.__getitem__)
                 pos[r] = i
@@ -97,32 +143,32 @@ class _Model:
                     end[a] = -1.0
         waiting: dict[int, list[int]] = {}
         todo = list(range(p))
-        deps, dur = self.deps, self.dur
+        cross_dep, cross_lag, dur = self.cross_dep, self.cross_lag, self.dur
         while todo:
             r = todo.pop()
             seq = order[r]
             i, t = pos[r], free[r]
-            while i < len(seq):
+            n_r = len(seq)
+            while i < n_r:
                 a = seq[i]
+                # start: the previous action's end, or later if the input from another rank
+                # arrives later; an input not simulated yet (end -1) parks the rank until it is
                 s = t
-                blocked = -1
-                for d, delay in deps[a]:
+                d = cross_dep[a]
+                if d >= 0:
                     e = end[d]
                     if e < 0.0:
-                        blocked = d
+                        waiting.setdefault(d, []).append(r)
                         break
-                    if e + delay > s:
-                        s = e + delay
-                if blocked >= 0:
-                    waiting.setdefault(blocked, []).append(r)
-                    break
+                    e += cross_lag[a]
+                    if e > s:
+                        s = e
                 t = s + dur[a]
                 start[a] = s
                 end[a] = t
                 i += 1
-                woken = waiting.pop(a, None)
-                if woken:
-                    todo.extend(woken)
+                if a in waiting:
+                    todo.extend(waiting.pop(a))
             pos[r], free[r] = i, t
         if any(pos[r] < len(order[r]) for r in range(len(order))):
             return None
@@ -130,13 +176,11 @@ class _Model:
         lasts = [end[seq[-1]] for seq in order if seq]
         span = max((end[seq[-1]] - start[seq[0]] for seq in order if seq), default=0.0)
         makespan = max(lasts, default=0.0) - min(firsts, default=0.0)
-        # third, a smooth tie-break: F and B feed other actions, so finishing them earlier is
-        # progress even before it shortens the span (W feed nothing and are left free to move)
-        feed = sum(map(end.__getitem__, self.feeders))
-        return _Eval(start, end, (round(span, 9), round(makespan, 9), round(feed, 6)))
+        return _Eval(start, end, (round(span, 9), round(makespan, 9)), self.feeders)
 
     def peak(self, seq: list[int]) -> float:
-        return peak_memory([self.actions[a] for a in seq], self.sc)
+        """:func:`.rules.peak_memory` of ``seq``: the same prefix sums, from a per-action table."""
+        return max(accumulate(map(self.mem_delta.__getitem__, seq), initial=0.0))
 
 
 def _moved(seq: list[int], src: int, dst: int) -> list[int]:
@@ -154,7 +198,9 @@ def _can_move(model: _Model, seq: list[int], src: int, dst: int) -> bool:
     return not any(a in model.same_rank_deps[x] for x in seq[src + 1 : dst + 1])
 
 
-def _critical_arcs(model: _Model, order: list[list[int]], ev: _Eval) -> list[tuple[int, int]]:
+def _critical_arcs(
+    model: _Model, order: list[list[int]], ev: _Eval, index: list[int]
+) -> list[tuple[int, int]]:
     """``(rank, index)`` of each same-rank arc on the critical path of the longest rank.
 
     Walk back from the last action of the longest rank through whatever made each action wait:
@@ -162,11 +208,10 @@ def _critical_arcs(model: _Model, order: list[list[int]], ev: _Eval) -> list[tup
     """
     spans = [(ev.end[seq[-1]] - ev.start[seq[0]], r) for r, seq in enumerate(order) if seq]
     _, r = max(spans)
-    where = {a: (q, i) for q, seq in enumerate(order) for i, a in enumerate(seq)}
     a = order[r][-1]
     arcs = []
     while True:
-        q, i = where[a]
+        q, i = model.rank[a], index[a]
         s = ev.start[a]
         nxt = -1
         for d, delay in model.deps[a]:
@@ -182,30 +227,34 @@ def _critical_arcs(model: _Model, order: list[list[int]], ev: _Eval) -> list[tup
 
 
 def _candidate_moves(
-    model: _Model, order: list[list[int]], ev: _Eval, per_round: int
+    model: _Model, order: list[list[int]], ev: _Eval, index: list[int], per_round: int
 ) -> Iterator[tuple[int, int, int]]:
     """``(rank, src, dst)`` moves aimed at the critical path, the largest idle gaps, and ready work
     waiting behind other work."""
     # critical-path moves first: cheap to find, and most often the ones that shorten the plan
-    for r, i in _critical_arcs(model, order, ev)[: 2 * per_round]:
+    for r, i in _critical_arcs(model, order, ev, index)[: 2 * per_round]:
         seq = order[r]
         yield (r, i, i - 1)  # the critical action overtakes its predecessor
-        if model.actions[seq[i - 1]].kind == "W":  # or the W in its way goes further back
+        if model.is_w[seq[i - 1]]:  # or the W in its way goes further back
             for k in (2, 4, 8):
                 if i - 1 + k < len(seq):
                     yield (r, i - 1, i - 1 + k)
             yield (r, i - 1, len(seq) - 1)
     spots: list[tuple[float, int, int, str]] = []  # (-waste, rank, index, what)
+    start, end, is_w = ev.start, ev.end, model.is_w
+    cross_dep, cross_lag, same_rank_deps = model.cross_dep, model.cross_lag, model.same_rank_deps
     for r, seq in enumerate(order):
         for i in range(1, len(seq)):
             a, prev = seq[i], seq[i - 1]
-            gap = ev.start[a] - ev.end[prev]
+            gap = start[a] - end[prev]
             if gap > EPS:
                 spots.append((-gap, r, i, "gap"))
-            elif model.actions[a].kind != "W" and prev not in model.same_rank_deps[a]:
-                # a ready F or B waiting behind another action: try running it first
-                ready = max((ev.end[d] + delay for d, delay in model.deps[a]), default=0.0)
-                delay = ev.start[a] - max(ready, ev.start[prev])
+            elif not is_w[a] and prev not in same_rank_deps[a]:
+                # a ready F or B waiting behind another action: try running it first. Its input
+                # from this rank ended before ``prev`` started, so only the other rank's counts.
+                d = cross_dep[a]
+                ready = end[d] + cross_lag[a] if d >= 0 else 0.0
+                delay = start[a] - max(ready, start[prev])
                 if delay > EPS:
                     spots.append((-delay, r, i - 1, "late"))
     spots.sort()
@@ -215,7 +264,7 @@ def _candidate_moves(
             # the first few later W whose B already ran on this rank (FIFO keeps memory low)
             found = 0
             for j in range(i + 1, len(seq)):
-                if model.actions[seq[j]].kind == "W":
+                if model.is_w[seq[j]]:
                     yield (r, j, i)
                     found += 1
                     if found == 2:
@@ -225,7 +274,7 @@ def _candidate_moves(
             yield (r, i - 1, i)  # or push the action before the gap past it
         else:
             yield (r, i + 1, i)  # the waiting action jumps ahead
-            if model.actions[seq[i]].kind == "W" and i + 2 < len(seq):
+            if model.is_w[seq[i]] and i + 2 < len(seq):
                 yield (r, i, i + 2)  # or a W steps back past two
 
 
@@ -247,9 +296,13 @@ def _search(
     """First-improvement local search; returns the final order, its evaluation, moves accepted."""
     accepted, per_round = 0, 8
     tried: set[tuple[int, ...]] = set()
+    index = [0] * len(model.actions)  # each action's position in its rank's order
+    for seq in order:
+        for i, a in enumerate(seq):
+            index[a] = i
     while budget.left():
         improved = False
-        for r, src, dst in _candidate_moves(model, order, ev, per_round):
+        for r, src, dst in _candidate_moves(model, order, ev, index, per_round):
             if not budget.left():
                 break
             seq = order[r]
@@ -263,8 +316,10 @@ def _search(
             trial = order[:r] + [new_seq] + order[r + 1 :]
             new_ev = model.evaluate(trial, ev, ev.start[seq[min(src, dst)]])
             budget.evals += 1
-            if new_ev is not None and new_ev.key < ev.key:
+            if new_ev is not None and new_ev.better_than(ev):
                 order, ev, improved = trial, new_ev, True
+                for i in range(min(src, dst), max(src, dst) + 1):
+                    index[new_seq[i]] = i
                 accepted += 1
                 tried.clear()
                 per_round = 8
@@ -297,17 +352,17 @@ def improve(
     deadline = None if max_seconds is None else time.perf_counter() + max_seconds
     model = _Model(plan, costs)
     order = [list(seq) for seq in model.order]
-    ev = model.evaluate(order)
+    ev = None if model.waits_on_itself else model.evaluate(order)
     if ev is None:
         raise ValueError(
             f"improve: plan {plan.name} deadlocks; give a valid plan (simulate() names the ranks)"
         )
     limits = [memory_limit if memory_limit is not None else model.peak(seq) for seq in order]
-    first_key = ev.key[:2]
+    first_key = ev.head
     budget = _Budget(deadline, max_evals)
     order, ev, accepted = _search(model, order, ev, limits, budget)
     evals = budget.evals
-    if ev.key[:2] >= first_key:
+    if ev.head >= first_key:
         return plan  # tie-break progress alone is no reason to change the plan
     log.debug(
         "improve %s: span/makespan %s -> %s in %d moves, %d simulations",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from .core import Action, Plan, PlanError
@@ -63,11 +64,26 @@ class SimResult:
         )
 
 
-def _check_same_rank_order(plan: Plan, where: dict[Value, tuple[int, int]]) -> None:
-    """A dependency on the same rank must come earlier in that rank's order."""
+def _inputs(
+    plan: Plan, sc: list[StageCosts]
+) -> tuple[dict[Value, tuple[int, int]], list[tuple[tuple[int, float], ...]]]:
+    """Where each value is made (``(rank, step)``); and per action (numbered rank by rank, each
+    rank in order) the numbers of the actions it waits for, each with the delay after that one's
+    end (the producing stage's ``comm`` if it ran on another rank, else 0).
+
+    Raises ``PlanError`` if a dependency on the same rank comes later in that rank's order.
+    """
     last = plan.num_stages - 1
+    where: dict[Value, tuple[int, int]] = {}
     for rank, actions in plan.order.items():
         for step, a in enumerate(actions):
+            for key in makes(a):
+                where[key] = (rank, step)
+    first = _first_numbers(plan)
+    out: list[tuple[tuple[int, float], ...]] = []
+    for rank, actions in plan.order.items():
+        for step, a in enumerate(actions):
+            inputs = []
             for key in needs(a, last):
                 src_rank, src_step = where[key]
                 if src_rank == rank and src_step > step:
@@ -76,6 +92,19 @@ def _check_same_rank_order(plan: Plan, where: dict[Value, tuple[int, int]]) -> N
                         f"{describe(key)}, which the same rank runs later at step {src_step}; "
                         "reorder so the producer comes first"
                     )
+                delay = sc[key[0]].comm if src_rank != rank else 0.0
+                inputs.append((first[src_rank] + src_step, delay))
+            out.append(tuple(inputs))
+    return where, out
+
+
+def _first_numbers(plan: Plan) -> dict[int, int]:
+    """The number of each rank's first action when the actions are numbered rank by rank."""
+    first, n = {}, 0
+    for rank, actions in plan.order.items():
+        first[rank] = n
+        n += len(actions)
+    return first
 
 
 def simulate(
@@ -85,58 +114,14 @@ def simulate(
 
     ``memory_limit`` is per rank, in the memory units of ``costs``.
     """
-    costs = costs or Costs()
-    costs.check(plan.num_stages)
-    plan.validate()
-    sc = [costs.stage(s) for s in range(plan.num_stages)]
-    last = plan.num_stages - 1
-
-    where: dict[Value, tuple[int, int]] = {}
-    for rank, actions in plan.order.items():
-        for step, a in enumerate(actions):
-            for key in makes(a):
-                where[key] = (rank, step)
-    _check_same_rank_order(plan, where)
-    peak = _peak_memory(plan, sc, memory_limit)
-
-    ready_at: dict[Value, float] = {}  # when a produced value can be used, per consuming rank kind
-    produced_on: dict[Value, int] = {}
-    waiting: dict[Value, list[int]] = defaultdict(list)
-    pos = {r: 0 for r in plan.order}
-    free = {r: 0.0 for r in plan.order}
-    timeline: dict[int, list[Interval]] = {r: [] for r in plan.order}
-    todo = list(plan.order)
-    while todo:
-        rank = todo.pop()
-        actions = plan.order[rank]
-        while pos[rank] < len(actions):
-            a = actions[pos[rank]]
-            start = free[rank]
-            blocked = None
-            for key in needs(a, last):
-                if key not in ready_at:
-                    blocked = key
-                    break
-                t = ready_at[key]
-                if produced_on[key] != rank:
-                    t += sc[key[0]].comm
-                start = max(start, t)
-            if blocked is not None:
-                waiting[blocked].append(rank)
-                break
-            end = start + sc[a.stage].time(a.kind)
-            timeline[rank].append(Interval(rank, a, start, end))
-            free[rank] = end
-            pos[rank] += 1
-            for key in makes(a):
-                ready_at[key] = end
-                produced_on[key] = rank
-                todo.extend(waiting.pop(key, ()))
-
-    stuck = {r: pos[r] for r in plan.order if pos[r] < len(plan.order[r])}
-    if stuck:
-        raise PlanError(_deadlock_message(plan, stuck, ready_at, where))
-
+    begin, end, peak = _run(plan, costs, memory_limit)
+    first = _first_numbers(plan)
+    timeline = {
+        r: tuple(
+            Interval(r, a, begin[first[r] + i], end[first[r] + i]) for i, a in enumerate(actions)
+        )
+        for r, actions in plan.order.items()
+    }
     intervals = {r: [(iv.start, iv.end) for iv in ivs] for r, ivs in timeline.items()}
     starts = [ivs[0].start for ivs in timeline.values() if ivs]
     ends = [ivs[-1].end for ivs in timeline.values() if ivs]
@@ -144,9 +129,94 @@ def simulate(
         makespan=max(ends) - min(starts),
         bubble_rate=_bubble_rate(intervals),
         peak_memory=peak,
-        timeline={r: tuple(ivs) for r, ivs in timeline.items()},
+        timeline=timeline,
         busy={r: sum(iv.end - iv.start for iv in ivs) for r, ivs in timeline.items()},
     )
+
+
+@dataclass(frozen=True)
+class Timing:
+    """What a plan generator ranks candidates by: :func:`simulate` without the timeline."""
+
+    makespan: float
+    longest_span: float
+    """The longest rank span (a rank's first start to its last end): the bubble rate's
+    denominator."""
+    peak_memory: dict[int, float]
+
+
+def simulate_timing(
+    plan: Plan, costs: Costs | None = None, memory_limit: float | None = None
+) -> Timing:
+    """:func:`simulate`'s checks, errors and numbers, without making an ``Interval`` per action
+    (most of a simulation's time when a generator only compares makespans and spans)."""
+    begin, end, peak = _run(plan, costs, memory_limit)
+    first = _first_numbers(plan)
+    spans = [
+        (begin[first[r]], end[first[r] + len(actions) - 1])
+        for r, actions in plan.order.items()
+        if actions
+    ]
+    return Timing(
+        makespan=max(e for _, e in spans) - min(s for s, _ in spans),
+        longest_span=max(e - s for s, e in spans),
+        peak_memory=peak,
+    )
+
+
+def _run(
+    plan: Plan, costs: Costs | None, memory_limit: float | None
+) -> tuple[list[float], list[float], dict[int, float]]:
+    """Check and time ``plan``: each action's start and end (numbered rank by rank, each rank in
+    order) and each rank's peak memory."""
+    costs = costs or Costs()
+    costs.check(plan.num_stages)
+    plan.validate()
+    sc = [costs.stage(s) for s in range(plan.num_stages)]
+
+    # Dependencies resolved once to action numbers: the loop below runs on plain lists.
+    where, inputs = _inputs(plan, sc)
+    peak = _peak_memory(plan, sc, memory_limit)
+
+    first = _first_numbers(plan)
+    end: list[float] = []  # when each action ended; -1 while it has not run
+    durations: list[float] = []
+    for actions in plan.order.values():
+        end += [-1.0] * len(actions)
+        durations += [sc[a.stage].time(a.kind) for a in actions]
+    begin = [0.0] * len(end)
+    waiting: dict[int, list[int]] = defaultdict(list)  # action number -> ranks waiting for it
+    pos = {r: 0 for r in plan.order}
+    free = {r: 0.0 for r in plan.order}
+    todo = list(plan.order)
+    while todo:
+        rank = todo.pop()
+        n_actions, first_id = len(plan.order[rank]), first[rank]
+        i, t = pos[rank], free[rank]
+        while i < n_actions:
+            me = first_id + i
+            start = t
+            blocked = -1
+            for src, delay in inputs[me]:
+                if end[src] < 0.0:
+                    blocked = src
+                    break
+                start = max(start, end[src] + delay)
+            if blocked >= 0:
+                waiting[blocked].append(rank)
+                break
+            begin[me] = start
+            t = end[me] = start + durations[me]
+            i += 1
+            if me in waiting:
+                todo.extend(waiting.pop(me))
+        pos[rank], free[rank] = i, t
+
+    stuck = {r: pos[r] for r in plan.order if pos[r] < len(plan.order[r])}
+    if stuck:
+        made = {key for r in plan.order for a in plan.order[r][: pos[r]] for key in makes(a)}
+        raise PlanError(_deadlock_message(plan, stuck, made, where))
+    return begin, end, peak
 
 
 def _peak_memory(plan: Plan, sc: list[StageCosts], memory_limit: float | None) -> dict[int, float]:
@@ -167,14 +237,14 @@ def _peak_memory(plan: Plan, sc: list[StageCosts], memory_limit: float | None) -
 def _deadlock_message(
     plan: Plan,
     stuck: Mapping[int, int],
-    ready_at: Mapping[Value, float],
+    made: AbstractSet[Value],
     where: Mapping[Value, tuple[int, int]],
 ) -> str:
     last = plan.num_stages - 1
     lines = [f"plan {plan.name} deadlocks: ranks {sorted(stuck)} wait on each other"]
     for rank, step in sorted(stuck.items()):
         a = plan.order[rank][step]
-        missing = [k for k in needs(a, last) if k not in ready_at]
+        missing = [k for k in needs(a, last) if k not in made]
         for key in missing:
             src_rank, src_step = where[key]
             lines.append(

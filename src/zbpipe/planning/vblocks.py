@@ -28,7 +28,7 @@ from dataclasses import replace
 from .core import Action, PlanError, make_plan, v_placement
 from .costs import Costs, StageCosts
 from .rules import EPS, peak_memory, within
-from .simulator import simulate
+from .simulator import simulate_timing
 from .vshape import GreedyResult
 
 _STRETCH_STEP = 0.05
@@ -194,14 +194,13 @@ def _run(
     """Execute a fixed order with the real costs (the squeeze); None if it exceeds ``budget``."""
     plan = make_plan("block", p, m, v_placement(p), order, layout="v")
     try:
-        r = simulate(plan, costs, memory_limit=budget)
+        r = simulate_timing(plan, costs, memory_limit=budget)
     except PlanError:
         # over the memory budget (a block order never deadlocks: its timed block is a witness)
         return None
-    spans = [iv[-1].end - iv[0].start for iv in r.timeline.values() if iv]
     return GreedyResult(
         order={q: tuple(v) for q, v in order.items()},
         makespan=r.makespan,
-        longest_span=max(spans),
+        longest_span=r.longest_span,
         peak_memory=dict(r.peak_memory),
     )

@@ -23,8 +23,8 @@ The paper's hand-made ZB-V order and its executor are in ``vorder``.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, replace
 
 from .core import Action
 from .costs import StageCosts
@@ -143,7 +143,13 @@ class _VGreedy:
     """
 
     def __init__(
-        self, p: int, m: int, stage_costs: list[StageCosts], budget: float, strategy: VShapeStrategy
+        self,
+        p: int,
+        m: int,
+        stage_costs: list[StageCosts],
+        budget: float,
+        strategy: VShapeStrategy,
+        give_up_above: float | None = None,
     ) -> None:
         n_stages = 2 * p
         self.p, self.m, self.strategy = p, m, strategy
@@ -179,9 +185,23 @@ class _VGreedy:
         self.remaining = [3 * 2 * m] * p
         self.order: list[list[Step]] = [[] for _ in range(p)]
         self.blocked = [False] * p
+        # per rank, the most microbatches a chunk-0 forward that passed every other check left
+        # waiting for their chunk 1: a lead cap at or above it never changes a decision
+        self.max_waiting = [0] * p
         # (time, rank) of every rank that may decide; an entry whose time is no longer the
         # rank's is stale and skipped (every change of ``time`` pushes a fresh one)
         self.heap: list[tuple[float, int]] = [(0.0, r) for r in range(p)]
+        # Giving up: a rank's span will be at least its last end plus the work it has left
+        # minus its first start. Once that passes ``give_up_above`` (with a margin far above
+        # float rounding), this plan's longest span is certain to be longer.
+        self.span_cap = (
+            None if give_up_above is None else give_up_above + 1e-6 * max(1.0, give_up_above)
+        )
+        self.work_left = [
+            m * sum(table.dur[k][s] for s in (r, n_stages - 1 - r) for k in ("F", "B", "W"))
+            for r in range(p)
+        ]
+        self.gave_up = False
 
     def f_start(self, r: int, s: int) -> float | None:
         """When the next F of stage ``s`` may start on rank ``r``: its input's arrival; None if
@@ -209,6 +229,8 @@ class _VGreedy:
             cap = self.lead_cap[r]
             if cap is not None and waiting > cap:
                 return None
+            if waiting > self.max_waiting[r]:
+                self.max_waiting[r] = waiting
         return arrival
 
     def run_f(self, r: int, s: int, start: float) -> None:
@@ -238,13 +260,17 @@ class _VGreedy:
 
     def _commit(self, r: int, step: Step, start: float, dur: float, mem: float) -> float:
         end = start + dur
-        if self.first_start[r] is None:
-            self.first_start[r] = start
+        first = self.first_start[r]
+        if first is None:
+            first = self.first_start[r] = start
         self.order[r].append(step)
         self.time[r] = self.free[r] = end
         self.remaining[r] -= 1
         self.mem[r] += mem
         self.peak[r] = max(self.peak[r], self.mem[r])
+        self.work_left[r] -= dur
+        if self.span_cap is not None and end + self.work_left[r] - first > self.span_cap:
+            self.gave_up = True
         return end
 
     def wake(self, dst_stage: int, at: float) -> None:
@@ -308,7 +334,8 @@ class _VGreedy:
                 return t
         return min(arrivals) if arrivals else None
 
-    def schedule(self) -> GreedyResult:
+    def schedule(self) -> GreedyResult | None:
+        """The plan; None if it gave up (its longest rank span exceeds ``give_up_above``)."""
         heap, time, blocked, remaining = self.heap, self.time, self.blocked, self.remaining
         # The live rank with the smallest (time, rank) decides next, as a scan would pick it.
         while heap:
@@ -316,6 +343,8 @@ class _VGreedy:
             if t != time[r] or blocked[r] or not remaining[r]:
                 continue  # stale entry
             wake_at = self.decide(r)
+            if self.gave_up:
+                return None
             if wake_at is None:
                 blocked[r] = True
                 continue
@@ -337,7 +366,50 @@ def greedy_v(
     strategy: VShapeStrategy,
 ) -> GreedyResult:
     """Build per-rank orders for a V placement by event-driven greedy list scheduling."""
-    return _VGreedy(num_ranks, n_microbatches, stage_costs, budget, strategy).schedule()
+    res = _VGreedy(num_ranks, n_microbatches, stage_costs, budget, strategy).schedule()
+    assert res is not None  # it gives up only below a bound
+    return res
+
+
+def greedy_candidates(
+    num_ranks: int,
+    n_microbatches: int,
+    stage_costs: list[StageCosts],
+    budget: float,
+    strategies: list[VShapeStrategy],
+    bar: Callable[[], float | None] = lambda: None,
+) -> Iterator[tuple[VShapeStrategy, GreedyResult | None]]:
+    """:func:`greedy_v` for each strategy, in order, or None for one that cannot beat ``bar()``.
+
+    ``bar()`` is the longest rank span of the best plan so far (None: no bar): a run gives up
+    as soon as its own is certain to be longer (see ``_VGreedy.span_cap``), since such a plan
+    would not be chosen. The bar only goes down, so a result below may be one that the current
+    bar would have cut short; the choice among the candidates is the same either way.
+
+    No schedule is run twice. A strategy seen before gets the same result. So does one whose
+    lead cap would never bind: a run without a cap records, per rank, the most microbatches any
+    chunk-0 forward it allowed left waiting (``max_waiting``); a cap at or above that on every
+    rank rejects none of them, so the capped run makes every decision the uncapped one made
+    (and gives up where it gave up, under a bar as low or lower).
+    """
+    p = num_ranks
+    done: dict[VShapeStrategy, GreedyResult | None] = {}
+    uncapped: dict[VShapeStrategy, tuple[GreedyResult | None, list[int]]] = {}
+    for st in strategies:
+        if st not in done:
+            free = replace(st, chunk0_lead=None, lead_slope=0)
+            ref = uncapped.get(free)
+            lead = st.chunk0_lead
+            if ref is not None and lead is not None:
+                res, most = ref
+                if all(most[r] <= lead + st.lead_slope * (p - 1 - r) for r in range(p)):
+                    done[st] = res
+        if st not in done:
+            run = _VGreedy(num_ranks, n_microbatches, stage_costs, budget, st, bar())
+            done[st] = run.schedule()
+            if st.chunk0_lead is None:
+                uncapped[replace(st, lead_slope=0)] = (done[st], run.max_waiting)
+        yield st, done[st]
 
 
 def greedy_result(

@@ -35,7 +35,7 @@ from .core import Action, Plan, loop_placement, make_plan
 from .costs import Costs
 from .onef1b import onef1b_rank_order
 from .rules import EPS, check_sizes, first_overflow, makes, needs, peak_memory, within
-from .simulator import simulate
+from .simulator import simulate_timing
 
 
 def zbh1_rank_order(
@@ -98,7 +98,7 @@ def plan_zbh1(
     )
     if exact:  # every form keeps W in microbatch order today; exact makes that a checked promise
         candidates = [c for c in candidates if _w_in_microbatch_order(c)]
-    spans = [simulate(c, costs).makespan for c in candidates]
+    spans = [simulate_timing(c, costs).makespan for c in candidates]
     best = min(range(len(candidates)), key=lambda i: (spans[i] - EPS * (i == 0), i))
     return candidates[best]
 

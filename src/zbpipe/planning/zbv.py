@@ -27,17 +27,17 @@ Deterministic: candidates are tried in a fixed order and ties keep the first.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Literal
 
 from .core import Plan, PlanError, make_plan, v_placement
 from .costs import Costs, StageCosts
 from .improve import improve
 from .rules import EPS, check_sizes, within
-from .simulator import simulate
+from .simulator import simulate_timing
 from .vblocks import block_candidates
 from .vorder import execute_fb_order, zbv_fb_order
-from .vshape import GreedyResult, VShapeStrategy, greedy_v, min_budget
+from .vshape import GreedyResult, VShapeStrategy, greedy_candidates, min_budget
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +77,16 @@ def _strategies(num_ranks: int, memory: MemoryMode) -> list[VShapeStrategy]:
 
 
 def _candidates(
-    p: int, m: int, costs: Costs, sc: list[StageCosts], budget: float, memory: MemoryMode
-) -> Iterator[tuple[str, GreedyResult]]:
-    """Yield ``(label, GreedyResult)`` in a fixed order."""
+    p: int,
+    m: int,
+    costs: Costs,
+    sc: list[StageCosts],
+    budget: float,
+    memory: MemoryMode,
+    bar: Callable[[], float | None],
+) -> Iterator[tuple[str, GreedyResult | None]]:
+    """Yield ``(label, GreedyResult)`` in a fixed order; None for a greedy candidate whose longest
+    rank span is certain to exceed ``bar()``, the best of the non-block candidates so far."""
     if memory != "zb":
         # the controllable-memory paper's construction: one block repeated every period, squeezed
         yield from block_candidates(p, m, costs, budget)
@@ -91,8 +98,8 @@ def _candidates(
     res = execute_fb_order(p, m, sc, budget, zbv_fb_order(p, m, with_w=True), eager_w=False)
     if res is not None:
         yield "zbv-order(paper W)", res
-    for st in _strategies(p, memory):
-        yield f"greedy{st}", greedy_v(p, m, sc, budget, st)
+    for st, greedy in greedy_candidates(p, m, sc, budget, _strategies(p, memory), bar):
+        yield f"greedy{st}", greedy
 
 
 def plan_zbv(
@@ -148,9 +155,13 @@ def _best_per_family(
 ) -> list[tuple[bool, str, GreedyResult]]:
     """The best candidate of each family: building blocks (True), the rest (ZB-V order, greedy)."""
     best: dict[bool, tuple[tuple[float, float, int], str, GreedyResult]] = {}
-    for i, (label, res) in enumerate(_candidates(p, m, costs, sc, budget, memory)):
-        if not within(max(res.peak_memory.values()), budget):
-            continue
+
+    def bar() -> float | None:  # what a greedy candidate must beat to be chosen
+        return best[False][0][0] if False in best else None
+
+    for i, (label, res) in enumerate(_candidates(p, m, costs, sc, budget, memory, bar)):
+        if res is None or not within(max(res.peak_memory.values()), budget):
+            continue  # (None: certain to be longer than the best so far)
         key = (round(res.longest_span, 9), round(res.makespan, 9), i)
         family = label.startswith("block")
         if family not in best or key < best[family][0]:
@@ -186,11 +197,10 @@ def _polish(
         evals = max(100, evals // 4)
     plan = improve(plan, costs, memory_limit=budget, max_seconds=None, max_evals=evals)
     try:  # independent check of deadlock freedom and memory
-        r = simulate(plan, costs, memory_limit=budget)
+        r = simulate_timing(plan, costs, memory_limit=budget)
     except PlanError as exc:  # a bug in the generator, not the user's fault
         raise RuntimeError(f"plan_zbv built an invalid plan ({label}): {exc}") from exc
-    span = max(iv[-1].end - iv[0].start for iv in r.timeline.values() if iv)
-    return (round(span, 9), round(r.makespan, 9)), plan, label
+    return (round(r.longest_span, 9), round(r.makespan, 9)), plan, label
 
 
 def improve_budget(num_ranks: int, n_microbatches: int) -> int:
