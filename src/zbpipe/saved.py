@@ -185,9 +185,9 @@ def _unpack(packed: Any) -> torch.Tensor:
         return packed
     if packed.tensor is None:
         raise RuntimeError(
-            "zbpipe: autograd asked for a saved tensor that was already released after the input-gradient "
-            "pass B (or after W). This is a zbpipe bug unless you ran a second backward through a pipeline "
-            "stage's graph; please report it with the stage's model"
+            "zbpipe: autograd asked for a saved tensor that was already released after the "
+            "input-gradient pass B (or after W). This is a zbpipe bug unless you ran a second "
+            "backward through a pipeline stage's graph; please report it with the stage's model"
         )
     kind = getattr(_state, "kind", None)
     if kind is not None and packed.unpacked_as != KEEP:
