@@ -106,10 +106,22 @@ def test_any_case_complete_deadlock_free_within_budget(p, m, costs, mode) -> Non
 
 
 @settings(max_examples=10, deadline=None)
-@given(p=st.integers(1, 8), m=st.integers(1, 32), costs=costs_st)
+@given(p=st.integers(1, 8), m=st.integers(2, 32), costs=costs_st)
 def test_zbv_makespan_not_worse_than_1f1b(p, m, costs) -> None:
+    # From m = 2 on: with one microbatch ZB-V can lose to 1F1B (the known case below), which
+    # hypothesis drew only sometimes, so CI failed intermittently. 400 random cases with m >= 2
+    # found no counterexample.
     r = simulate(plan_zbv(p, m, costs), costs)
     ref = simulate(plan_1f1b(p, m, costs.joined(2)), costs.joined(2))
+    assert r.makespan <= ref.makespan + 1e-6
+
+
+@pytest.mark.xfail(strict=True, reason="known: one microbatch, costly comm, light W")
+def test_zbv_with_one_microbatch_can_lose_to_1f1b() -> None:
+    # p=2, m=1: the V's extra hop costs more than W can hide (ZB-V 9.125 against 1F1B 9.0).
+    costs = Costs(f=1, b=1, w=0.125, comm=0.25)
+    r = simulate(plan_zbv(2, 1, costs), costs)
+    ref = simulate(plan_1f1b(2, 1, costs.joined(2)), costs.joined(2))
     assert r.makespan <= ref.makespan + 1e-6
 
 
