@@ -360,14 +360,19 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         with self.tracer.span("B", s, mb):
             self.seam.backward_input(stage, mb, self._maybe_get_loss(stage, mb))
 
+    def _count_backward(self, s: int) -> bool:
+        """Count a W or BW of stage ``s`` as torch does; True for the stage's last of the step."""
+        counter = C.backward_counter(self)
+        counter[s] += 1
+        return bool(counter[s] == self._n_microbatches)
+
     def _run_backward_weight(self, action: Any, ctx: Any) -> None:
         s, mb = action.stage_index, action.microbatch_index
         stage = self.seam.stages[s]
         if not stage.has_backward:
             return
         self._assert_unsharded(stage)
-        C.backward_counter(self)[s] += 1  # torch counts W and BW alike
-        last = C.backward_counter(self)[s] == self._n_microbatches
+        last = self._count_backward(s)
         with self.tracer.span("W", s, mb):
             self.seam.backward_weight(stage, mb, last_backward=last)
 
@@ -382,8 +387,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
             self._skip_backward(s, mb)
             return
         stage = self._backward_stage(s, mb)
-        C.backward_counter(self)[s] += 1
-        last = C.backward_counter(self)[s] == self._n_microbatches
+        last = self._count_backward(s)
         with self.tracer.span("BW", s, mb):
             self.seam.full_backward(stage, mb, self._maybe_get_loss(stage, mb), last)
 
