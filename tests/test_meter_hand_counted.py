@@ -14,8 +14,12 @@ What each engine holds, counted from the model (one unit per tensor, distinct st
 * after B, graph engine: x and h (their nodes have weight edges: W re-runs them) and the
   gradient recorded at each of those two boundaries; r and ``r - target`` (activation-only) go.
 * after W: nothing.
+* hand-offs: chunk 2's input gradient, handed to chunk 1 on the same rank, from B of chunk 2
+  until B of chunk 1 consumed it.
 * sends: a chunk's output sent to the other rank, and a chunk's input gradient sent back, from
-  the moment it is handed over until the step ends (torch's runtime waits for every send then).
+  the moment it is handed over until the send completed (``zbpipe.sends``): that moment depends
+  on when the peer posts its receive, so each count is checked between the count with no send
+  pending and the count with every send of the step pending (torch's runtime's way).
 
 Aliases: chunk 2's input is chunk 1's output r (handed over locally); chunk 0's input is the
 user's microbatch, chunks 1 and 3 receive theirs into torch's buffers (one storage each).
@@ -49,21 +53,26 @@ def _held(state: str, s: int, mb: int, split: str) -> set:
     return set()  # W done
 
 
-def expected_live(samples: list, split: str) -> list[int]:
-    """Hand count after each action of ``samples`` (units -> bytes)."""
+def expected_live(samples: list, split: str) -> list[tuple[int, int]]:
+    """Hand count after each action of ``samples`` (units -> bytes): ``(fewest, most)``, with no
+    send pending and with every send of the step so far pending."""
     state: dict[tuple[int, int], str] = {}
     sends: set = set()
+    handed: set = set()  # input gradients handed to the local previous stage, not consumed yet
     out = []
     for kind, s, mb, _ in samples:
         state[(s, mb)] = kind
         if kind == "F" and s < N_STAGES - 1 and RANK_OF[s + 1] != RANK_OF[s]:
             sends.add(("r", s, mb))  # the output goes to the other rank
-        if kind == "B" and s > 0 and RANK_OF[s - 1] != RANK_OF[s]:
-            sends.add(("grad x", s, mb))  # the input gradient goes back to the other rank
-        held = set(sends)
+        if kind == "B" and s > 0:
+            local = RANK_OF[s - 1] == RANK_OF[s]
+            (handed if local else sends).add(("grad x", s, mb))
+        if kind == "B":
+            handed.discard(("grad x", s + 1, mb))  # this B consumed it
+        held = set(handed)
         for (t, m), st in state.items():
             held |= _held(st, t, m, split)
-        out.append(len(held) * cases.UNIT)
+        out.append((len(held) * cases.UNIT, len(held | sends) * cases.UNIT))
     return out
 
 
@@ -78,6 +87,7 @@ def test_the_meter_counts_what_each_engine_holds_after_every_action():
             got = [live for *_, live in samples]
             want = expected_live(samples, split)
             steps = [f"{k}{s}.{m}" for k, s, m, _ in samples]
-            assert got == want, f"rank {rank} {split}: {list(zip(steps, got, want))}"
-            assert r["peak"] == max(want), f"rank {rank} {split}"
+            detail = f"rank {rank} {split}: {list(zip(steps, got, want))}"
+            assert all(lo <= g <= hi for g, (lo, hi) in zip(got, want)), detail
+            assert max(lo for lo, _ in want) <= r["peak"] <= max(hi for _, hi in want), detail
             assert r["retained"] == 0 and r["live"] == 0, f"rank {rank} {split}: {r}"

@@ -50,6 +50,10 @@ BACKWARD_INPUT = _ComputationType.BACKWARD_INPUT
 BACKWARD_WEIGHT = _ComputationType.BACKWARD_WEIGHT
 FULL_BACKWARD = _ComputationType.FULL_BACKWARD
 REDUCE_GRAD = _ComputationType.REDUCE_GRAD
+SEND_F = _ComputationType.SEND_F
+SEND_B = _ComputationType.SEND_B
+RECV_F = _ComputationType.RECV_F
+RECV_B = _ComputationType.RECV_B
 
 #: zbpipe's paper letters -> torch's computation types (lossless both ways).
 KIND_TO_TORCH = {kind: _ComputationType.from_str(t) for kind, t in TORCH_LETTERS.items()}
@@ -242,6 +246,33 @@ def wait_batch_p2p(work: list[Any]) -> None:
     """Wait for a posted receive (one of :func:`forward_receives` or :func:`backward_receives`'s
     values; torch's ``_wait_batch_p2p``)."""
     _wait_batch_p2p(work)
+
+
+def batch_p2p(ops: list[Any]) -> list[Any]:
+    """Post point-to-point ops as torch's runtime does (``_batch_p2p``: sends alone are posted
+    one ``isend`` each, not coalesced) and return their works."""
+    works: list[Any] = _batch_p2p(ops)
+    return works
+
+
+def order_with_comms(sched: Any) -> dict[int, list[Any]]:
+    """Every rank's action list after torch inserted the sends and receives
+    (``pipeline_order_with_comms``, set by ``_prepare_schedule_with_comms``)."""
+    orders: dict[int, list[Any]] = sched.pipeline_order_with_comms
+    return orders
+
+
+def handle_sends(sched: Any, handler: Callable[[Any, Any], None]) -> None:
+    """Run ``handler(action, ctx)`` for the SEND_F and SEND_B actions of ``sched``'s runtime.
+
+    torch's ``register_custom_function`` accepts compute and FSDP actions only, but its action
+    loop looks every action type up in the same map (``_comp_type_to_function_map``, in torch
+    2.11 to 2.14) before its built-in handling, which would keep each send's work, and so its
+    tensor, until the step ends (see :mod:`zbpipe.sends`).
+    """
+    table: dict[Any, Any] = sched._comp_type_to_function_map
+    for kind in (SEND_F, SEND_B):
+        table[kind] = handler
 
 
 def backward_counter(sched: Any) -> Counter[int]:

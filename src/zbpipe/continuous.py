@@ -13,14 +13,14 @@ mini-batches ``0..k`` (directly, or through a peer that needs a later one), then
 Actions that need mini-batch ``k + 1`` wait for the next call; :meth:`flush` swaps the last
 period for the drain and runs it to the end.
 
-Because every rank's slice is a dependency-closed prefix of its order, a receive this rank
-waits on always has its send posted by a peer in this call or an earlier one. Sends never block
-(``isend``; completed at :meth:`flush`), receives are posted right before the action that
-consumes them, and every stage runs its F passes (and its B passes) in microbatch order, so the
-point-to-point messages of one direction between two ranks are matched first-in first-out, whichever
-call each side posts them in. The same holds between calls made at different times on
-different ranks: stage 0 can start mini-batch ``k + 1`` while the last stage is still in
-``k``'s drain, which is the point of the schedule.
+Because every rank's slice is a dependency-closed prefix of its order, a receive this rank waits
+on always has its send posted by a peer in this call or an earlier one. Sends never block
+(``isend``; each let go of once complete, the rest waited for at :meth:`flush`), receives are
+posted right before the action that consumes them, and every stage runs its F passes (and its B
+passes) in microbatch order, so the point-to-point messages of one direction between two ranks
+are matched first-in first-out, whichever call each side posts them in. The same holds between
+calls made at different times on different ranks: stage 0 can start mini-batch ``k + 1`` while
+the last stage is still in ``k``'s drain, which is the point of the schedule.
 
 zbpipe runs the compute itself (as :mod:`zbpipe.runtime` does): F through the stage module,
 B and W through :mod:`zbpipe.backward`, using torch's ``PipelineStage`` for shape inference,
@@ -61,6 +61,7 @@ from .engines import EngineName, Split, choose_engine
 from .optim import PostValidatedStep, StepReport
 from .planning import Costs
 from .planning.continuous_plan import MODES, continuous_parts, plan_continuous, version_bound
+from .sends import PendingSends
 from .stage_seam import EVERY_KEY, StageSeam
 from .step_inputs import drop_inputs_off_stage0, microbatch_inputs
 from .validation import (
@@ -328,9 +329,7 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
                 raise RuntimeError(
                     "zbpipe continuous: the drain did not finish; the plan is inconsistent"
                 )
-        for w in self._sends:
-            w.wait()
-        self._sends.clear()
+        self._sends.wait_all()
         self._validate()
         out = self._report(losses)
         if (
@@ -404,7 +403,7 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
         self._grad_acc: dict[int, dict[str, torch.Tensor]] = {}
         self.seam.clear()
         self._leaves: dict[int, dict[str, torch.Tensor]] = {}
-        self._sends: list[dist.Work] = []
+        self._sends = PendingSends()
 
     def _initialize(self, args: Any, kwargs: Any, target: Any) -> None:
         """torch's shape inference and buffers, re-keyed by global microbatch (see module doc)."""
@@ -421,6 +420,7 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
 
     def _run(self, actions: list) -> None:
         for a in actions:
+            self._sends.prune()  # let go of the sends that completed (zbpipe.sends)
             try:
                 {"F": self._forward, "B": self._backward_input, "W": self._backward_weight}[a.kind](
                     a.microbatch
@@ -433,7 +433,7 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
                     self._minibatch(a.microbatch),
                 )
                 raise
-        self._sends = [w for w in self._sends if not w.is_completed()]
+        self._sends.prune()
 
     def _validate(self) -> None:
         if self._pv is not None:
@@ -460,7 +460,7 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
         C.forward_cache(st)[g] = (out_tuple, inputs)
         self._f_count += 1
         if not st.is_last:
-            self._sends += [_post(op) for op in st.get_fwd_send_ops(g)]
+            self._sends.post(st, g, forward=True)
 
     def _forward_compute(self, g: int, args: Any, kwargs: dict) -> Any:
         """The stage's forward (with the weight version microbatch ``g`` must use), and its loss."""
@@ -492,7 +492,7 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
         if not st.is_last:
             del C.grad_receives(st)[g]
         if not st.is_first:
-            self._sends += [_post(op) for op in st.get_bwd_send_ops(g)]
+            self._sends.post(st, g, forward=False)
 
     def _backward_weight(self, g: int) -> None:
         self.seam.backward_weight(self.stage, g)

@@ -7,15 +7,19 @@ moment it is held until it is let go:
   :mod:`zbpipe.saved`) or autograd frees them (a fused backward, a graph dropped);
 * the deferred engine's queue: each queued weight GEMM's input and output gradient, B to W;
 * the graph engine's recorded gradients: what arrived at every boundary in B, kept until W;
-* pending sends: a stage output or input gradient handed to torch's runtime to send, until the
-  send lets go of it (torch's runtime keeps every send of a step until the step ends).
+* what a stage hands on: its output (every stage but the last) from its forward, and its input
+  gradient from its B, until the storage is freed: torch's stage keeps an output until B, a
+  send keeps its tensor until it completes (:mod:`zbpipe.sends`; torch's own runtime keeps
+  every send of a step until the step ends), a local next or previous stage (V placement)
+  until it is done with it.
 
 Parameters (and views of them) are not activations and are not counted; a storage held several
 times counts once. Measuring changes nothing: the meter keeps storage pointers and sizes, never a
 tensor, and zbpipe's holders keep detached aliases, weakly (a tensor dies when it would unwatched).
 Not counted: what torch's stage receives into (buffers it allocates once and reuses every step)
-until something above holds it, and the gradient a local next stage hands over in V placement.
-torch's own schedules (``meter.attach``) are watched for their saved tensors only.
+until something above holds it. torch's own schedules (``meter.attach``) are watched the same
+way: saved tensors, outputs and input gradients; their runtime's own bookkeeping (the deferred
+queue, recorded gradients) is zbpipe's only.
 
 Steps are measured separately, so a leak cannot pass for a high peak::
 
@@ -44,8 +48,11 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from . import _compat as C
 from .patching import Patch, patch
-from .saved import SavedTensors, param_storages
+from .saved import SavedTensors, count_until_freed, param_storages
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,18 +133,35 @@ class SavedActivationMeter:
                 if self._born.pop(storage) == self._step:
                     self._step_live -= nbytes
 
-    def attach(self, stage: Any) -> Patch:
-        """Count what a torch ``PipelineStage``'s forwards save (for torch's built-in schedules).
+    def attach(self, stage: Any) -> list[Patch]:
+        """Count what a torch ``PipelineStage`` holds for backward, for torch's own schedules:
+        what its forwards save, its outputs (not the last stage's) and its input gradients, each
+        until freed, as zbpipe's schedules count them.
 
-        Wraps this stage object's ``forward_one_chunk`` (``.undo()`` the result to detach).
-        zbpipe schedules: use
-        ``sched.attach_meter(meter)`` instead (their forwards already hold saved tensors).
+        Wraps this stage object's ``forward_one_chunk`` and ``backward_one_chunk``
+        (:func:`zbpipe.patching.undo_all` the result to detach). zbpipe schedules: use
+        ``sched.attach_meter(meter)`` instead.
         """
         params = param_storages(stage.submod.parameters())
-        forward = stage.forward_one_chunk
+        forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
 
         def forward_one_chunk(*args: Any, **kwargs: Any) -> Any:
             with SavedTensors(observer=self, skip=params).hooks():
-                return forward(*args, **kwargs)
+                output = forward(*args, **kwargs)
+            if not stage.is_last:
+                for t in output if isinstance(output, (tuple, list)) else (output,):
+                    if isinstance(t, torch.Tensor):
+                        count_until_freed(t, self)
+            return output
 
-        return patch(stage, "forward_one_chunk", forward_one_chunk)
+        def backward_one_chunk(mb: int, *args: Any, **kwargs: Any) -> Any:
+            out = backward(mb, *args, **kwargs)
+            for t in C.input_grad_cache(stage).get(mb, ()) if not stage.is_first else ():
+                if isinstance(t, torch.Tensor):
+                    count_until_freed(t, self)
+            return out
+
+        return [
+            patch(stage, "forward_one_chunk", forward_one_chunk),
+            patch(stage, "backward_one_chunk", backward_one_chunk),
+        ]

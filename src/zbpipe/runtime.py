@@ -32,6 +32,7 @@ from .nonfinite import NonfiniteLosses
 from .planning import Costs, Layout, Plan
 from .planning.fuse import fuse_adjacent_backward
 from .profile import CostProfiler, ProfileConfig
+from .sends import PendingSends, proven_sends
 from .stage_seam import StageSeam
 from .step_inputs import drop_inputs_off_stage0, microbatch_inputs
 from .trace import Tracer
@@ -130,6 +131,10 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
             )
             check_peers_agree(type(self), stages[0].group, self.rank, fingerprint, summary)
         self.seam = StageSeam(stages, engine)
+        # Sends go through zbpipe too: each is let go of once known complete, not kept (with the
+        # tensor it sent) until the end of the step as torch's runtime does (zbpipe.sends).
+        self._sends = PendingSends()
+        C.handle_sends(self, self._run_send)
         self._lower(self.plan)
         self.tracer = Tracer(rank=self.rank, enabled=trace or profiling, device=stages[0].device)
         self._profiler = (
@@ -159,6 +164,10 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         torch_order = plan_to_torch_actions(executed)
         self.pipeline_order = {r: list(acts) for r, acts in torch_order.items()}
         self._prepare_schedule_with_comms(torch_order)
+        placement = plan.placement
+        self._sends.set_proofs(
+            proven_sends(C.order_with_comms(self), self.rank, placement.__getitem__)
+        )
 
     def replan(self, new_plan: Plan) -> None:
         """Run ``new_plan`` from the next step on (call between steps, on every rank, same plan).
@@ -273,6 +282,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
             super()._step_microbatches(
                 arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs
             )
+            self._sends.wait_all()
             if pending := self.seam.pending_weight_passes():
                 raise RuntimeError(
                     f"zbpipe: weight passes never ran for (stage, microbatch) {pending}"
@@ -280,7 +290,9 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
             if self.scale_grads and self._n_microbatches != 1:
                 self._scale_grads_once()
         finally:
-            # A failed step must not leak autograd graphs or saved activations into the next one.
+            # A failed step must not leak autograd graphs or saved activations into the next one
+            # (nor wait on sends a failed peer will never receive).
+            self._sends.abandon()
             self.seam.clear()
 
     def _scale_grads_once(self) -> None:
@@ -304,24 +316,32 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         """Count this rank's saved-activation bytes with ``meter`` (see :mod:`zbpipe.memory`)."""
         self.seam.meter = meter
 
-    def _wait_recv(
-        self, ops: dict[tuple[int, int], list[Any]], stage_idx: int, mb: int, what: str
-    ) -> None:
+    def _wait_recv(self, stage_idx: int, mb: int, forward: bool) -> None:
+        """Wait for the receive torch posted for this F (``forward``) or backward, then let go of
+        the sends it proves complete (:mod:`zbpipe.sends`)."""
+        ops = C.forward_receives(self) if forward else C.backward_receives(self)
         key = (stage_idx, mb)
         if key not in ops:
             raise RuntimeError(
-                f"zbpipe: rank {self.rank} ran {what} of stage {stage_idx} mb {mb} "
-                "before its receive"
+                f"zbpipe: rank {self.rank} ran {'F' if forward else 'backward'} of stage "
+                f"{stage_idx} mb {mb} before its receive"
             )
         C.wait_batch_p2p(ops.pop(key))
+        self._sends.received((forward, stage_idx, mb))
+
+    def _run_send(self, action: Any, ctx: Any) -> None:
+        stage = self.seam.stages[action.stage_index]
+        self._sends.post(stage, action.microbatch_index, action.computation_type == C.SEND_F)
 
     # Compute actions: wait for the receive torch posted, then let the stage seam do the work.
+    # Each first lets go of the sends that completed meanwhile (zbpipe.sends).
     def _run_forward(self, action: Any, ctx: Any) -> None:
+        self._sends.prune()
         s, mb = action.stage_index, action.microbatch_index
         stage = self.seam.stages[s]
         self._assert_unsharded(stage)
         if not stage.is_first and (s - 1) not in self.seam.stages:
-            self._wait_recv(C.forward_receives(self), s, mb, "F")
+            self._wait_recv(s, mb, forward=True)
         return_outputs, loss_kwargs = self._step_opts
         with self.tracer.span("F", s, mb), self.seam.forward(stage, mb):
             output = stage.forward_one_chunk(
@@ -333,10 +353,11 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         self.seam.hand_forward(stage, output, mb)
 
     def _backward_stage(self, s: int, mb: int) -> Any:
+        self._sends.prune()
         stage = self.seam.stages[s]
         self._assert_unsharded(stage)
         if not stage.is_last and (s + 1) not in self.seam.stages:
-            self._wait_recv(C.backward_receives(self), s, mb, "backward")
+            self._wait_recv(s, mb, forward=False)
         return stage
 
     def _skip_backward(self, s: int, mb: int) -> None:
@@ -371,6 +392,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         stage = self.seam.stages[s]
         if not stage.has_backward:
             return
+        self._sends.prune()
         self._assert_unsharded(stage)
         last = self._count_backward(s)
         with self.tracer.span("W", s, mb):

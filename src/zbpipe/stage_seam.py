@@ -130,12 +130,17 @@ class StageSeam:
             yield
 
     def hand_forward(self, stage: Any, output: Any, mb: int) -> None:
-        """V placement: the next stage is on this rank, so it gets the output without a send."""
+        """Hand the output on: V placement's local next stage gets it without a send.
+
+        A meter counts the output of every stage but the last from here until its storage is
+        freed: torch's stage keeps it until B, and a send or the local next stage may keep it
+        longer.
+        """
+        if not stage.is_last:
+            self._count_held(output if isinstance(output, (tuple, list)) else (output,))
         nxt = self.stages.get(stage.stage_index + 1)
         if nxt is not None:
             nxt.set_local_fwd_input(output, mb)
-        elif not stage.is_last:
-            self._count_send(output if isinstance(output, (tuple, list)) else (output,))
 
     # ------------------------------------------------------------------ B
     def backward_input(
@@ -181,6 +186,7 @@ class StageSeam:
                 if isinstance(t, torch.Tensor) and not C.is_view(t):
                     t.detach_()
         self._hand_backward(stage, mb)
+        self._drop_handed_grads(stage.stage_index, mb)
 
     # ------------------------------------------------------------------ W
     def backward_weight(self, stage: Any, mb: int, last_backward: bool = False) -> None:
@@ -222,6 +228,7 @@ class StageSeam:
         if full:
             self.release((stage.stage_index, mb))
         self._hand_backward(stage, mb)
+        self._drop_handed_grads(stage.stage_index, mb)
 
     # ------------------------------------------------------------------ bookkeeping
     def release(self, key: Key) -> None:
@@ -258,15 +265,23 @@ class StageSeam:
         if fwd or bwd:
             C.drop_local_inputs(self.stages[idx], mb, fwd=fwd, bwd=bwd)
 
+    def _drop_handed_grads(self, idx: int, mb: int) -> None:
+        """B consumed the output gradient a local next stage handed over (V placement): the
+        engines keep what W needs themselves, so torch's stage need not hold it until W."""
+        if idx + 1 in self.stages:
+            C.drop_local_inputs(self.stages[idx], mb, fwd=False, bwd=True)
+
     def _hand_backward(self, stage: Any, mb: int) -> None:
+        if stage.is_first:
+            return
+        # a meter counts the input gradient until the send or the local previous stage lets go
+        self._count_held(C.input_grad_cache(stage).get(mb, ()))
         prev = self.stages.get(stage.stage_index - 1)
         if prev is not None:  # V placement: hand the input gradient to the local previous stage
             C.set_local_bwd_input(prev, stage.get_local_bwd_output(mb), mb)
-        elif not stage.is_first:
-            self._count_send(C.input_grad_cache(stage).get(mb, ()))
 
-    def _count_send(self, tensors: Iterable[Any]) -> None:
-        """A meter counts what torch's runtime is about to send until the send lets go of it."""
+    def _count_held(self, tensors: Iterable[Any]) -> None:
+        """A meter counts what is handed on (sent, or kept for a local neighbour) until freed."""
         if self.meter is not None:
             for t in tensors:
                 if isinstance(t, torch.Tensor):
