@@ -26,6 +26,7 @@ from torch.distributed.pipelining import PipelineStage, ScheduleZBVZeroBubble
 
 import _saved_census as census
 import zbpipe
+from _losses import mse
 from zbpipe.memory import SavedActivationMeter
 from zbpipe.planning import v_placement
 from zbpipe.testing.models import TinyGPTConfig, build_stages, lm_loss, synthetic_batch
@@ -34,10 +35,6 @@ M = 4
 HIDDEN, ROWS = 32, 8  # the Linear chain: small, so 20 steps cost little
 GPT = TinyGPTConfig(tricky=True)
 TORCH_ZBV = "torch:ScheduleZBVZeroBubble"  # torch's own, with the meter attached to its stages
-
-
-def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return (out - target).pow(2).mean()
 
 
 def _linear_chain(n_stages: int) -> tuple[list[nn.Module], Callable, Callable]:
@@ -52,7 +49,7 @@ def _linear_chain(n_stages: int) -> tuple[list[nn.Module], Callable, Callable]:
         x = torch.randn(M * ROWS, HIDDEN, generator=g)
         return x, torch.randn(M * ROWS, HIDDEN, generator=g)
 
-    return mods, _mse, batch
+    return mods, mse, batch
 
 
 def _gpt(n_stages: int, tied: bool) -> tuple[list[nn.Module], Callable, Callable]:

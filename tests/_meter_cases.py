@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 import zbpipe
+from _losses import mse
 from zbpipe.memory import SavedActivationMeter
 
 D, R, M = 8, 4, 2  # R != D: stage 0's rule for activation nodes reads shapes (docs/backward.md)
@@ -28,10 +29,6 @@ class Chunk(nn.Module):
         return torch.relu(self.lin(x) * self.scale)
 
 
-def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return ((out - target) ** 2).mean()
-
-
 def live_after_each_action(rank: int, world: int, splits: list[str]) -> list[dict]:
     """Per engine: ``(kind, stage, mb, live bytes)`` after each compute action of a second step
     (the first infers shapes), and the step's ``StepMemory``."""
@@ -43,7 +40,7 @@ def _one_engine(rank: int, world: int, split: str) -> dict:
     chunks = [Chunk() for _ in range(2 * world)]
     mine = sorted(s for s, r in zbpipe.ScheduleZBV.stage_index_to_rank(world).items() if r == rank)
     stages = [PipelineStage(chunks[s], s, 2 * world, torch.device("cpu")) for s in mine]
-    sched = zbpipe.ScheduleZBV(stages, M, loss_fn=_mse, split=split)
+    sched = zbpipe.ScheduleZBV(stages, M, loss_fn=mse, split=split)
     meter = SavedActivationMeter()
     sched.attach_meter(meter)
     samples: list[tuple[str, int, int, int]] = []

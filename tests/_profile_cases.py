@@ -5,7 +5,6 @@ Module level so spawned processes can import them.
 
 from __future__ import annotations
 
-import copy
 import logging
 
 import torch
@@ -13,6 +12,7 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 
 import zbpipe
+from _dist_cases import reference_grads
 from zbpipe.planning import Costs, plan
 from zbpipe.profile import ProfileConfig, agree_on_plan
 from zbpipe.testing.models import Block, TinyGPTConfig, build_stages, lm_loss, synthetic_batch
@@ -33,14 +33,6 @@ def build_model(num_stages: int, extra_last_blocks: int, seed: int) -> list[nn.M
     *body, head = list(mods[-1])
     mods[-1] = nn.Sequential(*body, *extra, head)
     return mods
-
-
-def reference_grads(mods, ids, tgt, m):
-    """Unpipelined: the whole model, microbatch losses averaged like scale_grads=True."""
-    ref = copy.deepcopy(nn.Sequential(*mods))
-    losses = [lm_loss(ref(x), y) for x, y in zip(ids.chunk(m), tgt.chunk(m))]
-    (torch.stack(losses).sum() / m).backward()
-    return ref, torch.stack([loss.detach() for loss in losses])
 
 
 class _Collect(logging.Handler):
@@ -97,7 +89,9 @@ def profiled_training(rank, world, schedule, m, steps, extra_last_blocks=0, opti
                 )
                 worst = max(worst, (p.grad - q.grad).abs().max().item())
         if num_stages - 1 in mine:
-            torch.testing.assert_close(torch.stack(losses), ref_losses, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(
+                torch.stack(losses), torch.stack(ref_losses), rtol=1e-6, atol=1e-6
+            )
         plans_per_step.append(config_fingerprint(cls, m, num_stages, sched.plan))
     log.removeHandler(handler)
     return {

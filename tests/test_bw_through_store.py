@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 
+from _losses import mse
 from zbpipe.testing import run_ranks
 
 pytestmark = pytest.mark.dist
@@ -34,10 +35,6 @@ def _model() -> nn.Module:
         nn.GELU(),
         nn.Linear(32, 8),
     )
-
-
-def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return (out - target).pow(2).mean()
 
 
 def _count(fired: dict, key: str) -> None:
@@ -62,10 +59,10 @@ def _one_rank(rank: int, world: int, split: str, hook: str | None) -> dict:
                 lambda g, k=key: fired.__setitem__(k, fired[k] + 1) or 2 * g
             )
     for xs, ys in zip(x.chunk(M), y.chunk(M), strict=True):
-        (_mse(ref(xs), ys) / M).backward()
+        (mse(ref(xs), ys) / M).backward()
 
     stage = PipelineStage(model, 0, 1, torch.device("cpu"))
-    sched = zbpipe.Schedule1F1BMulti([stage], M, loss_fn=_mse, split=split)
+    sched = zbpipe.Schedule1F1BMulti([stage], M, loss_fn=mse, split=split)
     first_grads = {}
     run_bw = sched.seam.full_backward
 

@@ -23,6 +23,7 @@ import pytest
 import torch
 from torch import nn
 
+from _losses import mse
 from zbpipe.testing import run_ranks
 
 pytestmark = pytest.mark.dist
@@ -44,14 +45,10 @@ def _stages() -> list[nn.Module]:
     return chunks
 
 
-def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return (out - target).pow(2).mean()
-
-
 def _reference(chunks: list[nn.Module], x, y, scale: bool) -> dict[str, torch.Tensor]:
     model = copy.deepcopy(nn.Sequential(*chunks))  # deepcopy keeps the tie
     for xs, ys in zip(x.chunk(M), y.chunk(M), strict=True):
-        loss = _mse(model(xs), ys)
+        loss = mse(model(xs), ys)
         (loss / M if scale else loss).backward()
     return {n: p.grad for n, p in model.named_parameters()}
 
@@ -72,7 +69,7 @@ def _rank(rank: int, world: int) -> list[tuple[str, float]]:
         mine = sorted(s for s, r in v_placement(world).items() if r == rank)
         stages = [PipelineStage(chunks[s], s, 4, torch.device("cpu")) for s in mine]
         sched = getattr(zbpipe, f"Schedule{name}")(
-            stages, M, loss_fn=_mse, scale_grads=scale, **options
+            stages, M, loss_fn=mse, scale_grads=scale, **options
         )
         sched.step(*((x,) if rank == 0 else ()), target=y if rank == 0 else None)
         whole = nn.Sequential(*chunks)  # names as in the reference; other ranks' grads are None
@@ -106,11 +103,11 @@ def _eval_one_rank(rank: int, world: int) -> list[str]:
         for p in model.parameters():
             p.grad = torch.ones_like(p)  # left by an earlier training step
         stages = [PipelineStage(c, s, n_stages, torch.device("cpu")) for s, c in enumerate(chunks)]
-        sched = getattr(zbpipe, f"Schedule{name}")(stages, M, loss_fn=_mse)
+        sched = getattr(zbpipe, f"Schedule{name}")(stages, M, loss_fn=mse)
         losses: list = []
         with torch.no_grad():
             sched.eval(x, target=y, losses=losses)
-            ref = [_mse(model(xs), ys) for xs, ys in zip(x.chunk(M), y.chunk(M), strict=True)]
+            ref = [mse(model(xs), ys) for xs, ys in zip(x.chunk(M), y.chunk(M), strict=True)]
         if not all(torch.equal(p.grad, torch.ones_like(p)) for p in model.parameters()):
             problems.append(f"{name}: eval() changed the gradients")
         if not torch.allclose(torch.stack(losses), torch.stack(ref)):

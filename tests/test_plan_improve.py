@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from _strategies import costs_st
 from zbpipe.planning.core import Action, PlanError, loop_placement, make_plan
 from zbpipe.planning.costs import Costs
 from zbpipe.planning.improve import improve
@@ -71,15 +72,6 @@ def test_deadlocking_plan_is_rejected() -> None:
 def test_a_budget_is_required() -> None:
     with pytest.raises(ValueError, match="budget"):
         improve(bad_two_rank_plan(), max_seconds=None, max_evals=None)
-
-
-costs_st = st.builds(
-    lambda f, b, w, c: Costs(f=f, b=b, w=w, comm=c),
-    st.floats(0.2, 2),
-    st.floats(0.2, 2),
-    st.floats(0.1, 2),
-    st.floats(0, 0.3),
-)
 
 
 @settings(max_examples=25, deadline=None)

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from _strategies import costs_st
 from zbpipe.planning import Costs, simulate
 from zbpipe.planning.auto import plan_zb1p, plan_zb2p
 from zbpipe.planning.onef1b import plan_1f1b
@@ -19,13 +20,6 @@ from zbpipe.planning.zbh1 import plan_zbh1
 from zbpipe.planning.zbh2 import plan_zbh2
 from zbpipe.planning.zbv import plan_zbv
 
-costs_st = st.builds(
-    lambda f, b, w, c: Costs(f=f, b=b, w=w, comm=c),
-    st.floats(0.2, 2),
-    st.floats(0.2, 2),
-    st.floats(0.1, 2),
-    st.floats(0, 0.3),
-)
 EPS = 1e-9  # simulated times are sums of the same floats: only rounding can differ
 
 

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from _strategies import costs_st
 from zbpipe.planning.costs import Costs
 from zbpipe.planning.onef1b import plan_1f1b
 from zbpipe.planning.simulator import simulate
@@ -80,15 +81,6 @@ def test_memory_limit_too_small_names_the_minimum() -> None:
 def test_explicit_memory_limit_is_respected() -> None:
     r = simulate(plan_zbv(4, 12, UNIT, memory_limit=3), UNIT, memory_limit=3)
     assert max(r.peak_memory.values()) <= 3
-
-
-costs_st = st.builds(
-    lambda f, b, w, c: Costs(f=f, b=b, w=w, comm=c),
-    st.floats(0.2, 2),
-    st.floats(0.2, 2),
-    st.floats(0.1, 2),
-    st.floats(0, 0.3),
-)
 
 
 @settings(max_examples=10, deadline=None)

@@ -9,14 +9,7 @@ from zbpipe.schedule_names import SCHEDULE_CLASSES
 from zbpipe.schedules import Schedule1F1BMulti, ScheduleZBH1
 
 
-@pytest.fixture
-def registered():
-    registration.register()
-    yield torch_schedules.get_schedule_class
-    registration.unregister()
-
-
-def test_torch_lookup_finds_zbpipe_names(registered):
+def test_torch_lookup_finds_zbpipe_names(torch_get):
     assert torch_schedules.get_schedule_class("ZBH1") is ScheduleZBH1
     assert (
         torch_schedules.get_schedule_class("zbh1") is ScheduleZBH1
@@ -24,19 +17,19 @@ def test_torch_lookup_finds_zbpipe_names(registered):
     assert torch_schedules.get_schedule_class("Schedule1F1BMulti") is Schedule1F1BMulti
 
 
-def test_torch_names_still_resolve_to_torch_classes(registered):
+def test_torch_names_still_resolve_to_torch_classes(torch_get):
     assert torch_schedules.get_schedule_class("1F1B") is torch_schedules.Schedule1F1B
     assert (
         torch_schedules.get_schedule_class("ZBVZeroBubble") is torch_schedules.ScheduleZBVZeroBubble
     )
 
 
-def test_unknown_name_still_raises_value_error(registered):
+def test_unknown_name_still_raises_value_error(torch_get):
     with pytest.raises(ValueError, match="NoSuchSchedule"):
         torch_schedules.get_schedule_class("NoSuchSchedule")
 
 
-def test_classes_added_after_register_are_found(registered, monkeypatch):
+def test_classes_added_after_register_are_found(torch_get, monkeypatch):
     class ScheduleLate(PlannedSchedule):
         plan_name = "1F1B"
 

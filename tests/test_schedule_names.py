@@ -19,14 +19,6 @@ from zbpipe.schedule_names import SCHEDULE_CLASSES, find_schedule_class, is_torc
 NAMES = sorted(SCHEDULE_CLASSES)
 
 
-@pytest.fixture
-def torch_get():
-    """torch's own get_schedule_class, with zbpipe registered."""
-    registration.register()
-    yield torch_schedules.get_schedule_class
-    registration.unregister()
-
-
 def _spellings(name: str) -> list[str]:
     cls_name = SCHEDULE_CLASSES[name].__name__
     return [name, name.lower(), name.upper(), cls_name, cls_name.lower()]
