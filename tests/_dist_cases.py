@@ -414,51 +414,59 @@ def nonfinite_loss_reported(rank, world):
     return sched.nonfinite_microbatches
 
 
-def _v_chunk(seed):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
-
-
 def _mean_loss(out, target):
     return out.mean()  # saves no tensor, so only the chunks' activations are counted
 
 
-def v_saved_peak_within_budget(rank, world, m, modes):
-    """Per memory mode: (peak saved bytes on this rank, budget in bytes, simulated peak in bytes).
+def _deep_v_chunk(seed):
+    # Four layers, so one tensor a B holds for a moment (a gradient made before the activation
+    # it replaces is freed, which no plan models) is a small part of a chunk's memory.
+    torch.manual_seed(seed)
+    return nn.Sequential(*(m for _ in range(4) for m in (nn.Linear(64, 64), nn.GELU())))
 
-    Uniform chunks, so the plan's unit (one chunk's forward, ``Costs.mem_f = 1``) is measured
-    here on a standalone forward of one microbatch, independently of any schedule.
+
+def v_saved_peak_within_budget(rank, world, m, modes, splits):
+    """Per (engine, memory mode): this rank's peak bytes held for backward in a step after
+    ``costs="profile"`` re-planned, the measured per-chunk ``mem_f`` and the bytes per unit.
+
+    Microbatches are separate tensors (``arg_mbs``), so no stage-0 input is a view of a batch
+    storage the meter would count whole.
     """
     from zbpipe.memory import SavedActivationMeter
-    from zbpipe.planning import simulate
-    from zbpipe.saved import SavedTensors, param_storages
+    from zbpipe.profile import ProfileConfig
 
     rows = 8
-    probe, unit = _v_chunk(0), SavedActivationMeter()
-    with SavedTensors(observer=unit, skip=param_storages(probe.parameters())).hooks():
-        probe(torch.randn(rows, 64, requires_grad=True))
-    chunk_bytes = unit.peak_bytes
-    out = {}
     n_stages = 2 * world
     mine = (rank, n_stages - 1 - rank)
-    x = torch.randn(m * rows, 64)
-    for mode in modes:
-        stages = [PipelineStage(_v_chunk(s), s, n_stages, torch.device("cpu")) for s in mine]
-        # The graph engine: its B frees only activation-only tensors, as the plan's memory model
-        # (F allocates 1 unit, W frees it) assumes, but it also keeps each boundary's gradient
-        # until W, and both engines' sends wait for the step's end: the meter counts them all
-        # (docs/backward.md, "Memory between B and W"), the plan does not (issue 19 part 2).
-        sched = zbpipe.ScheduleZBV(stages, m, loss_fn=_mean_loss, memory=mode, split="graph")
-        meter = SavedActivationMeter()
-        sched.attach_meter(meter)
-        meter.begin_step()
-        sched.step(*((x,) if rank == 0 else ()), target=x if rank == 0 else None)
-        sim = simulate(sched.plan, zbpipe.Costs())  # default memory: F allocates 1, W frees it
-        out[mode] = (
-            meter.end_step().peak_bytes,
-            sched.plan.meta["memory_budget"] * chunk_bytes,
-            sim.peak_memory[rank] * chunk_bytes,
-        )
-    # Stage 0's saved inputs are views of the one batch tensor x; the meter counts a storage
-    # whole, once, so the rank holding stage 0 may show up to x's bytes more than the plan's units.
-    return out, x.untyped_storage().nbytes() if rank == 0 else 0
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(rows, 64, generator=g) for _ in range(m)]
+    out = {}
+    for split in splits:
+        for mode in modes:
+            stages = [
+                PipelineStage(_deep_v_chunk(s), s, n_stages, torch.device("cpu")) for s in mine
+            ]
+            sched = zbpipe.ScheduleZBV(
+                stages,
+                m,
+                loss_fn=_mean_loss,
+                memory=mode,
+                split=split,
+                costs="profile",
+                profile=ProfileConfig(warmup_steps=1, profile_steps=1, comm=0.0),
+                trace=False,
+            )
+            meter = SavedActivationMeter()
+            sched.attach_meter(meter)
+            for _ in range(3):  # warm-up, profiled (re-planned at its end), measured
+                meter.begin_step()
+                sched.step(
+                    arg_mbs=[(x,) for x in xs] if rank == 0 else None,
+                    target_mbs=xs if rank == 0 else None,
+                )
+            out[(split, mode)] = (
+                meter.end_step().peak_bytes,
+                list(sched.measured_costs.mem_f),
+                sched.memory_unit_bytes,
+            )
+    return out

@@ -130,7 +130,8 @@ def test_rank_0_logs_one_line_with_costs_and_makespans(two_ranks):
         assert (
             "measured costs (ms) F=[" in line
             and "simulated makespan" in line
-            and "(switched)" in line
+            and "(switched" in line
+            and "predicted peak memory" in line
         )
         assert two_ranks[1][case]["log"] == []  # other ranks log the same line at debug level
 
@@ -153,13 +154,13 @@ def test_zbauto_profile_on_4_ranks_grads_and_plan_agree():
     assert all(o["worst"] < 1e-5 for o in outs)
     fps = outs[0]["plans_per_step"]
     assert fps[0] == fps[1] and fps[2] == fps[3], fps  # re-planned once, at the end of step 3
-    # The switch rule: the generator's plan for the measured costs, unless it simulates slower
-    # under those costs than the equal-cost plan it would replace.
+    # The switch rule: the generator's plan for the measured costs (times and bytes), unless it
+    # simulates slower under those costs than the equal-cost plan it would replace and that
+    # plan's peak memory under them is no higher.
     measured = outs[0]["measured"]
     new, old = plan("ZB1P", 4, 8, costs=measured), plan("ZB1P", 4, 8, costs=Costs())
-    expected = (
-        new
-        if simulate(new, measured).makespan <= simulate(old, measured).makespan * (1 + 1e-9)
-        else old
-    )
+    r_new, r_old = simulate(new, measured), simulate(old, measured)
+    faster = r_new.makespan <= r_old.makespan * (1 + 1e-9)
+    old_fits = max(r_old.peak_memory.values()) <= max(r_new.peak_memory.values()) * (1 + 1e-9)
+    expected = new if faster or not old_fits else old
     assert outs[0]["order"] == dict(expected.order)

@@ -33,7 +33,8 @@ bytes this step saved and never freed are ``retained_bytes`` (a schedule that fr
 0; a leak shows up as retained bytes every step, not as a growing peak).
 
 Attach it with ``sched.attach_meter(meter)`` for zbpipe schedules, or ``meter.attach(stage)`` for
-torch's built-in schedules.
+torch's built-in schedules (and ``loss_fn=meter.watch_loss(loss_fn)``: torch computes the loss
+outside the stage's forward).
 
 Observer interface (anything that holds tensors for backward can report them): call
 ``on_pack(storage, nbytes)`` when a tensor starts being held and ``on_free(storage, nbytes)`` when
@@ -45,6 +46,7 @@ from a finalizer, in whatever thread drops the last reference: the meter takes a
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,6 +134,19 @@ class SavedActivationMeter:
                 self.live_bytes -= nbytes
                 if self._born.pop(storage) == self._step:
                     self._step_live -= nbytes
+
+    def watch_loss(self, loss_fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``loss_fn``, counting what it saves for backward (for torch's schedules, which compute
+        the loss outside the stage's forward; zbpipe's count their loss already)::
+
+            sched = Schedule1F1B(stage, m, loss_fn=meter.watch_loss(loss_fn))
+        """
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            with SavedTensors(observer=self).hooks():
+                return loss_fn(*args, **kwargs)
+
+        return counted
 
     def attach(self, stage: Any) -> list[Patch]:
         """Count what a torch ``PipelineStage`` holds for backward, for torch's own schedules:

@@ -19,12 +19,22 @@ those steps and on every pipeline rank together:
    the measured costs) and logs one info line (see ``docs/profiling.md``).
 
 :func:`measure_stage_costs` is the same measurement for offline use on recorded events.
-Memory fields of the measured ``Costs`` keep their defaults (one unit per in-flight
-microbatch), so ``memory_limit="1p"``/``"2p"`` and numeric limits mean what they meant before.
+
+Memory (``ProfileConfig.memory``, on by default): over the same steps, each rank also records
+what one microbatch of each of its stages holds right after F and right after B, in bytes
+(:mod:`zbpipe.memory_probe`: saved tensors, the output, the engine's queue or recorded
+gradients), under the engine in use. Per stage, ``mem_f`` is the median after F, ``mem_b`` the
+change from there to after B, ``mem_w`` frees the rest; all three are divided by the mean
+``mem_f`` over stages, so one memory unit is one microbatch of an average stage (what it was
+before the measurement, for equal stages) and a numeric ``memory_limit`` keeps its meaning.
+Every plan's memory budget (1F1B's peak for ZB-H1, ZB-1p and ZB-V, the V-Half and V-Min
+formulas) is then a budget in measured bytes: a heavy head stage is no longer planned to hold
+as many microbatches as a light one. The log line gives the chosen plan's predicted peak.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 import time
@@ -32,6 +42,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from .memory_probe import MemoryProbe
 from .planning import KINDS, Costs, Plan
 
 logger = logging.getLogger(__name__)
@@ -55,6 +66,9 @@ class ProfileConfig:
     """
     comm_repeats: int = 5
     """Timed round trips per link (after one untimed one); half the fastest is ``comm``."""
+    memory: bool = True
+    """Measure what each stage's microbatch holds after F and B and plan with it (the module
+    docstring); False keeps one memory unit per microbatch of any stage."""
 
     def __post_init__(self) -> None:
         for name in ("warmup_steps", "profile_steps", "digits", "comm_repeats"):
@@ -66,6 +80,8 @@ class ProfileConfig:
             raise ValueError(
                 f"ProfileConfig.unit must be seconds per cost unit (> 0), got {self.unit!r}"
             )
+        if not isinstance(self.memory, bool):
+            raise ValueError(f"ProfileConfig.memory must be True or False, got {self.memory!r}")
         if self.comm != "measure" and not (isinstance(self.comm, (int, float)) and self.comm >= 0):
             raise ValueError(
                 f"ProfileConfig.comm must be 'measure' or a time >= 0, got {self.comm!r}"
@@ -138,6 +154,33 @@ def costs_from_medians(
         b.append(fix(bs))
         w.append(fix(ws))
     return Costs(f=f, b=b, w=w, comm=[fix(c) for c in comms])
+
+
+def memory_costs(
+    held: Mapping[int, Mapping[str, float]], num_stages: int, digits: int | None = None
+) -> tuple[dict[str, list[float]], float] | None:
+    """``Costs`` memory fields from the bytes a microbatch holds after F and after B, per stage.
+
+    ``held``: ``{stage: {"F": bytes, "B": bytes}}`` (:meth:`zbpipe.memory_probe.MemoryProbe
+    .medians`); a stage without a B measurement (its backward always ran fused) is taken to
+    hold everything until W. Returns ``({"mem_f": [...], "mem_b": [...], "mem_w": [...]},
+    bytes per unit)``, the unit being the mean ``mem_f`` over stages, or None if a stage has no
+    F measurement or nothing was held at all.
+    """
+    if any("F" not in held.get(s, {}) for s in range(num_stages)):
+        return None
+    unit = sum(held[s]["F"] for s in range(num_stages)) / num_stages
+    if unit <= 0:
+        return None
+    fix = (lambda x: x / unit) if digits is None else (lambda x: round_sig(x / unit, digits))
+    fields: dict[str, list[float]] = {"mem_f": [], "mem_b": [], "mem_w": []}
+    for s in range(num_stages):
+        after_f = fix(held[s]["F"])
+        after_b = fix(held[s].get("B", held[s]["F"]))
+        fields["mem_f"].append(after_f)
+        fields["mem_b"].append(after_b - after_f)
+        fields["mem_w"].append(-after_b)
+    return fields, unit
 
 
 def measure_stage_costs(
@@ -274,6 +317,16 @@ class CostProfiler:
         self.steps_seen = 0
         self.events: list[Any] = []
         self.done = False
+        self.memory = MemoryProbe()
+        #: bytes per memory unit of the measured costs (None: memory not measured)
+        self.memory_unit_bytes: float | None = None
+
+    def before_step(self, sched: Any) -> None:
+        """Call on every rank before each step: probe memory during the profiled steps."""
+        probing = (
+            self.config.memory and not self.done and self.steps_seen >= self.config.warmup_steps
+        )
+        sched.seam.probe = self.memory if probing else None
 
     def after_step(self, sched: Any) -> None:
         """Call on every rank after each successful step (re-plans after the last profiled one)."""
@@ -285,6 +338,7 @@ class CostProfiler:
         if self.steps_seen == self.config.warmup_steps + self.config.profile_steps:
             self.done = True
             sched.tracer.enabled = self.keep_tracing
+            sched.seam.probe = None
             self.replan(sched)
 
     def measured_costs(self, sched: Any) -> Costs:
@@ -298,9 +352,17 @@ class CostProfiler:
             comm = list(gather_stage_values(comm_s, group).values())
         else:
             comm = [float(cfg.comm) * cfg.unit] * sched._num_stages
-        return costs_from_medians(
+        costs = costs_from_medians(
             medians, sched._num_stages, comm, unit=cfg.unit, digits=cfg.digits
         )
+        if not cfg.memory:
+            return costs
+        held = gather_stage_values(self.memory.medians(mine), group)
+        measured = memory_costs(held, sched._num_stages, cfg.digits)
+        if measured is None:
+            return costs
+        fields, self.memory_unit_bytes = measured
+        return dataclasses.replace(costs, **fields)
 
     def replan(self, sched: Any) -> None:
         from .planning import simulate
@@ -319,22 +381,31 @@ class CostProfiler:
         old = sched.plan
         r_old, r_new = simulate(old, costs), simulate(new, costs)
         # The generator optimises its cost model; it is not guaranteed to beat the equal-cost plan
-        # under every cost vector. Both makespans are identical on every rank, so is the choice.
-        chosen, outcome = (
-            (new, "switched") if r_new.makespan <= r_old.makespan * (1 + 1e-9) else (old, "kept")
-        )
+        # under every cost vector, so a faster old plan is kept, if it holds no more than the
+        # new one's peak under the measured memory: the new plan meets the schedule's memory
+        # budget, and the old one was planned for equal bytes per stage. Both makespans and
+        # peaks are identical on every rank, so is the choice.
+        old_fits = max(r_old.peak_memory.values()) <= (1 + 1e-9) * max(r_new.peak_memory.values())
+        if r_new.makespan <= r_old.makespan * (1 + 1e-9):
+            chosen, outcome = new, "switched"
+        elif old_fits:
+            chosen, outcome = old, "kept"
+        else:
+            chosen, outcome = new, "switched: the old plan holds more memory"
         if chosen.order == old.order:
             outcome = "unchanged"
         sched.measured_costs = costs
+        sched.memory_unit_bytes = self.memory_unit_bytes
         if chosen is not old:
             sched.replan(chosen)
         fp = lambda p: config_fingerprint(type(sched), sched._n_microbatches, sched._num_stages, p)  # noqa: E731
+        memory = self._predicted_memory(sched, chosen, costs)
         unit = "ms" if self.config.unit == 1e-3 else f"{self.config.unit:g} s"
         level = logging.INFO if sched.rank == 0 else logging.DEBUG
         logger.log(
             level,
             "zbpipe profile: %s measured costs (%s) F=%s B=%s W=%s comm=%s; plan %s %s -> %s: "
-            "simulated makespan %.4g -> %.4g %s, bubble rate %.1f%% -> %.1f%% (%s)",
+            "simulated makespan %.4g -> %.4g %s, bubble rate %.1f%% -> %.1f%% (%s)%s",
             type(sched).__name__,
             unit,
             _fmt(costs.f),
@@ -350,7 +421,24 @@ class CostProfiler:
             100 * r_old.bubble_rate,
             100 * r_new.bubble_rate,
             outcome,
+            memory,
         )
+
+    def _predicted_memory(self, sched: Any, plan: Plan, costs: Costs) -> str:
+        """The log line's memory part: the plan's predicted peak, and its ratio to 1F1B's on the
+        same model (the same stages, joined in pairs for a V placement)."""
+        if self.memory_unit_bytes is None:
+            return ""
+        from .planning import simulate
+        from .planning.auto import onef1b_peak
+
+        peak = max(simulate(plan, costs).peak_memory.values())
+        text = f"; predicted peak memory {peak * self.memory_unit_bytes / 2**20:.3g} MiB per rank"
+        chunks = sched._num_stages // sched.pp_group_size
+        if chunks == 1 or (chunks == 2 and sched.layout == "v"):
+            base = onef1b_peak(sched.pp_group_size, sched._n_microbatches, costs.joined(chunks))
+            text += f" ({peak / base:.2f}x 1F1B's)"
+        return text
 
 
 def _fmt(values: Any) -> str:

@@ -112,6 +112,8 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         self._plan_options = plan_options  # kept for a re-plan from measured costs
         #: the agreed per-stage costs once ``costs="profile"`` has measured them (else None)
         self.measured_costs: Costs | None = None
+        #: bytes per memory unit of ``measured_costs`` (None until memory was measured)
+        self.memory_unit_bytes: float | None = None
         self.plan: Plan = self.build_plan(
             self.pp_group_size, n_microbatches, self.costs, **plan_options
         )
@@ -234,6 +236,8 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
                 mbs, arg_mbs=[a for a, _ in bound], kwarg_mbs=[k for _, k in bound]
             )
         self.tracer.clear()
+        if self._profiler is not None:
+            self._profiler.before_step(self)  # memory is probed during the profiled steps
         out = C.run_microbatches(
             self, mbs.arg_mbs, mbs.kwarg_mbs, mbs.target_mbs, losses, return_outputs, loss_kwargs
         )

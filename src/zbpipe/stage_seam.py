@@ -41,6 +41,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from . import _compat as C
 from .engines import Key, SplitEngine
+from .memory_probe import KeyBytes, MemoryProbe
 from .saved import Observer, SavedTensors, count_until_freed, param_storages
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,10 @@ class StageSeam:
         self.split_keys: Container[Key] = ()
         self.store_bw_keys: Container[Key] = ()
         self.meter: Observer | None = None
+        #: set while ``costs="profile"`` measures what each microbatch holds (zbpipe.memory_probe)
+        self.probe: MemoryProbe | None = None
         self._saved: dict[Key, SavedTensors] = {}
+        self._observers: dict[Key, KeyBytes] = {}  # per microbatch, while probing
         engine.attach(stages)
 
     def assign(self, actions: Iterable[Any]) -> None:
@@ -117,16 +121,19 @@ class StageSeam:
             and stage.stage_index not in self.own_w  # torch runs its B and W (no store)
             and (key in self.split_keys or key in self.store_bw_keys)
         )
+        observer = self.meter
+        if self.probe is not None and stage.has_backward:
+            observer = self._observers[key] = KeyBytes(self.meter)
         with contextlib.ExitStack() as scope:
             if stage.has_backward and (
-                (split and self.engine.uses_saved_holders) or self.meter is not None
+                (split and self.engine.uses_saved_holders) or observer is not None
             ):
                 skip = param_storages(stage.submod.parameters())
-                saved = self._saved[key] = SavedTensors(observer=self.meter, skip=skip)
+                saved = self._saved[key] = SavedTensors(observer=observer, skip=skip)
                 scope.enter_context(saved.hooks())
             if split:
                 fused = key in self.store_bw_keys
-                scope.enter_context(self.engine.forward_scope(key, self.meter, fused=fused))
+                scope.enter_context(self.engine.forward_scope(key, observer, fused=fused))
             yield
 
     def hand_forward(self, stage: Any, output: Any, mb: int) -> None:
@@ -136,8 +143,10 @@ class StageSeam:
         freed: torch's stage keeps it until B, and a send or the local next stage may keep it
         longer.
         """
+        key = (stage.stage_index, mb)
         if not stage.is_last:
-            self._count_held(output if isinstance(output, (tuple, list)) else (output,))
+            self._count_held(key, output if isinstance(output, (tuple, list)) else (output,))
+        self._probe("F", key)
         nxt = self.stages.get(stage.stage_index + 1)
         if nxt is not None:
             nxt.set_local_fwd_input(output, mb)
@@ -185,6 +194,7 @@ class StageSeam:
             for t in stage_output:
                 if isinstance(t, torch.Tensor) and not C.is_view(t):
                     t.detach_()
+        self._probe("B", key)
         self._hand_backward(stage, mb)
         self._drop_handed_grads(stage.stage_index, mb)
 
@@ -242,6 +252,7 @@ class StageSeam:
         saved = self._saved.pop(key, None)
         if saved is not None:
             saved.release_all()
+        self._observers.pop(key, None)
         self._drop_local_inputs(key[0], key[1])
 
     def pending_weight_passes(self) -> list[Key]:
@@ -257,6 +268,7 @@ class StageSeam:
         for saved in self._saved.values():
             saved.release_all()
         self._saved.clear()
+        self._observers.clear()
         for idx in self.stages:  # what a forward-only or failed step handed over locally
             self._drop_local_inputs(idx, None)
 
@@ -275,17 +287,24 @@ class StageSeam:
         if stage.is_first:
             return
         # a meter counts the input gradient until the send or the local previous stage lets go
-        self._count_held(C.input_grad_cache(stage).get(mb, ()))
+        self._count_held((stage.stage_index, mb), C.input_grad_cache(stage).get(mb, ()))
         prev = self.stages.get(stage.stage_index - 1)
         if prev is not None:  # V placement: hand the input gradient to the local previous stage
             C.set_local_bwd_input(prev, stage.get_local_bwd_output(mb), mb)
 
-    def _count_held(self, tensors: Iterable[Any]) -> None:
+    def _count_held(self, key: Key, tensors: Iterable[Any]) -> None:
         """A meter counts what is handed on (sent, or kept for a local neighbour) until freed."""
-        if self.meter is not None:
+        observer = self._observers.get(key, self.meter)
+        if observer is not None:
             for t in tensors:
                 if isinstance(t, torch.Tensor):
-                    count_until_freed(t, self.meter)
+                    count_until_freed(t, observer)
+
+    def _probe(self, kind: str, key: Key) -> None:
+        """While probing: record what ``key`` holds now (after its F, or its B)."""
+        observer = self._observers.get(key)
+        if self.probe is not None and observer is not None:
+            self.probe.record(kind, key[0], observer.live)
 
 
 def check_output_grads(stage: Any, mb: int, outputs: Any, grads: Sequence[Any]) -> None:

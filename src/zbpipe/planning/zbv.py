@@ -43,6 +43,11 @@ log = logging.getLogger(__name__)
 
 MemoryMode = Literal["zb", "half", "min"]
 _NAMES = {"zb": "ZBV", "half": "ZBVHalf", "min": "ZBVMin"}
+_FORMULAS = {
+    "zb": "1F1B's peak",
+    "half": "(p + 2) / 2 microbatches of stage 0",
+    "min": "(p + 4) / 3 microbatches of stage 0",
+}
 
 
 def stage0_unit(stage_costs: list[StageCosts]) -> float:
@@ -143,9 +148,18 @@ def _budget(p: int, sc: list[StageCosts], memory: MemoryMode, memory_limit: floa
             )
         return float(memory_limit)
     budget = default_budget(p, sc, memory)
-    if budget < floor:
+    if budget < floor - EPS:
+        # The promise cannot hold with these costs: say so, with the peak planned for instead.
         log.warning(
-            "%s default budget %g is below the minimum %g; using the minimum", memory, budget, floor
+            "%s: its memory budget (%s) is %g units, below the %g a V plan needs with these "
+            "costs (one microbatch of each of a rank's two stages, the heaviest rank's); "
+            "planning for a peak of %g units (%.2fx the budget)",
+            _NAMES[memory],
+            _FORMULAS[memory],
+            budget,
+            floor,
+            floor,
+            floor / budget,
         )
     return max(budget, floor)
 
