@@ -59,13 +59,17 @@ def _schedule(
     )
 
 
-def _feed(sched: ScheduleContinuous, rank: int, world: int, m: int, ks: range) -> list:
+def _feed(
+    sched: ScheduleContinuous, rank: int, world: int, m: int, ks: range, pending: list | None = None
+) -> list:
     records = []
     for k in ks:
         ids, tgt = batch(k, m)
         args = (ids,) if rank == 0 else ()
         out = sched.step(*args, target=tgt if rank == world - 1 else None)
         records.append((k, [(kk, [float(x) for x in ls]) for kk, ls in out]))
+        if pending is not None:  # sends still held (their tensors alive) after this step
+            pending.append(len(sched._sends))
     return records
 
 
@@ -86,7 +90,8 @@ def train(
 ) -> dict:
     """n mini-batches then flush; this stage's parameters, the losses per call, live versions."""
     sched = _schedule(rank, world, m, mode, opt, split=split, exact=exact)
-    records = _feed(sched, rank, world, m, range(n))
+    pending: list[int] = []
+    records = _feed(sched, rank, world, m, range(n), pending)
     flushed = [(kk, [float(x) for x in ls]) for kk, ls in sched.flush()]
     return dict(
         split=sched.split,
@@ -96,6 +101,7 @@ def train(
         steps=sched.minibatches_done,
         max_live=sched.max_live_versions,
         bound=sched.version_bound,
+        pending_sends=pending,
     )
 
 

@@ -181,6 +181,17 @@ def test_live_versions_within_bound(runs):
     assert all(r["max_live"] == 1 for r in res[0])
 
 
+def test_sends_are_let_go_of_within_the_stream_not_at_flush(runs):
+    # A rank posts m outputs and m input gradients per mini-batch. gloo never reports a send
+    # complete before a wait, so they used to pile up until flush(); each is now waited for once
+    # a message from the peer proves its receive (zbpipe.sends.ChainProofs).
+    world, m, res = runs
+    for case, per_rank in res.items():
+        for rank, r in enumerate(per_rank):
+            pending = r["pending_sends"]
+            assert len(pending) == N and max(pending) <= m, (case, rank, pending)
+
+
 @pytest.mark.parametrize("mode", ["sync", "2bw"])
 def test_checkpoint_resume_equals_uninterrupted_run(mode):
     out = run_ranks(cc.checkpoint_resume, 2, 2, mode, "adamw", timeout=120)

@@ -90,3 +90,22 @@ def test_pending_sends_let_go_of_completed_and_proven_sends_and_wait_for_the_res
     sends.post(stage0, 3, forward=True)
     sends.abandon()  # a failed step: forgotten, never waited for (the peer may be gone)
     assert len(sends) == 0 and not works[4].waited
+
+
+def test_chain_proofs_from_the_previous_ranks_stream():
+    from zbpipe.planning import Action
+    from zbpipe.sends import ChainProofs
+
+    proofs = ChainProofs(stage=1)
+    # An output of mb 3 sent to stage 2 is proven by stage 2's gradient of mb 3.
+    assert proofs.output_sent(3) == {(False, 1, 3): [(True, 2, 3)]}
+    # Stage 0 runs F0 F1 B0 B1 | F2 ... : its F of mb 2, after B0 and B1 (which received this
+    # rank's gradients of mb 0 and 1), proves both; the B at the end of a slice waits for the
+    # next slice's first F.
+    first = [Action(0, "F", 0), Action(0, "F", 1), Action(0, "B", 0), Action(0, "B", 1)]
+    assert proofs.previous_rank_ran(first) == {}
+    second = [Action(0, "F", 2), Action(0, "W", 0), Action(0, "B", 2), Action(0, "F", 3)]
+    assert proofs.previous_rank_ran(second) == {
+        (True, 1, 2): [(False, 0, 0), (False, 0, 1)],
+        (True, 1, 3): [(False, 0, 2)],
+    }

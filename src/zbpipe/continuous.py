@@ -61,7 +61,7 @@ from .engines import EngineName, Split, choose_engine
 from .optim import PostValidatedStep, StepReport
 from .planning import Costs
 from .planning.continuous_plan import MODES, continuous_parts, plan_continuous, version_bound
-from .sends import PendingSends
+from .sends import ChainProofs, PendingSends
 from .stage_seam import EVERY_KEY, StageSeam
 from .step_inputs import drop_inputs_off_stage0, microbatch_inputs
 from .validation import (
@@ -298,7 +298,7 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
         self.seam.claim_linears()
         self._given += 1
         self._frontier.give(self._given)
-        self._run(self._frontier.advance(self._given * m)[self.rank])
+        self._run(self._frontier.advance(self._given * m))
         return self._report(losses)
 
     def eval(self, *args: Any, **kwargs: Any) -> Any:
@@ -324,7 +324,7 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
         """
         if self._given:
             self._frontier.drain(self._given)
-            self._run(self._frontier.advance(self._given * self._n_microbatches)[self.rank])
+            self._run(self._frontier.advance(self._given * self._n_microbatches))
             if self._frontier.pending():
                 raise RuntimeError(
                     "zbpipe continuous: the drain did not finish; the plan is inconsistent"
@@ -403,7 +403,8 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
         self._grad_acc: dict[int, dict[str, torch.Tensor]] = {}
         self.seam.clear()
         self._leaves: dict[int, dict[str, torch.Tensor]] = {}
-        self._sends = PendingSends()
+        self._sends = PendingSends(consume_proofs=True)
+        self._proofs = ChainProofs(self.stage.stage_index)
 
     def _initialize(self, args: Any, kwargs: Any, target: Any) -> None:
         """torch's shape inference and buffers, re-keyed by global microbatch (see module doc)."""
@@ -418,8 +419,11 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
     def _minibatch(self, g: int) -> int:
         return g // self._n_microbatches
 
-    def _run(self, actions: list) -> None:
-        for a in actions:
+    def _run(self, slices: dict[int, list]) -> None:
+        """Run this rank's slice of the stream (``slices``: every rank's, from the frontier)."""
+        if self.rank > 0:  # what the previous rank runs proves which gradients it received
+            self._sends.add_proofs(self._proofs.previous_rank_ran(slices[self.rank - 1]))
+        for a in slices[self.rank]:
             self._sends.prune()  # let go of the sends that completed (zbpipe.sends)
             try:
                 {"F": self._forward, "B": self._backward_input, "W": self._backward_weight}[a.kind](
@@ -450,6 +454,7 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
             C.activation_receives(st)[g] = _fresh(self._act_template)
             for w in [_post(op) for op in st.get_fwd_recv_ops(g)]:
                 w.wait()
+            self._sends.received((True, st.stage_index, g))
             args = C.received_activations(st, g)
             del C.activation_receives(st)[g]
         kwargs = self._kwargs.pop(g) or {}
@@ -461,6 +466,7 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
         self._f_count += 1
         if not st.is_last:
             self._sends.post(st, g, forward=True)
+            self._sends.add_proofs(self._proofs.output_sent(g))
 
     def _forward_compute(self, g: int, args: Any, kwargs: dict) -> Any:
         """The stage's forward (with the weight version microbatch ``g`` must use), and its loss."""
@@ -484,6 +490,7 @@ class ScheduleContinuous(C.PipelineScheduleMultiBase):
             C.grad_receives(st)[g] = _fresh(self._grad_template)
             for w in [_post(op) for op in st.get_bwd_recv_ops(g)]:
                 w.wait()
+            self._sends.received((False, st.stage_index, g))
         params = None
         if self._versions is not None:  # W computes the gradients of this microbatch's version
             leaves = list(self._leaves[g].values())

@@ -37,18 +37,28 @@ Message = tuple[bool, int, int]
 
 
 class PendingSends:
-    """The posted, not yet let go of, sends of one runtime."""
+    """The posted, not yet let go of, sends of one runtime.
 
-    def __init__(self) -> None:
+    ``consume_proofs``: each proof is used once and forgotten (a stream that never repeats its
+    messages, :class:`ChainProofs`); otherwise the proofs serve every step of a fixed plan.
+    """
+
+    def __init__(self, consume_proofs: bool = False) -> None:
         self._works: dict[Message, list[dist.Work]] = {}
-        self._proofs: Mapping[Message, Sequence[Message]] = {}
+        self._proofs: dict[Message, list[Message]] = {}
+        self._consume = consume_proofs
 
     def __len__(self) -> int:
         return len(self._works)
 
     def set_proofs(self, proofs: Mapping[Message, Sequence[Message]]) -> None:
         """``received message -> this rank's sends it proves posted`` (:func:`proven_sends`)."""
-        self._proofs = proofs
+        self._proofs = {k: list(v) for k, v in proofs.items()}
+
+    def add_proofs(self, proofs: Mapping[Message, Sequence[Message]]) -> None:
+        """More proofs, for messages of a stream still to come."""
+        for k, v in proofs.items():
+            self._proofs.setdefault(k, []).extend(v)
 
     def post(self, stage: Any, mb: int, forward: bool) -> None:
         """Post ``stage``'s sends of ``mb``: its outputs (``forward``) or input gradients."""
@@ -66,7 +76,8 @@ class PendingSends:
 
     def received(self, message: Message) -> None:
         """This rank waited for ``message``: let go of the sends it proves the peer receives."""
-        for sent in self._proofs.get(message, ()):
+        proven = self._proofs.pop(message, ()) if self._consume else self._proofs.get(message, ())
+        for sent in proven:
             for w in self._works.pop(sent, ()):
                 w.wait()
 
@@ -110,6 +121,39 @@ def proven_sends(
                 proofs[back].append(sent)
                 break
     return dict(proofs)
+
+
+class ChainProofs:
+    """Proofs for one rank of a chain with one stage per rank, whose ranks run their F and B
+    passes in microbatch order and post each receive right before the pass that consumes it
+    (the continuous runtime), found as its stream grows.
+
+    * An output sent down for microbatch ``g`` is received by the next rank's F of ``g``, before
+      its B of ``g`` sends that gradient back: receiving the gradient proves it
+      (:meth:`output_sent`).
+    * An input gradient sent up for ``g`` is received by the previous rank's B of ``g``; the
+      first F that rank runs after that B sends an activation down, and receiving it proves the
+      gradient (:meth:`previous_rank_ran`, given that rank's actions as the stream grows).
+    """
+
+    def __init__(self, stage: int) -> None:
+        self.stage = stage
+        self._unproven: list[int] = []  # the previous rank's B passes with no F after them yet
+
+    def output_sent(self, mb: int) -> dict[Message, list[Message]]:
+        return {(False, self.stage, mb): [(True, self.stage + 1, mb)]}
+
+    def previous_rank_ran(self, actions: Sequence[Any]) -> dict[Message, list[Message]]:
+        """The proofs the previous rank's next ``actions`` (planning ``Action``s) give."""
+        proofs: dict[Message, list[Message]] = {}
+        for a in actions:
+            if a.kind == "B":
+                self._unproven.append(a.microbatch)
+            elif a.kind == "F" and self._unproven:
+                sent = [(False, self.stage - 1, mb) for mb in self._unproven]
+                proofs[(True, self.stage, a.microbatch)] = sent
+                self._unproven = []
+        return proofs
 
 
 def _sent(a: Any) -> Message | None:
