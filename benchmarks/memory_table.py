@@ -22,8 +22,6 @@ Memory does not depend on speed: 4 ranks on 2 cores measure it honestly (slowly)
 from __future__ import annotations
 
 import argparse
-import json
-import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -168,15 +166,11 @@ def main(argv: list[str] | None = None) -> dict:
             entry["stated_budget_bytes"] = budget
             entry["vs_stated_budget"] = max(peaks) / budget
         table.append(entry)
-    result = {"config": asdict(cfg), "machine": os.uname().nodename, "rows": table}
+    from results_io import write_result
+
+    result = {"config": asdict(cfg), "rows": table}
     suffix = "" if cfg.costs == "profile" else "_units"
-    path = out_path or os.path.join(
-        os.path.dirname(__file__),
-        "results",
-        f"memory_table_{cfg.ranks}ranks_v{cfg.vocab}{suffix}.json",
-    )
-    with open(path, "w") as fh:
-        json.dump(result, fh, indent=1)
+    write_result(f"memory_table_{cfg.ranks}ranks_v{cfg.vocab}{suffix}", result, path=out_path)
     print(f"{'schedule':<12} {'engine':<9} {'peak MiB per rank':<36} vs 1F1B  vs budget")
     for e in table:
         per = "/".join(f"{b / 2**20:.2f}" for b in e["peak_bytes_per_rank"])
