@@ -54,7 +54,7 @@ import torch
 
 from . import _compat as C
 from .patching import Patch, patch
-from .saved import SavedTensors, count_until_freed, param_storages
+from .saved import SavedTensors, StorageRefs, count_until_freed, param_storages
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,7 +80,7 @@ class SavedActivationMeter:
         self._lock = threading.RLock()  # re-entrant: a collection inside on_pack may free
         self.live_bytes = 0
         """Every live saved byte this meter counted, whichever step saved it."""
-        self._refs: dict[int, int] = {}  # storage pointer -> holders alive
+        self._refs = StorageRefs()  # storage pointer -> holders alive
         self._born: dict[int, int] = {}  # storage pointer -> the step that first held it
         self._step = 0  # steps begun; 0 = before the first begin_step (counts as a step)
         self._step_live = 0  # live bytes first held in the current step
@@ -116,21 +116,15 @@ class SavedActivationMeter:
         if storage == 0:
             return
         with self._lock:
-            n = self._refs.get(storage, 0)
-            if n == 0:
+            if self._refs.add(storage):
                 self.live_bytes += nbytes
                 self._born[storage] = self._step
                 self._step_live += nbytes
                 self._step_peak = max(self._step_peak, self._step_live)
-            self._refs[storage] = n + 1
 
     def on_free(self, storage: int, nbytes: int) -> None:
         with self._lock:
-            if storage == 0 or storage not in self._refs:
-                return
-            self._refs[storage] -= 1
-            if self._refs[storage] == 0:
-                del self._refs[storage]
+            if storage != 0 and self._refs.remove(storage):
                 self.live_bytes -= nbytes
                 if self._born.pop(storage) == self._step:
                     self._step_live -= nbytes

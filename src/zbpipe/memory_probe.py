@@ -16,7 +16,7 @@ from __future__ import annotations
 import statistics
 import threading
 
-from .saved import Observer
+from .saved import Observer, StorageRefs
 
 
 class KeyBytes:
@@ -26,31 +26,24 @@ class KeyBytes:
 
     def __init__(self, parent: Observer | None) -> None:
         self.live = 0
-        self._refs: dict[int, int] = {}
+        self._refs = StorageRefs()
         self._parent = parent
         self._lock = threading.RLock()  # on_free may come from a finalizer in another thread
 
     def on_pack(self, storage: int, nbytes: int) -> None:
         if self._parent is not None:
             self._parent.on_pack(storage, nbytes)
-        if storage == 0:
-            return
-        with self._lock:
-            n = self._refs.get(storage, 0)
-            if n == 0:
-                self.live += nbytes
-            self._refs[storage] = n + 1
+        if storage != 0:
+            with self._lock:
+                if self._refs.add(storage):
+                    self.live += nbytes
 
     def on_free(self, storage: int, nbytes: int) -> None:
         if self._parent is not None:
             self._parent.on_free(storage, nbytes)
         with self._lock:
-            n = self._refs.get(storage, 0)
-            if n == 1:
-                del self._refs[storage]
+            if self._refs.remove(storage):
                 self.live -= nbytes
-            elif n > 1:
-                self._refs[storage] = n - 1
 
 
 class MemoryProbe:

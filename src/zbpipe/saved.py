@@ -48,6 +48,30 @@ class Observer(Protocol):
     def on_free(self, storage: int, nbytes: int) -> None: ...
 
 
+class StorageRefs:
+    """How many holders each storage has, for observers that count a storage's bytes once: from
+    its first holder (:meth:`add` returns True) to its last (:meth:`remove` returns True)."""
+
+    __slots__ = ("_n",)
+
+    def __init__(self) -> None:
+        self._n: dict[int, int] = {}
+
+    def add(self, storage: int) -> bool:
+        n = self._n.get(storage, 0)
+        self._n[storage] = n + 1
+        return n == 0
+
+    def remove(self, storage: int) -> bool:
+        """False for a storage with no holder (already gone, or never counted)."""
+        n = self._n.get(storage, 0)
+        if n > 1:
+            self._n[storage] = n - 1
+        elif n == 1:
+            del self._n[storage]
+        return n == 1
+
+
 class Holder:
     """One tensor held for backward, told to ``observer`` until released or collected.
 
