@@ -427,13 +427,15 @@ def _deep_v_chunk(seed):
 
 def v_saved_peak_within_budget(rank, world, m, modes, splits):
     """Per (engine, memory mode): this rank's peak bytes held for backward in a step after
-    ``costs="profile"`` re-planned, the measured per-chunk ``mem_f`` and the bytes per unit.
+    ``costs="profile"`` re-planned, and each chunk's bytes after F as the profile measured them;
+    and each chunk's bytes after F counted here on a standalone forward.
 
     Microbatches are separate tensors (``arg_mbs``), so no stage-0 input is a view of a batch
     storage the meter would count whole.
     """
     from zbpipe.memory import SavedActivationMeter
     from zbpipe.profile import ProfileConfig
+    from zbpipe.saved import SavedTensors, param_storages
 
     rows = 8
     n_stages = 2 * world
@@ -441,6 +443,12 @@ def v_saved_peak_within_budget(rank, world, m, modes, splits):
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(rows, 64, generator=g) for _ in range(m)]
     out = {}
+    # Independently of any schedule: one microbatch's forward through one chunk saves
+    # ``saved`` bytes; every chunk but the last also holds its output until its B.
+    probe, unit = _deep_v_chunk(0), SavedActivationMeter()
+    with SavedTensors(observer=unit, skip=param_storages(probe.parameters())).hooks():
+        y = probe(torch.randn(rows, 64, requires_grad=True))
+    chunk_bytes = [unit.peak_bytes + (y.nbytes if s < n_stages - 1 else 0) for s in range(n_stages)]
     for split in splits:
         for mode in modes:
             stages = [
@@ -466,7 +474,6 @@ def v_saved_peak_within_budget(rank, world, m, modes, splits):
                 )
             out[(split, mode)] = (
                 meter.end_step().peak_bytes,
-                list(sched.measured_costs.mem_f),
-                sched.memory_unit_bytes,
+                [f * sched.memory_unit_bytes for f in sched.measured_costs.mem_f],
             )
-    return out
+    return out, chunk_bytes

@@ -125,5 +125,9 @@ def two_rank_cases(rank, world):
     return {
         "auto": profiled_training(rank, world, "ScheduleZBAuto", 4, 5, extra_last_blocks=6),
         "zbv": profiled_training(rank, world, "ScheduleZBV", 4, 5, extra_last_blocks=6),
+        # memory_limit=2 units: enough for equal stages, not for the measured heavy last chunk
+        "zbv_limit": profiled_training(
+            rank, world, "ScheduleZBV", 4, 4, extra_last_blocks=6, options={"memory_limit": 2.0}
+        ),
         "disagree": disagreeing_plans(rank, world),
     }

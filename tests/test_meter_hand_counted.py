@@ -89,5 +89,7 @@ def test_the_meter_counts_what_each_engine_holds_after_every_action():
             steps = [f"{k}{s}.{m}" for k, s, m, _ in samples]
             detail = f"rank {rank} {split}: {list(zip(steps, got, want))}"
             assert all(lo <= g <= hi for g, (lo, hi) in zip(got, want)), detail
+            # sends are let go of within the step, not all kept to its end (torch's way)
+            assert any(g < hi for g, (_, hi) in zip(got, want)), detail
             assert max(lo for lo, _ in want) <= r["peak"] <= max(hi for _, hi in want), detail
             assert r["retained"] == 0 and r["live"] == 0, f"rank {rank} {split}: {r}"

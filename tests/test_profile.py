@@ -9,6 +9,8 @@ gets a different plan than the equal-cost one. No absolute timing thresholds: on
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import _profile_cases as cases
@@ -134,6 +136,23 @@ def test_rank_0_logs_one_line_with_costs_and_makespans(two_ranks):
             and "predicted peak memory" in line
         )
         assert two_ranks[1][case]["log"] == []  # other ranks log the same line at debug level
+
+
+@pytest.mark.dist
+def test_a_memory_limit_the_measured_bytes_cannot_meet_falls_back_to_the_unit_model(two_ranks):
+    # The heavy last chunk sits on rank 0 with chunk 0: one microbatch of each is more than 2
+    # units of the measured bytes. Every rank warns and plans as without the measurement.
+    for out in two_ranks:
+        case = out["zbv_limit"]
+        assert any("cannot be planned for the measured memory" in m for m in case["log"]), case
+        assert (case["measured"].mem_f, case["measured"].mem_w) == (1.0, -1.0)
+        assert case["worst"] < 1e-5
+    measured = two_ranks[0]["zbv_limit"]["measured"]
+    heavy = dataclasses.replace(
+        measured, mem_f=(0.6, 0.6, 0.6, 2.2), mem_w=(-0.6, -0.6, -0.6, -2.2)
+    )
+    with pytest.raises(ValueError, match="memory_limit"):  # what the fallback answers
+        plan("ZBV", 2, 4, costs=heavy, memory_limit=2.0)
 
 
 @pytest.mark.dist

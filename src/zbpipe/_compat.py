@@ -248,13 +248,6 @@ def wait_batch_p2p(work: list[Any]) -> None:
     _wait_batch_p2p(work)
 
 
-def batch_p2p(ops: list[Any]) -> list[Any]:
-    """Post point-to-point ops as torch's runtime does (``_batch_p2p``: sends alone are posted
-    one ``isend`` each, not coalesced) and return their works."""
-    works: list[Any] = _batch_p2p(ops)
-    return works
-
-
 def order_with_comms(sched: Any) -> dict[int, list[Any]]:
     """Every rank's action list after torch inserted the sends and receives
     (``pipeline_order_with_comms``, set by ``_prepare_schedule_with_comms``)."""

@@ -322,9 +322,20 @@ class CostProfiler:
         self.memory_unit_bytes: float | None = None
 
     def before_step(self, sched: Any) -> None:
-        """Call on every rank before each step: probe memory during the profiled steps."""
+        """Call on every rank before each step: memory is probed in one step of its own.
+
+        The last warm-up step (the first profiled one if there is none): the probe's hooks cost
+        time, which must not enter the timed steps. Not on a rank with a compiled stage, whose
+        compiled regions the probe's saved-tensor hooks would interfere with: the measured
+        costs then keep the memory unit model (every rank agrees: see :meth:`measured_costs`).
+        """
+        from . import _compat as C
+
+        probe_step = max(self.config.warmup_steps - 1, 0)
         probing = (
-            self.config.memory and not self.done and self.steps_seen >= self.config.warmup_steps
+            self.config.memory
+            and self.steps_seen == probe_step
+            and not any(C.is_compiled(st.submod) for st in sched._stages)
         )
         sched.seam.probe = self.memory if probing else None
 
@@ -333,12 +344,12 @@ class CostProfiler:
         if self.done:
             return
         self.steps_seen += 1
+        sched.seam.probe = None
         if self.steps_seen > self.config.warmup_steps:
             self.events.extend(sched.tracer.events)
         if self.steps_seen == self.config.warmup_steps + self.config.profile_steps:
             self.done = True
             sched.tracer.enabled = self.keep_tracing
-            sched.seam.probe = None
             self.replan(sched)
 
     def measured_costs(self, sched: Any) -> Costs:
@@ -370,13 +381,9 @@ class CostProfiler:
 
         costs = self.measured_costs(sched)
         group = sched._stages[0].group
-        try:
-            new = sched.build_plan(
-                sched.pp_group_size, sched._n_microbatches, costs, **sched._plan_options
-            )
-        except ValueError as e:  # PlanError included: report it to the peers, then raise below
-            agree_on_plan(sched, str(e), group)
-            raise
+        new = self._plan_or_fall_back(sched, costs)
+        if self.memory_unit_bytes is None:  # planned without the measured bytes
+            costs = dataclasses.replace(costs, mem_f=1.0, mem_b=0.0, mem_w=-1.0)
         agree_on_plan(sched, new, group)
         old = sched.plan
         r_old, r_new = simulate(old, costs), simulate(new, costs)
@@ -423,6 +430,38 @@ class CostProfiler:
             outcome,
             memory,
         )
+
+    def _plan_or_fall_back(self, sched: Any, costs: Costs) -> Plan:
+        """The generator's plan for ``costs``. If the measured bytes make it fail (a numeric
+        ``memory_limit`` below what they need), every rank fails alike: it warns and plans for
+        one unit per microbatch instead, as without the measurement. Other failures are
+        reported to the peers and raised."""
+        group = sched._stages[0].group
+
+        def build(c: Costs) -> Plan:
+            try:
+                plan: Plan = sched.build_plan(
+                    sched.pp_group_size, sched._n_microbatches, c, **sched._plan_options
+                )
+                return plan
+            except ValueError as e:  # PlanError included: report it to the peers, then raise
+                agree_on_plan(sched, str(e), group)
+                raise
+
+        if self.memory_unit_bytes is None:
+            return build(costs)
+        try:
+            return build(costs)
+        except ValueError as e:
+            logger.warning(
+                "zbpipe profile: %s cannot be planned for the measured memory (%s); planning "
+                "for one memory unit per microbatch instead, as without the measurement: its "
+                "memory promise is not checked against the measured bytes",
+                type(sched).__name__,
+                e,
+            )
+            self.memory_unit_bytes = None
+            return build(dataclasses.replace(costs, mem_f=1.0, mem_b=0.0, mem_w=-1.0))
 
     def _predicted_memory(self, sched: Any, plan: Plan, costs: Costs) -> str:
         """The log line's memory part: the plan's predicted peak, and its ratio to 1F1B's on the

@@ -14,7 +14,7 @@ sends into :class:`PendingSends` instead, which lets a send go once it is known 
   rank has received a message its peer sent *after* posting that receive (a rank runs its
   action list in order). :func:`proven_sends` finds, from every rank's action list, which
   receive proves which send; the runtime calls :meth:`PendingSends.received` after each
-  receive it waited for. The wait then only lets the transport finish the copy.
+  non-empty receive it waited for. The wait then only lets the transport finish the copy.
 
 Whatever is left is waited for at the end of the step (:meth:`PendingSends.wait_all`), as torch
 does; after a failed step the sends are forgotten instead (:meth:`PendingSends.abandon`): a dead
@@ -66,13 +66,22 @@ class PendingSends:
         ops = stage.get_fwd_send_ops(mb) if forward else stage.get_bwd_send_ops(mb)
         if ops:  # named as the receiving stage names it (see Message)
             to = stage.stage_index + 1 if forward else stage.stage_index - 1
-            self._works[(forward, to, mb)] = C.batch_p2p(list(ops))
+            # one isend per tensor, never coalesced (torch 2.11's _batch_p2p coalesces on NCCL)
+            self._works[(forward, to, mb)] = [
+                dist.isend(op.tensor, group=op.group, tag=op.tag, group_dst=op.group_peer)
+                for op in ops
+            ]
 
     def prune(self) -> None:
-        """Let go of the sends whose works say they completed (not gloo's: see the module)."""
+        """Let go of the sends whose works say they completed (not gloo's: see the module).
+
+        A completed work is still waited for: NCCL reports a failed work as completed, and the
+        wait raises its error instead of dropping it.
+        """
         done = [k for k, works in self._works.items() if all(w.is_completed() for w in works)]
         for k in done:
-            del self._works[k]
+            for w in self._works.pop(k):
+                w.wait()
 
     def received(self, message: Message) -> None:
         """This rank waited for ``message``: let go of the sends it proves the peer receives."""

@@ -153,13 +153,12 @@ def _budget(p: int, sc: list[StageCosts], memory: MemoryMode, memory_limit: floa
         log.warning(
             "%s: its memory budget (%s) is %g units, below the %g a V plan needs with these "
             "costs (one microbatch of each of a rank's two stages, the heaviest rank's); "
-            "planning for a peak of %g units (%.2fx the budget)",
+            "planning for a peak of %g units instead",
             _NAMES[memory],
             _FORMULAS[memory],
             budget,
             floor,
             floor,
-            floor / budget,
         )
     return max(budget, floor)
 
