@@ -138,7 +138,9 @@ def _build(name: str, rank: int, world: int, cfg: Config) -> tuple[Any, list, An
             "torch:Interleaved1F1B": ScheduleInterleaved1F1B,
             "torch:ZBVZeroBubble": ScheduleZBVZeroBubble,
         }[name]
-        sched = cls(stages[0] if cls is Schedule1F1B else stages, m, loss_fn=loss_fn)
+        # torch computes the loss outside the stage's forward: the meter counts it through this
+        counted_loss = meter.watch_loss(loss_fn) if cfg.meter else loss_fn
+        sched = cls(stages[0] if cls is Schedule1F1B else stages, m, loss_fn=counted_loss)
     else:
         if name == "ZBH1":
             sched = ScheduleZBH1(stages, m, loss_fn=loss_fn, **options)
