@@ -50,11 +50,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from . import _compat as C
 from .patching import Patch, patch
-from .saved import SavedTensors, StorageRefs, count_until_freed, param_storages
+from .saved import SavedTensors, StorageRefs, count_all_until_freed, param_storages
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,7 +71,8 @@ class SavedActivationMeter:
     """Live and per-step peak bytes of what is held for backward (the module docstring lists it).
 
     An observer of :class:`zbpipe.saved.Holder`: saved tensors, the deferred engine's queue, the
-    graph engine's recorded gradients, and (:func:`zbpipe.saved.count_until_freed`) pending sends.
+    graph engine's recorded gradients, and (:func:`zbpipe.saved.count_all_until_freed`) outputs
+    and input gradients handed on.
     """
 
     def __init__(self) -> None:
@@ -158,16 +157,13 @@ class SavedActivationMeter:
             with SavedTensors(observer=self, skip=params).hooks():
                 output = forward(*args, **kwargs)
             if not stage.is_last:
-                for t in output if isinstance(output, (tuple, list)) else (output,):
-                    if isinstance(t, torch.Tensor):
-                        count_until_freed(t, self)
+                count_all_until_freed(output, self)
             return output
 
         def backward_one_chunk(mb: int, *args: Any, **kwargs: Any) -> Any:
             out = backward(mb, *args, **kwargs)
-            for t in C.input_grad_cache(stage).get(mb, ()) if not stage.is_first else ():
-                if isinstance(t, torch.Tensor):
-                    count_until_freed(t, self)
+            if not stage.is_first:
+                count_all_until_freed(C.input_grad_cache(stage).get(mb, ()), self)
             return out
 
         return [

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from .memory_probe import MemoryProbe
-from .planning import KINDS, Costs, Plan
+from .planning import KINDS, Costs, Plan, SimResult
 
 logger = logging.getLogger(__name__)
 
@@ -379,12 +379,8 @@ class CostProfiler:
         from .planning import simulate
         from .validation import config_fingerprint
 
-        costs = self.measured_costs(sched)
-        group = sched._stages[0].group
-        new = self._plan_or_fall_back(sched, costs)
-        if self.memory_unit_bytes is None:  # planned without the measured bytes
-            costs = dataclasses.replace(costs, mem_f=1.0, mem_b=0.0, mem_w=-1.0)
-        agree_on_plan(sched, new, group)
+        new, costs = self._plan_or_fall_back(sched, self.measured_costs(sched))
+        agree_on_plan(sched, new, sched._stages[0].group)
         old = sched.plan
         r_old, r_new = simulate(old, costs), simulate(new, costs)
         # The generator optimises its cost model; it is not guaranteed to beat the equal-cost plan
@@ -406,7 +402,7 @@ class CostProfiler:
         if chosen is not old:
             sched.replan(chosen)
         fp = lambda p: config_fingerprint(type(sched), sched._n_microbatches, sched._num_stages, p)  # noqa: E731
-        memory = self._predicted_memory(sched, chosen, costs)
+        memory = self._predicted_memory(sched, r_new if chosen is new else r_old, costs)
         unit = "ms" if self.config.unit == 1e-3 else f"{self.config.unit:g} s"
         level = logging.INFO if sched.rank == 0 else logging.DEBUG
         logger.log(
@@ -431,28 +427,27 @@ class CostProfiler:
             memory,
         )
 
-    def _plan_or_fall_back(self, sched: Any, costs: Costs) -> Plan:
-        """The generator's plan for ``costs``. If the measured bytes make it fail (a numeric
-        ``memory_limit`` below what they need), every rank fails alike: it warns and plans for
-        one unit per microbatch instead, as without the measurement. Other failures are
-        reported to the peers and raised."""
-        group = sched._stages[0].group
+    def _plan_or_fall_back(self, sched: Any, costs: Costs) -> tuple[Plan, Costs]:
+        """The generator's plan for ``costs``, and the costs it was planned for. If the measured
+        bytes make it fail (a numeric ``memory_limit`` below what they need), every rank fails
+        alike: it warns and plans for one unit per microbatch instead, as without the
+        measurement. Other failures are reported to the peers and raised."""
 
-        def build(c: Costs) -> Plan:
+        def build(c: Costs) -> tuple[Plan, Costs]:
             try:
                 plan: Plan = sched.build_plan(
                     sched.pp_group_size, sched._n_microbatches, c, **sched._plan_options
                 )
-                return plan
+                return plan, c
             except ValueError as e:  # PlanError included: report it to the peers, then raise
-                agree_on_plan(sched, str(e), group)
+                agree_on_plan(sched, str(e), sched._stages[0].group)
                 raise
 
-        if self.memory_unit_bytes is None:
-            return build(costs)
         try:
             return build(costs)
         except ValueError as e:
+            if self.memory_unit_bytes is None:
+                raise
             logger.warning(
                 "zbpipe profile: %s cannot be planned for the measured memory (%s); planning "
                 "for one memory unit per microbatch instead, as without the measurement: its "
@@ -463,15 +458,15 @@ class CostProfiler:
             self.memory_unit_bytes = None
             return build(dataclasses.replace(costs, mem_f=1.0, mem_b=0.0, mem_w=-1.0))
 
-    def _predicted_memory(self, sched: Any, plan: Plan, costs: Costs) -> str:
-        """The log line's memory part: the plan's predicted peak, and its ratio to 1F1B's on the
-        same model (the same stages, joined in pairs for a V placement)."""
+    def _predicted_memory(self, sched: Any, sim: SimResult, costs: Costs) -> str:
+        """The log line's memory part: the running plan's predicted peak (``sim``, its
+        simulation under ``costs``), and its ratio to 1F1B's on the same model (the same stages,
+        joined in pairs for a V placement)."""
         if self.memory_unit_bytes is None:
             return ""
-        from .planning import simulate
         from .planning.auto import onef1b_peak
 
-        peak = max(simulate(plan, costs).peak_memory.values())
+        peak = max(sim.peak_memory.values())
         text = f"; predicted peak memory {peak * self.memory_unit_bytes / 2**20:.3g} MiB per rank"
         chunks = sched._num_stages // sched.pp_group_size
         if chunks == 1 or (chunks == 2 and sched.layout == "v"):

@@ -166,9 +166,8 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         torch_order = plan_to_torch_actions(executed)
         self.pipeline_order = {r: list(acts) for r, acts in torch_order.items()}
         self._prepare_schedule_with_comms(torch_order)
-        placement = plan.placement
         self._sends.set_proofs(
-            proven_sends(C.order_with_comms(self), self.rank, placement.__getitem__)
+            proven_sends(C.order_with_comms(self), self.rank, plan.placement.__getitem__)
         )
 
     def replan(self, new_plan: Plan) -> None:

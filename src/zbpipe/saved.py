@@ -121,6 +121,14 @@ def count_until_freed(t: torch.Tensor, observer: Observer) -> None:
         weakref.finalize(storage, observer.on_free, ptr, nbytes)
 
 
+def count_all_until_freed(values: Any, observer: Observer) -> None:
+    """:func:`count_until_freed` for ``values``: a tensor, or a tuple or list whose tensors count
+    (anything else in it is skipped)."""
+    for t in values if isinstance(values, (tuple, list)) else (values,):
+        if isinstance(t, torch.Tensor):
+            count_until_freed(t, observer)
+
+
 def storage_and_bytes(t: torch.Tensor) -> tuple[int, int]:
     """``(data pointer, bytes)`` of ``t``'s storage (a DTensor's: its local shard's); ``(0, 0)``
     for a tensor subclass without one (an observer does not count it)."""

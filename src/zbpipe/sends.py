@@ -126,7 +126,7 @@ def proven_sends(
         peer, i = posted[sent]
         for b in orders[peer][i + 1 :]:
             back = _sent(b)
-            if back is not None and _dest(back, rank_of) == rank:
+            if back is not None and rank_of(back[1]) == rank:  # back[1]: its receiving stage
                 proofs[back].append(sent)
                 break
     return dict(proofs)
@@ -180,7 +180,3 @@ def _received(a: Any) -> Message | None:
     if a.computation_type == C.RECV_B:
         return (False, a.stage_index, a.microbatch_index)
     return None
-
-
-def _dest(msg: Message, rank_of: Callable[[int], int]) -> int:
-    return rank_of(msg[1])

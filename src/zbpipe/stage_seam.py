@@ -42,7 +42,7 @@ from torch.distributed.fsdp import FSDPModule
 from . import _compat as C
 from .engines import Key, SplitEngine
 from .memory_probe import KeyBytes, MemoryProbe
-from .saved import Observer, SavedTensors, count_until_freed, param_storages
+from .saved import Observer, SavedTensors, count_all_until_freed, param_storages
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ class StageSeam:
         """
         key = (stage.stage_index, mb)
         if not stage.is_last:
-            self._count_held(key, output if isinstance(output, (tuple, list)) else (output,))
+            self._count_held(key, output)
         self._probe("F", key)
         nxt = self.stages.get(stage.stage_index + 1)
         if nxt is not None:
@@ -292,13 +292,11 @@ class StageSeam:
         if prev is not None:  # V placement: hand the input gradient to the local previous stage
             C.set_local_bwd_input(prev, stage.get_local_bwd_output(mb), mb)
 
-    def _count_held(self, key: Key, tensors: Iterable[Any]) -> None:
+    def _count_held(self, key: Key, values: Any) -> None:
         """A meter counts what is handed on (sent, or kept for a local neighbour) until freed."""
         observer = self._observers.get(key, self.meter)
         if observer is not None:
-            for t in tensors:
-                if isinstance(t, torch.Tensor):
-                    count_until_freed(t, observer)
+            count_all_until_freed(values, observer)
 
     def _probe(self, kind: str, key: Key) -> None:
         """While probing: record what ``key`` holds now (after its F, or its B)."""
