@@ -22,8 +22,9 @@ import pytest
 import _torchtitan_assets as assets
 from _torchtitan_trainer import assert_same_losses, losses, torchrun
 
-# Two torchrun launches per test (torchtitan's schedule, then zbpipe's), each allowed 480 s by
-# the launcher: CI runs them beside the main suite on 2 cores, where 120 s was too short.
+# Up to two torchrun launches per test (zbpipe's schedule, then torchtitan's unless an earlier
+# test ran it), each allowed 480 s by the launcher: CI runs them beside the main suite on 2
+# cores, where 120 s was too short.
 pytestmark = [pytest.mark.torchtitan_trainer, pytest.mark.timeout(900)]
 
 STEPS = 3
@@ -61,8 +62,12 @@ def run(tmp_path_factory):
         ],
     )
     seed = tmp / "seed" / "checkpoint" / "step-0"
+    seen: dict[tuple[str, str], dict[int, float]] = {}
 
-    def _run(schedule: str, ac: str) -> dict[int, float]:
+    def _run(schedule: str, ac: str = "full") -> dict[int, float]:
+        """One launch per (schedule, ac): a reference two tests compare with is trained once."""
+        if (schedule, ac) in seen:
+            return seen[schedule, ac]
         log = _torchrun(
             tmp / f"{schedule}-{ac}",
             2,
@@ -75,21 +80,26 @@ def run(tmp_path_factory):
                 f"activation-checkpoint:{ac}",
             ],
         )
-        return losses(log, STEPS)
+        seen[schedule, ac] = found = losses(log, STEPS)
+        return found
 
     return _run
 
 
 def test_zbh1_trains_like_torchtitans_1f1b(run):
-    assert_same_losses(run("ZBH1", "full"), run("1F1B", "full"))
+    assert_same_losses(run("ZBH1"), run("1F1B"))
 
 
 def test_zbv_trains_like_torchtitans_interleaved_1f1b(run):
-    assert_same_losses(run("ZBV", "full"), run("Interleaved1F1B", "full"))
+    """Against the built-in schedule with the same four model chunks: torchtitan's own 1F1B (two
+    chunks) differs from it by 3e-5 relative at step 3 (measured), the chunking's rounding."""
+    assert_same_losses(run("ZBV"), run("Interleaved1F1B"))
 
 
 def test_zbh1_with_torchtitans_default_selective_ac(run):
     """torchtitan's default selective activation checkpointing trains with the default (deferred)
     split: its B is one autograd pass. (The graph engine's W would backward a second time through
-    SAC's regions, which torch forbids.)"""
-    assert_same_losses(run("ZBH1", "selective"), run("1F1B", "selective"))
+    SAC's regions, which torch forbids.) The reference is torchtitan's 1F1B under full AC:
+    recomputation changes no value on CPU (torchtitan's 1F1B gives bitwise the same losses under
+    both), and sharing it saves a launch."""
+    assert_same_losses(run("ZBH1", "selective"), run("1F1B"))
