@@ -2,16 +2,19 @@
 
     torchrun --nproc_per_node N tests/_torchtitan_runs.py RUNS_JSON LOG_DIR
 
-RUNS_JSON holds ``[[name, port, [arg, ...]], ...]``. Each rank runs, for every entry in order,
-the module ``torchtitan.train`` exactly as ``python -m torchtitan.train ARG...`` would
-(``runpy`` with ``run_name="__main__"``, which is what ``-m`` does): torchtitan's own entry
-parses the arguments, builds its Trainer, trains, closes it and destroys the process group, and
-the next run initializes a new one.
+RUNS_JSON holds ``[[name, [arg, ...]], ...]``. Each rank runs, for every entry in order, the
+module ``torchtitan.train`` exactly as ``python -m torchtitan.train ARG...`` would (``runpy``
+with ``run_name="__main__"``, which is what ``-m`` does): torchtitan's own entry parses the
+arguments, builds its Trainer, trains, closes it and destroys the process group, and the next
+run initializes a new one.
 
-Each run rendezvous through a store of its own, hosted by rank 0 on the entry's ``port``
-(``MASTER_PORT``, with torchrun's agent store turned off). A second process group on torchrun's
-store would find the first one's keys there (torch names a new default group as it named the
-destroyed one): seen here as a rank stuck in its second run's first collective.
+Each run rendezvous through a store of its own, hosted by rank 0 (``MASTER_PORT``, with
+torchrun's agent store turned off). A second process group on torchrun's store would find the
+first one's keys there (torch names a new default group as it named the destroyed one): seen
+here as a rank stuck in its second run's first collective. Rank 0 picks the run's port just
+before the run and tells the others through torchrun's store: ports picked for every run at the
+start were taken by other processes' connections before the later runs bound them (seen in CI:
+``EADDRINUSE``).
 
 Before each run the process forgets every module of torchtitan, zbpipe and the recipes
 (``_forget_imports``), so a run shares only torch and third-party libraries with the one before.
@@ -24,14 +27,15 @@ digit.
 
 Every rank writes its stdout and stderr, in order, to ``LOG_DIR/rank{RANK}.log``, and a line
 ``zbpipe-test-run: NAME`` before each run, so the caller can split a rank's log by run (ranks
-interleave in any shared stream; one rank's file does not). Standard library only: this file
-runs before anything is imported.
+interleave in any shared stream; one rank's file does not).
 """
 
 import json
 import os
 import runpy
+import socket
 import sys
+from datetime import timedelta
 
 MARKER = "zbpipe-test-run: "
 
@@ -52,16 +56,34 @@ def _forget_imports() -> None:
             del sys.modules[name]
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def main() -> None:
+    import torch.distributed as dist
+
     runs_json, log_dir = sys.argv[1:]
     with open(runs_json) as f:
         runs = json.load(f)
-    log = open(os.path.join(log_dir, f"rank{os.environ['RANK']}.log"), "w")
+    rank = int(os.environ["RANK"])
+    log = open(os.path.join(log_dir, f"rank{rank}.log"), "w")
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
-    for name, port, args in runs:
+    agent = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(seconds=300),
+    )
+    for i, (name, args) in enumerate(runs):
         print(f"{MARKER}{name}", flush=True)
-        os.environ["MASTER_PORT"] = str(port)
+        key = f"zbpipe-test-run/{i}/port"
+        if rank == 0:
+            agent.set(key, str(_free_port()))
+        os.environ["MASTER_PORT"] = agent.get(key).decode()
         os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
         _forget_imports()
         sys.argv = ["torchtitan.train", *args]

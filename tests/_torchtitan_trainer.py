@@ -8,7 +8,6 @@ recipes/torchtitan/ on PYTHONPATH, offline, one thread per rank, every rank logg
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -33,16 +32,9 @@ _COLOR = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def _port() -> int:
-    return _ports(1)[0]
-
-
-def _ports(n: int) -> list[int]:
-    """``n`` distinct free ports (all bound at once while the OS picks them)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _launch(nproc: int, target: list[str], timeout: float) -> str:
@@ -94,8 +86,7 @@ def torchrun_runs(
     log, every rank's lines of it. Fails, with every rank's log tail, if any run fails."""
     log_dir.mkdir(parents=True, exist_ok=True)
     runs_json = log_dir / "runs.json"
-    ports = _ports(len(runs))
-    runs_json.write_text(json.dumps([[n, port, a] for (n, a), port in zip(runs.items(), ports)]))
+    runs_json.write_text(json.dumps(list(runs.items())))
     rank_logs = [log_dir / f"rank{r}.log" for r in range(nproc)]
     try:
         _launch(nproc, [str(_RUNS_ENTRY), str(runs_json), str(log_dir)], timeout)
