@@ -1,6 +1,6 @@
 """torchrun entry point: several ``python -m torchtitan.train`` runs, one after another, per rank.
 
-    torchrun --nproc_per_node N tests/_torchtitan_runs.py RUNS_JSON LOG_DIR
+    torchrun --nproc_per_node N tests/_torchtitan_runs.py RUNS_JSON LOG_DIR RECIPE_DIR
 
 RUNS_JSON holds ``[[name, [arg, ...]], ...]``. Each rank runs, for every entry in order, the
 module ``torchtitan.train`` exactly as ``python -m torchtitan.train ARG...`` would (``runpy``
@@ -11,13 +11,14 @@ run initializes a new one.
 Each run rendezvous through a store of its own, hosted by rank 0 (``MASTER_PORT``, with
 torchrun's agent store turned off). A second process group on torchrun's store would find the
 first one's keys there (torch names a new default group as it named the destroyed one): seen
-here as a rank stuck in its second run's first collective. Rank 0 picks the run's port just
-before the run and tells the others through torchrun's store: ports picked for every run at the
-start were taken by other processes' connections before the later runs bound them (seen in CI:
-``EADDRINUSE``).
+here as a rank stuck in its second run's first collective. Rank 0 picks the run's port once
+the run's modules are imported, just before the run, and tells the others through torchrun's
+store: ports picked for every run at the start were taken by other processes' connections
+before the later runs bound them (seen in CI: ``EADDRINUSE``).
 
-Before each run the process forgets every module of torchtitan, zbpipe and the recipes
-(``_forget_imports``), so a run shares only torch and third-party libraries with the one before.
+Before each run the process forgets every module of torchtitan, zbpipe and the recipes in
+RECIPE_DIR (``_forget_imports``), so a run shares only torch and third-party libraries with the
+one before.
 
 Why one process for many runs: importing torch, torchtitan and its data stack costs each rank
 about 9 s of CPU, several times what 3 steps of the debug model take, and the tests need five
@@ -30,6 +31,7 @@ Every rank writes its stdout and stderr, in order, to ``LOG_DIR/rank{RANK}.log``
 interleave in any shared stream; one rank's file does not).
 """
 
+import importlib
 import json
 import os
 import runpy
@@ -40,7 +42,7 @@ from datetime import timedelta
 MARKER = "zbpipe-test-run: "
 
 
-def _forget_imports() -> None:
+def _forget_imports(recipe_dir: str) -> None:
     """Make the next run import torchtitan, zbpipe and the recipes afresh, as a new process
     would: module-level state stays with its run (torchtitan 0.2's ``parse_args`` takes the
     ``sys.argv`` of its module's import as its default, for one). zbpipe's integration first
@@ -49,23 +51,23 @@ def _forget_imports() -> None:
     integration = sys.modules.get("zbpipe.torchtitan")
     if integration is not None:
         integration.uninstall()
-    recipes = [os.path.abspath(p) + os.sep for p in os.environ["PYTHONPATH"].split(os.pathsep) if p]
+    recipes = os.path.abspath(recipe_dir) + os.sep
     for name, module in list(sys.modules.items()):
         file = getattr(module, "__file__", None) or ""
-        if name.split(".")[0] in ("torchtitan", "zbpipe") or file.startswith(tuple(recipes)):
+        if name.split(".")[0] in ("torchtitan", "zbpipe") or file.startswith(recipes):
             del sys.modules[name]
 
 
 def _free_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))  # every interface, as the store binds
         return s.getsockname()[1]
 
 
 def main() -> None:
     import torch.distributed as dist
 
-    runs_json, log_dir = sys.argv[1:]
+    runs_json, log_dir, recipe_dir = sys.argv[1:]
     with open(runs_json) as f:
         runs = json.load(f)
     rank = int(os.environ["RANK"])
@@ -79,14 +81,15 @@ def main() -> None:
         timeout=timedelta(seconds=300),
     )
     for i, (name, args) in enumerate(runs):
-        print(f"{MARKER}{name}", flush=True)
+        print(f"\n{MARKER}{name}", flush=True)  # on a line of its own, whatever came before
+        _forget_imports(recipe_dir)
+        sys.argv = ["torchtitan.train", *args]  # before the import: torchtitan 0.2 reads it then
+        importlib.import_module("torchtitan.train")  # the run's imports, before its port
         key = f"zbpipe-test-run/{i}/port"
         if rank == 0:
             agent.set(key, str(_free_port()))
         os.environ["MASTER_PORT"] = agent.get(key).decode()
         os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
-        _forget_imports()
-        sys.argv = ["torchtitan.train", *args]
         runpy.run_module("torchtitan.train", run_name="__main__", alter_sys=True)
 
 

@@ -57,16 +57,23 @@ def _launch(nproc: int, target: list[str], timeout: float) -> str:
         *target,
     ]
     pipe = subprocess.PIPE
-    with subprocess.Popen(cmd, env=env, stdout=pipe, stderr=pipe, text=True) as proc:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-            timed_out = False
-        except subprocess.TimeoutExpired:
+    proc = subprocess.Popen(cmd, env=env, stdout=pipe, stderr=pipe, text=True)
+    out, err, timed_out = "", "", False
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+    finally:  # also when pytest-timeout interrupts the wait
+        if proc.poll() is None:
             # SIGTERM: torchrun's agent then stops its ranks (each in a session of its own, out
             # of reach of a kill of the agent's group) before it exits.
             proc.terminate()
-            out, err = proc.communicate(timeout=60)
-            timed_out = True
+            try:
+                more_out, more_err = proc.communicate(timeout=60)
+                out, err = out + more_out, err + more_err
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
     log = out + err
     assert not timed_out, f"{' '.join(cmd)}: over {timeout} s\n{log[-6000:]}"
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{log[-6000:]}"
@@ -89,18 +96,21 @@ def torchrun_runs(
     runs_json.write_text(json.dumps(list(runs.items())))
     rank_logs = [log_dir / f"rank{r}.log" for r in range(nproc)]
     try:
-        _launch(nproc, [str(_RUNS_ENTRY), str(runs_json), str(log_dir)], timeout)
+        _launch(nproc, [str(_RUNS_ENTRY), str(runs_json), str(log_dir), str(RECIPE)], timeout)
     except AssertionError as failed:
         tails = "\n".join(f"--- {f.name} ---\n{_read(f)[-4000:]}" for f in rank_logs)
         raise AssertionError(f"{failed}\n{tails}") from None
     by_run: dict[str, list[str]] = {name: [] for name in runs}
     for f in rank_logs:
-        name = None
+        name, seen = None, []
         for line in _read(f).splitlines():
             if line.startswith(_torchtitan_runs.MARKER):
                 name = line[len(_torchtitan_runs.MARKER) :]
+                seen.append(name)
             elif name is not None:
                 by_run[name].append(line)
+        # every run's section, once and in order: no run's lines can be filed under another's
+        assert seen == list(runs), f"{f.name}: runs {seen}, expected {list(runs)}"
     return {name: "\n".join(lines) for name, lines in by_run.items()}
 
 
@@ -111,9 +121,10 @@ def _read(path: Path) -> str:
 def losses(log: str, steps: int) -> dict[int, float]:
     """{step: loss} from torchtitan's step lines. Every rank prints one per step; only the rank
     holding the last stage knows the loss (the others print -1)."""
-    found = {
-        int(s): float(v) for s, v in _LOSS_LINE.findall(_COLOR.sub("", log)) if float(v) != -1.0
-    }
+    found: dict[int, float] = {}
+    for s, v in _LOSS_LINE.findall(_COLOR.sub("", log)):
+        if float(v) != -1.0:
+            assert found.setdefault(int(s), float(v)) == float(v), f"step {s} twice\n{log[-4000:]}"
     assert sorted(found) == list(range(1, steps + 1)), log[-4000:]
     return found
 

@@ -88,11 +88,12 @@ def test_v_peak_memory_within_the_stated_promise_on_4_ranks_under_both_engines()
     until let go of) stays within 5% of the mode's stated promise, computed from chunk bytes
     counted on a standalone forward, plus one boundary tensor per stage of the rank.
 
-    That tensor is an input gradient whose send is not yet known to be received: on gloo a send
-    is let go of once this rank hears from the peer after it posted the receive (zbpipe.sends),
-    so how many are held at the peak depends on the ranks' timing, which no plan models. Seen:
-    two boundary tensors over the promise on a rank, and once, on a loaded CI run, three (6,144
-    bytes, where 5% of V-Half's promise is 5,530; a send in flight is the likely third)."""
+    What no plan models: a gradient a B makes before the activation it replaces is freed, and
+    input gradients held until their send is known received (zbpipe.sends: at points the order
+    fixes), and the order itself is re-planned from profiled times, so it can differ from run to
+    run. Seen: two boundary tensors over the promise on a rank, and once, on a loaded CI run,
+    three (6,144 bytes, where 5% of V-Half's promise is 5,530; which held tensor was the third
+    is not established)."""
     modes, splits, p = ("zb", "half", "min"), ("deferred", "graph"), 4
     per_rank = run_ranks(cases.v_saved_peak_within_budget, p, 8, modes, splits, timeout=400)
     chunk_bytes = per_rank[0][1]
