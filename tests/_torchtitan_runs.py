@@ -21,8 +21,8 @@ RECIPE_DIR (``_forget_imports``), so a run shares only torch and third-party lib
 one before.
 
 Why one process for many runs: importing torch, torchtitan and its data stack costs each rank
-about 9 s of CPU, several times what 3 steps of the debug model take, and the tests need five
-runs on one placement. Measured (torchtitan 0.3.0, torch 2.14.1, an idle 2-core machine): five
+about 9 s of CPU, several times what 3 steps of the debug model take, and the tests need four
+to six runs. Measured (torchtitan 0.3.0, torch 2.14.1, an idle 2-core machine): five
 runs in one launch took 26 s against 16 s per launch, with the same losses to the last printed
 digit.
 
@@ -58,9 +58,9 @@ def _forget_imports(recipe_dir: str) -> None:
             del sys.modules[name]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
-        s.bind(("", 0))  # every interface, as the store binds
+        s.bind(("", 0))  # every interface, as torch's stores bind
         return s.getsockname()[1]
 
 
@@ -87,7 +87,7 @@ def main() -> None:
         importlib.import_module("torchtitan.train")  # the run's imports, before its port
         key = f"zbpipe-test-run/{i}/port"
         if rank == 0:
-            agent.set(key, str(_free_port()))
+            agent.set(key, str(free_port()))
         os.environ["MASTER_PORT"] = agent.get(key).decode()
         os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
         runpy.run_module("torchtitan.train", run_name="__main__", alter_sys=True)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -31,12 +30,6 @@ _LOSS_LINE = re.compile(r"step:\s+(\d+)\s+loss:\s+(-?[0-9.]+)")
 _COLOR = re.compile(r"\x1b\[[0-9;]*m")
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(nproc: int, target: list[str], timeout: float) -> str:
     """``torchrun --nproc_per_node nproc TARGET...`` offline, one thread per rank, every rank
     logging; its output (fails on rc != 0)."""
@@ -53,7 +46,7 @@ def _launch(nproc: int, target: list[str], timeout: float) -> str:
         "-m",
         "torch.distributed.run",
         f"--nproc_per_node={nproc}",
-        f"--master_port={_port()}",
+        f"--master_port={_torchtitan_runs.free_port()}",
         *target,
     ]
     pipe = subprocess.PIPE
