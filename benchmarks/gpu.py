@@ -198,7 +198,7 @@ def build_zbpipe(name: str, cls: type, options: dict, chunks: list, m: int, devi
 def build_torch(cls_name: str, chunks: list, m: int, device) -> Run:
     import torch.distributed.pipelining as pp
 
-    from zbpipe.trace import Tracer, attach_stage_tracer
+    from zbpipe.observe.trace import Tracer, attach_stage_tracer
 
     n = len(chunks)
     stages = [pp.PipelineStage(c, i, n, device) for i, c in enumerate(chunks)]
@@ -340,7 +340,7 @@ def make_batch(hidden: int, seq: int, m: int, dtype, device, seed: int = 1):
 def timeline(tracer: Any) -> dict[str, Any] | None:
     if tracer is None:
         return None
-    from zbpipe.trace import Trace
+    from zbpipe.observe.trace import Trace
 
     events = list(tracer.events)
     trace = Trace({0: events})

@@ -75,8 +75,8 @@ def _measure(cfg: Config, rank: int, world: int, name: str, engine: str | None) 
 
     from zbpipe import get_schedule_class
     from zbpipe.memory import SavedActivationMeter
+    from zbpipe.observe.profile import ProfileConfig
     from zbpipe.patching import undo_all
-    from zbpipe.profile import ProfileConfig
     from zbpipe.testing.models import TinyGPTConfig, lm_loss, synthetic_batch
 
     m = cfg.microbatches

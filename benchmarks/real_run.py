@@ -94,10 +94,10 @@ def _build(name: str, rank: int, world: int, cfg: Config) -> tuple[Any, list, An
     )
 
     from zbpipe.memory import SavedActivationMeter
+    from zbpipe.observe.trace import Tracer, attach_stage_tracer
     from zbpipe.planning import loop_placement, v_placement
     from zbpipe.schedules import ScheduleZBH1, ScheduleZBV
     from zbpipe.testing.models import TinyGPTConfig, build_stages, lm_loss
-    from zbpipe.trace import Tracer, attach_stage_tracer
 
     name, _, split = name.partition("@")  # "ZBV@graph": zbpipe's ZBV with the graph engine
     options = {"split": split} if split else {}
@@ -157,8 +157,8 @@ def _rank_main(rank: int, world: int, cfg: Config) -> dict | None:
     import torch
     import torch.distributed as dist
 
+    from zbpipe.observe.trace import Trace
     from zbpipe.testing.models import TinyGPTConfig, synthetic_batch
-    from zbpipe.trace import Trace
 
     runs = {name: _build(name, rank, world, cfg) for name in cfg.schedules}
     if cfg.model == "mlp":

@@ -16,9 +16,9 @@ Each step is measured two ways:
     tensors and sends, not the gradients its split records for W), and the bytes still held after
     the step and a ``gc.collect()`` (per-step growth);
   * an independent count: a weak reference to every tensor saved during the step (wrapped around
-    ``zbpipe.saved.SavedTensors._pack``, which the meter's torch hook and zbpipe's runtime use),
-    counted alive after the step and ``gc.collect()``. Of those, ``alive_input_buffers`` are the
-    buffers a stage receives its inputs into (torch allocates them once and reuses them every
+    ``zbpipe.memory.saved.SavedTensors._pack``, which the meter's torch hook and zbpipe's runtime
+    use), counted alive after the step and ``gc.collect()``. Of those, ``alive_input_buffers`` are
+    the buffers a stage receives its inputs into (torch allocates them once and reuses them every
     step: m per stage, never growing) and ``alive_local_inputs`` the inputs the stage before it
     on the same rank handed over (V placement): torch's stage keeps those until the next step,
     zbpipe drops them after the receiving stage's backward.
@@ -53,7 +53,7 @@ def _loss(out, target):
 def _count_sends(stage, meter) -> None:
     """Count each tensor a torch stage hands to a send until its storage is freed, as zbpipe's
     stage seam does for its own schedules (torch's split keeps its recorded gradients unseen)."""
-    from zbpipe.saved import count_until_freed
+    from zbpipe.memory.saved import count_until_freed
 
     for name in ("get_fwd_send_ops", "get_bwd_send_ops"):
         ops_of = getattr(stage, name)
@@ -72,7 +72,7 @@ def _input_buffers(stages: list, handed: bool) -> set:
     stage before on this rank."""
     import torch
 
-    from zbpipe.saved import storage_ptr
+    from zbpipe.memory.saved import storage_ptr
 
     local = {st.stage_index for st in stages}
     return {
@@ -92,7 +92,7 @@ def measure(rank: int, world: int, schedule: str, steps: int) -> list[dict]:
 
     import zbpipe
     from zbpipe.memory import SavedActivationMeter
-    from zbpipe.saved import SavedTensors, storage_ptr
+    from zbpipe.memory.saved import SavedTensors, storage_ptr
 
     saved_refs: list[weakref.ref] = []
     pack = SavedTensors._pack

@@ -6,7 +6,7 @@ import torch
 from torch.distributed.pipelining import PipelineStage
 
 import zbpipe
-from _dist_cases import reference_grads
+from tests.schedules._dist_cases import reference_grads
 from zbpipe.testing.models import TinyGPTConfig, build_stages, lm_loss, synthetic_batch
 
 

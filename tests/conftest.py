@@ -23,7 +23,7 @@ def torch_get() -> Iterator[Any]:
     """
     import torch.distributed.pipelining.schedules as torch_schedules
 
-    from zbpipe import registration
+    from zbpipe.integrations import names as registration
 
     registration.register()
     yield torch_schedules.get_schedule_class

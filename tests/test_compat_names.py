@@ -87,7 +87,7 @@ def _torch_private_names() -> set[str]:
 
 
 def _zbpipe_modules_outside_compat() -> list[pathlib.Path]:
-    # zbpipe.planning is left out: it never imports torch (tests/test_plan_torch_free.py).
+    # zbpipe.planning is left out: it never imports torch (tests/planning/test_plan_torch_free.py).
     return sorted(
         p
         for p in SRC.rglob("*.py")

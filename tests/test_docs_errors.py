@@ -125,7 +125,7 @@ def test_removing_a_phrase_from_the_code_is_detected(tmp_path):
     shutil.copytree(SRC, copy)
     phrase = "pipeline ranks disagree on the schedule configuration"
     assert phrase in PHRASES
-    target = copy / "validation.py"
+    target = copy / "observe" / "agree.py"
     target.write_text(target.read_text().replace(phrase, "ranks differ"))
     # Compared with the untouched package, so this test checks the checker even when the
     # package itself currently misses a phrase (test_every_listed_phrase_... reports that).

@@ -6,7 +6,7 @@ initialises stages by sending to every neighbour, its own rank included (zbpipe.
 
 import pytest
 
-import _compat_cases as cases
+from tests import _compat_cases as cases
 from zbpipe import _compat as C
 from zbpipe.testing import run_ranks
 

@@ -1,6 +1,6 @@
 """torchtitan 0.3.x config: its llama3 debug model with a zbpipe schedule, on CPU (gloo).
 
-The tests run exactly this file (tests/test_torchtitan_trainer.py); on a laptop:
+The tests run exactly this file (tests/integrations/test_torchtitan_trainer.py); on a laptop:
 
     PYTHONPATH=recipes/torchtitan torchrun --nproc_per_node 2 -m torchtitan.train \\
         --module llama3_debug_cpu --config llama3_debugmodel_cpu \\

@@ -11,7 +11,7 @@ before it picks a device, so this is the one place both steps fit:
 2. :func:`torchtitan_cpu.use_cpu_device`: without an accelerator, torchtitan 0.2.x would ask
    CUDA for a device (``torchtitan_cpu.py`` says why and what changes). A no-op on GPUs.
 
-The tests run exactly this file (tests/test_torchtitan02_trainer.py).
+The tests run exactly this file (tests/integrations/test_torchtitan02_trainer.py).
 """
 
 from __future__ import annotations

@@ -2,10 +2,11 @@
 
 The plan layer (``Costs``, ``simulate``, ``Action``, ``Plan``) is imported eagerly and never
 imports torch. Other names are resolved lazily (PEP 562) on first access, so ``import zbpipe``
-and ``import zbpipe.planning`` work on a machine without torch. ``plan`` (:mod:`zbpipe.plans`)
-is lazy too, though torch-free: it imports torch only to build one of torch's own schedules
-(``"torch:<Name>"``), and importing it eagerly here would pull that torch-facing code into
-every import of the plan layer (mypy's strict check of ``zbpipe.planning`` among them).
+and ``import zbpipe.planning`` work on a machine without torch. ``plan``
+(:mod:`zbpipe.integrations.plans`) is lazy too, though torch-free: it imports torch only to build
+one of torch's own schedules (``"torch:<Name>"``), and importing it eagerly here would pull that
+torch-facing code into every import of the plan layer (mypy's strict check of ``zbpipe.planning``
+among them).
 """
 
 from __future__ import annotations
@@ -18,21 +19,21 @@ from .planning import Action, Costs, Plan, PlanError, SimResult, simulate
 
 #: lazily imported public name -> module that defines it
 _LAZY: dict[str, str] = {
-    "plan": "zbpipe.plans",
+    "plan": "zbpipe.integrations.plans",
     "ScheduleZBH1": "zbpipe.schedules",
     "Schedule1F1BMulti": "zbpipe.schedules",
     "ScheduleZBH2": "zbpipe.schedules",
     "ScheduleZBV": "zbpipe.schedules",
     "ScheduleZBAuto": "zbpipe.schedules",
     "ScheduleContinuous": "zbpipe.continuous",
-    "get_schedule_class": "zbpipe.schedule_names",
-    "PlannedSchedule": "zbpipe.runtime",
-    "PostValidatedStep": "zbpipe.optim",
-    "Tracer": "zbpipe.trace",
-    "Trace": "zbpipe.trace",
-    "ProfileConfig": "zbpipe.profile",
+    "get_schedule_class": "zbpipe.integrations.names",
+    "PlannedSchedule": "zbpipe.schedules.runtime",
+    "PostValidatedStep": "zbpipe.continuous.optim",
+    "Tracer": "zbpipe.observe.trace",
+    "Trace": "zbpipe.observe.trace",
+    "ProfileConfig": "zbpipe.observe.profile",
     "SavedActivationMeter": "zbpipe.memory",
-    "register": "zbpipe.registration",
+    "register": "zbpipe.integrations.names",
 }
 
 __all__ = ["Action", "Costs", "Plan", "PlanError", "SimResult", "simulate", *_LAZY]

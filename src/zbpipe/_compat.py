@@ -14,6 +14,9 @@ and call some of torch's private schedule methods and attributes as their own
 subclass too (runtime.py, continuous.py, and the schedule helpers in profile.py, validation.py,
 step_inputs.py); the census test names which. Any other rename touches this file only.
 Tested against torch 2.11, 2.13 and 2.14 (CI).
+
+Long because every private torch name zbpipe relies on lives here by design, so one file is what a
+torch upgrade has to audit.
 """
 
 from __future__ import annotations
@@ -69,8 +72,8 @@ def stage_message_bytes(stage: _PipelineStageBase, which: str) -> int:
     """Bytes of a microbatch's activations a stage receives (``"inputs"``) or sends (``"outputs"``).
 
     Read from the tensor metadata torch infers on the first step (private: see
-    :func:`stage_metas`); 0 before that. Used by :mod:`zbpipe.profile` to time messages of the
-    real size.
+    :func:`stage_metas`); 0 before that. Used by :mod:`zbpipe.observe.profile` to time messages of
+    the real size.
     """
     metas = stage_metas(stage, which)
     total = 0
@@ -261,7 +264,7 @@ def handle_sends(sched: Any, handler: Callable[[Any, Any], None]) -> None:
     torch's ``register_custom_function`` accepts compute and FSDP actions only, but its action
     loop looks every action type up in the same map (``_comp_type_to_function_map``, in torch
     2.11 to 2.14) before its built-in handling, which would keep each send's work, and so its
-    tensor, until the step ends (see :mod:`zbpipe.sends`).
+    tensor, until the step ends (see :mod:`zbpipe.schedules.sends`).
     """
     table: dict[Any, Any] = sched._comp_type_to_function_map
     for kind in (SEND_F, SEND_B):
@@ -490,7 +493,7 @@ PipelineScheduleMultiBase = _shimmed(PipelineScheduleMulti)
 # ---------------------------------------------------------------- step() contract (issue 12)
 # torch 2.14's PipelineScheduleMulti.step() also takes microbatches already split (arg_mbs,
 # kwarg_mbs, target_mbs); torch 2.13's takes only a whole batch. zbpipe's schedules split (or
-# take) the microbatches themselves (zbpipe.step_inputs) and run them here, the body both
+# take) the microbatches themselves (zbpipe.schedules.inputs) and run them here, the body both
 # torch versions' step() share after splitting, so the accepted arguments never depend on the
 # installed torch.
 def run_microbatches(
@@ -607,3 +610,15 @@ PRIVATE_OBJECT_ATTRIBUTES = (
     ("nn.Module", "_parameters"),
     ("nn.Module", "_compiled_call_impl"),
 )
+
+
+def compiled_submodule(module: Any) -> str | None:
+    """The name of ``module``'s first ``torch.compile``d submodule (``""``: itself), else None.
+
+    Both ``torch.compile(module)`` (an ``OptimizedModule``) and in-place ``module.compile()``
+    (the way torchtitan compiles) count (:func:`is_compiled`).
+    """
+    for name, mod in module.named_modules():
+        if is_compiled(mod):
+            return str(name)
+    return None

@@ -12,8 +12,8 @@ import json
 import sys
 from collections.abc import Sequence
 
+from .integrations.plans import plan  # zbpipe's names and torch's ("torch:<Name>"), one lookup
 from .planning import Costs, Plan, PlanError, SimResult, known_names, plan_to_csv, simulate
-from .plans import plan  # zbpipe's names and torch's ("torch:<Name>"), one lookup
 
 
 def _costs_arg(text: str) -> Costs:
@@ -24,6 +24,9 @@ def _costs_arg(text: str) -> Costs:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """Long because it is the command line's argument table, one declaration per option; split, the
+    table would be in pieces.
+    """
     parser = argparse.ArgumentParser(
         prog="zbpipe", description="Zero Bubble pipeline schedules: plan and simulate."
     )
@@ -185,7 +188,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_draw(args: argparse.Namespace) -> int:
-    from . import draw  # matplotlib itself is imported only when a PNG is painted
+    from .observe import draw  # matplotlib itself is imported only when a PNG is painted
 
     if not (args.png or args.json):
         raise ValueError("nothing to write: give --png FILE and/or --json FILE")

@@ -60,13 +60,14 @@ SCHEDULES = ("torch 1F1B", "zbpipe ZBH1")
 
 
 def _rank_main(rank: int, world: int, cfg: DemoConfig) -> list[dict[str, Any]] | None:
+    """Long because it is one rank's whole demo run, in the order it prints."""
     import torch
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    from .schedules import ScheduleZBH1
+    from .observe.trace import Trace, Tracer, attach_stage_tracer
+    from .schedules.classes import ScheduleZBH1
     from .testing.models import TinyGPTConfig, build_stages, lm_loss, synthetic_batch
-    from .trace import Trace, Tracer, attach_stage_tracer
 
     mcfg = TinyGPTConfig(
         vocab=128, hidden=cfg.hidden, seq=cfg.seq, heads=2, blocks_per_stage=cfg.blocks_per_stage

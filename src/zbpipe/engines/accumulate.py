@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .. import _compat as C
-from ..saved import storage_ptr
+from ..memory.saved import storage_ptr
 
 
 def accumulate(param: Tensor, grad: Tensor, known_storages: set[int] | None = None) -> None:

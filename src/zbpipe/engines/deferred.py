@@ -33,13 +33,13 @@ import torch
 from torch import Tensor, nn
 
 from .. import _compat as C
-from ..saved import Holder, Observer, SavedTensors
+from ..memory.saved import Holder, Observer, SavedTensors
 from .accumulate import accumulate, accumulate_hooked, add_product, weight_grad
 from .fused import backward_full
 from .linear_patch import StoreSlot, patch_linears, patched_linears, post_accumulate_hooks_parked
 
 if TYPE_CHECKING:
-    from . import Key
+    from .protocol import Key
 
 logger = logging.getLogger(__name__)
 

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from torch import Tensor
 
-from ..saved import Observer, SavedTensors
-from ..validation import check_not_compiled
+from .._compat import compiled_submodule
+from ..memory.saved import Observer, SavedTensors
 from .graph_backward import WeightGrad, backward_input
 
 if TYPE_CHECKING:
-    from . import Key
+    from .protocol import Key
 
 __all__ = ["GraphEngine"]
 
@@ -81,3 +81,24 @@ class GraphEngine:
     def clear(self) -> None:
         """Drop every pending W (and with it the graph it kept)."""
         self._pending.clear()
+
+
+def check_not_compiled(cls: type, stages: Sequence[Any]) -> None:
+    """Refuse ``torch.compile``d submodules under the graph engine, which must see the real graph.
+
+    A compiled region is one opaque autograd node: the graph engine's input pass cannot stop
+    before its weight-gradient work, so B and W would each run the whole region's backward.
+    The deferred engine needs no graph surgery and accepts them (the region's weight gradients
+    are computed in B; ``split="auto"`` chooses it for such stages), so only ``split="graph"``
+    with a plan that splits the backward calls this.
+    """
+    for st in stages:
+        name = compiled_submodule(st.submod)
+        if name is not None:
+            where = name or "the stage module itself"
+            raise ValueError(
+                f"{cls.__name__}: stage {st.stage_index} submodule {where!r} is torch.compile'd, "
+                "which hides the autograd graph the graph engine's split backward (B/W) needs; "
+                "use split='deferred' (compiled regions then compute their weight gradients in B), "
+                "remove the compile, or use a fused-backward schedule (Schedule1F1BMulti)"
+            )

@@ -30,6 +30,9 @@ region is private asks for its parameters directly and runs that region itself (
 One call seeded at every boundary would instead recompute the activation chain between
 boundaries (boundary k's activation edge leads to boundary k-1's parameters): twice the
 activation work. So a chain of layers still costs one call per boundary.
+
+Long because the graph surgery of B and W is explained step by step beside the code that does it,
+as in torch's ``_backward.py``.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-from ..saved import ACTIVATION, KEEP, Holder, SavedTensors, mark_unpacking, storage_ptr
+from ..memory.saved import ACTIVATION, KEEP, Holder, SavedTensors, mark_unpacking, storage_ptr
 from .accumulate import accumulate
 from .fused import valid_outputs
 from .graph_regions import (
@@ -79,7 +82,8 @@ class WeightGrad:
         self._params = params
         self._param_nodes = param_nodes
         self._known_storages = known_storages
-        # A memory meter's count of the recorded gradients this W keeps (zbpipe.saved.Holder).
+        # A memory meter's count of the recorded gradients this W keeps
+        # (zbpipe.memory.saved.Holder).
         self._held = list(held)
 
     @property
@@ -96,7 +100,10 @@ class WeightGrad:
         return len(self._groups) + len(self._conflicts) + final
 
     def run(self) -> None:
-        """Compute the parameter gradients and accumulate them into ``p.grad`` like autograd."""
+        """Compute the parameter gradients and accumulate them into ``p.grad`` like autograd.
+
+        Long because it is W's one pass over the recorded regions, with its error paths beside it.
+        """
         if self._groups is None:
             raise RuntimeError(
                 "WeightGrad.run() was called twice: the weight pass of a microbatch runs once and "
@@ -263,8 +270,8 @@ def backward_input(
 ) -> tuple[tuple[Tensor | None, ...], WeightGrad]:
     """B: gradients of ``inputs`` (not accumulated into ``.grad``) and the pending W.
 
-    ``saved``: the holders of what this microbatch's forward saved (:mod:`zbpipe.saved`). B tags
-    each unpack with the kind of node doing it and afterwards releases what only activation
+    ``saved``: the holders of what this microbatch's forward saved (:mod:`zbpipe.memory.saved`). B
+    tags each unpack with the kind of node doing it and afterwards releases what only activation
     nodes used: W never runs those nodes, so their saved tensors need not live until W. Its
     ``observer`` (a memory meter) is also told about the gradients W keeps from B.
 
@@ -272,6 +279,9 @@ def backward_input(
     ``output_grads=None`` (then every gradient is ones). Parameter gradients are not computed here;
     ``WeightGrad.run()`` computes and accumulates them. Gradients flow to ``params`` only: other
     leaves that require grad get none from W.
+
+    Long because each step of the graph surgery is commented where it happens; split, the comments
+    would lose the state they describe.
     """
     outs, grads = valid_outputs(outputs, output_grads)
     grad_params = _unique_params(params)
@@ -331,9 +341,10 @@ def backward_input(
     for b in boundaries:
         if b.node in in_a:
             handles.append(b.node.register_prehook(_recorder(recorded, b.node)))
-    # Saved-tensor release (zbpipe.saved): a prehook runs right before its node unpacks its saved
-    # tensors, so tagging there tells which holders only activation nodes (never re-run by W) used.
-    # A conflict boundary makes W re-run activation children, so then nothing is released early.
+    # Saved-tensor release (zbpipe.memory.saved): a prehook runs right before its node unpacks its
+    # saved tensors, so tagging there tells which holders only activation nodes (never re-run by W)
+    # used. A conflict boundary makes W re-run activation children, so then nothing is released
+    # early.
     release_early = saved is not None and not any(b.conflict for b in boundaries)
     if release_early:
         keep = {b.node for b in boundaries}

@@ -132,6 +132,8 @@ def _group_boundaries(g: _Graph, boundaries: list[_Boundary]) -> list[_Group]:
     with a lower boundary, and (2) through a weight node shared below; both need a weight-edge
     child with two parents, and are then checked exactly with reachability bit masks. A chain
     (one boundary per level) gains nothing: W still makes one call per boundary there.
+
+    Long because it is one union-find pass over the graph, commented step by step.
     """
     buckets: dict[int, list[_Boundary]] = {}
     for b in boundaries:

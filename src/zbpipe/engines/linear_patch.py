@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -25,9 +25,6 @@ from torch import Tensor, nn
 
 from .._compat import has_grad_hooks, is_compiled, own_parameter, post_accumulate_grad_hooks
 from .accumulate import weight_grad
-
-if TYPE_CHECKING:
-    from .deferred import WeightGradStore
 
 __all__ = [
     "DeferredLinear",
@@ -40,13 +37,25 @@ __all__ = [
 ]
 
 
+class WeightGradQueue(Protocol):
+    """What a patched Linear asks of the store in its slot
+    (:class:`~zbpipe.engines.deferred.WeightGradStore`, which imports this module: a protocol
+    here, not an import there, keeps the two files out of an import circle)."""
+
+    deferring: bool
+
+    def put(self, weight: Tensor, x2d: Tensor, g2d: Tensor, dtype: torch.dtype | None) -> None:
+        """Queue ``weight``'s gradient GEMM ``g2d.T @ x2d`` for W."""
+
+
 class StoreSlot:
-    """Which :class:`WeightGradStore` a stage's patched Linears use right now (None: none)."""
+    """Which weight-gradient store (:class:`WeightGradQueue`) a stage's patched Linears use right
+    now (None: none)."""
 
     __slots__ = ("store",)
 
     def __init__(self) -> None:
-        self.store: WeightGradStore | None = None
+        self.store: WeightGradQueue | None = None
 
 
 def _deferrable(weight: Tensor) -> bool:
@@ -67,7 +76,7 @@ class _LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, store: WeightGradStore
+        ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, store: WeightGradQueue
     ) -> Tensor:
         device = x.device.type
         # Autocast casts inside F.linear; the backward (which autograd runs without autocast)

@@ -26,6 +26,9 @@ free), so when a rank decides at time ``t``, every action another rank has not y
 starts at ``t`` or later: a not-yet-produced dependency arrives no earlier than a known bound,
 which is what the gap tests use. Its timing rules are ``simulate``'s, so the makespan it
 computes is the simulated one (the tests check this).
+
+Long because the paper's heuristic (Section 3.1) and its strategies are one algorithm, kept in one
+file.
 """
 
 from __future__ import annotations

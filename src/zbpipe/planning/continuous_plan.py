@@ -164,6 +164,9 @@ def continuous_parts(
     """The warm-up, period and drain of the continuous plan (``n_microbatches`` per mini-batch).
 
     Deterministic and independent of the number of mini-batches: ``plan_continuous`` only joins.
+
+    Long because warm-up, period and drain are built and checked together, from one simulated
+    order.
     """
     p, m = num_ranks, n_microbatches
     check_sizes(p, m)

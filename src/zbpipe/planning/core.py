@@ -17,6 +17,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+#: Tolerance for comparing times and memory (absolute; the cost model's units are O(1)).
+EPS = 1e-9
+
 #: The compute actions a plan is made of (the module docstring says what each one is).
 KINDS: tuple[str, ...] = ("F", "B", "W", "BW")
 #: The letter torch's pipelining uses for each kind (``_ComputationType`` values, CSV cells).

@@ -17,7 +17,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
-from .rules import EPS
+from .core import EPS
 
 Number = int | float
 PerStage = Number | Sequence[Number]

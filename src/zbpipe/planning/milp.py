@@ -267,6 +267,9 @@ def refine(
     ``objective="span"`` minimises the longest rank span, which is what the bubble rate measures.
     The returned plan is never worse than ``plan`` in ``objective``; ``result.plan.meta["refine"]``
     records the bound and the gap.
+
+    Long because the MILP's variables and constraints are declared in one place, in the paper's
+    order (Appendix G).
     """
     from .simulator import simulate
 

@@ -2,9 +2,10 @@
 
 zbpipe's own generators are listed in ``GENERATORS``; add a line to register a new family.
 Names starting with ``torch:`` are torch's built-in schedules: torch's own code generates their
-order, so they are built above this layer (:func:`zbpipe.plan`, through ``zbpipe.torch_plans``).
-This layer never imports torch nor any zbpipe module outside ``zbpipe.planning``: it knows their
-names (``TORCH_SCHEDULES``) and :func:`plan` refuses them, pointing to ``zbpipe.plan``.
+order, so they are built above this layer (:func:`zbpipe.plan`, through
+``zbpipe.integrations.torch_plans``). This layer never imports torch nor any zbpipe module outside
+``zbpipe.planning``: it knows their names (``TORCH_SCHEDULES``) and :func:`plan` refuses them,
+pointing to ``zbpipe.plan``.
 """
 
 from __future__ import annotations

@@ -19,13 +19,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from .core import EPS as EPS  # re-exported: the one tolerance every rule and generator uses
 from .core import Action
 
 if TYPE_CHECKING:
     from .costs import StageCosts
 
-#: Tolerance for comparing times and memory (absolute; the cost model's units are O(1)).
-EPS = 1e-9
 
 #: A produced value: ``(stage, what, microbatch)``, ``what`` in ``F``, ``G``, ``B``.
 Value = tuple[int, str, int]

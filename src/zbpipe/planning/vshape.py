@@ -18,6 +18,8 @@ last stage, and B and W (which only free memory in the usual cost models) never 
 
 A few strategy knobs change tie-breaks; ``plan_zbv`` tries each and keeps the shortest plan.
 The paper's hand-made ZB-V order and its executor are in ``vorder``.
+
+Long because the greedy V-shape list scheduler is one algorithm whose helpers share its tables.
 """
 
 from __future__ import annotations

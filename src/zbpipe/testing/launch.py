@@ -30,7 +30,7 @@ class RankFailure(RuntimeError):
 
 
 #: imported once by the fork server, before it forks any rank
-PRELOAD = ("torch", "torch.distributed", "torch.distributed.pipelining", "zbpipe.runtime")
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.pipelining", "zbpipe.schedules.runtime")
 
 
 def _context() -> Any:
@@ -99,6 +99,9 @@ def run_ranks(
 
     ``fn`` and ``args`` must be picklable (``fn`` defined at module level). Raises
     :class:`RankFailure` if any rank fails or the run exceeds ``timeout`` seconds.
+
+    Long because start, wait with a deadline, collect and clean up are one loop over the ranks'
+    results.
     """
     ctx = _context()
     q = ctx.Queue()

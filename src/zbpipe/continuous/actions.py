@@ -1,0 +1,175 @@
+"""What the continuous schedule does for one action of its stream: receive, F (with the weight
+version its microbatch must use), B, W, and the optimizer step after a mini-batch's last W.
+
+A mixin of :class:`~zbpipe.continuous.schedule.ScheduleContinuous`, which owns the state these
+methods read (the stage, the seam, the stream's inputs and counters): the class says what a
+stream is, this file what each of its actions does.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import _compat as C
+
+log = logging.getLogger("zbpipe.continuous.schedule")
+
+
+def _post(op: dist.P2POp) -> dist.Work:
+    if op.op is dist.isend:
+        return dist.isend(op.tensor, group=op.group, tag=op.tag, group_dst=op.group_peer)
+    return dist.irecv(op.tensor, group=op.group, tag=op.tag, group_src=op.group_peer)
+
+
+def _fresh(infos: tuple) -> tuple:
+    """New receive infos with their own buffers (never share a buffer between microbatches)."""
+    out = []
+    for info in infos:
+        c = copy.copy(info)
+        if c.buffer is not None:
+            # Keep requires_grad: torch 2.11 receives into the buffer as it is (torch >= 2.13
+            # sets requires_grad when it hands the activation over).
+            c.buffer = torch.empty_like(info.buffer).requires_grad_(info.buffer.requires_grad)
+        out.append(c)
+    return tuple(out)
+
+
+class ContinuousActions:
+    """The per-action methods of :class:`~zbpipe.continuous.schedule.ScheduleContinuous`."""
+
+    stage: Any
+
+    def _minibatch(self, g: int) -> int:
+        return g // self._n_microbatches
+
+    def _run(self, slices: dict[int, list]) -> None:
+        """Run this rank's slice of the stream (``slices``: every rank's, from the frontier)."""
+        if self.rank > 0:  # what the previous rank runs proves which gradients it received
+            self._sends.add_proofs(self._proofs.previous_rank_ran(slices[self.rank - 1]))
+        for a in slices[self.rank]:
+            self._sends.prune()  # let go of the sends that completed (zbpipe.schedules.sends)
+            try:
+                {"F": self._forward, "B": self._backward_input, "W": self._backward_weight}[a.kind](
+                    a.microbatch
+                )
+            except Exception:
+                log.error(
+                    "zbpipe continuous: rank %d failed at %s (mini-batch %d of this stream)",
+                    self.rank,
+                    a,
+                    self._minibatch(a.microbatch),
+                )
+                raise
+        self._sends.prune()
+
+    def _validate(self) -> None:
+        if self._pv is not None:
+            report = self._pv.validate()
+            if report is not None:
+                self.step_reports.append(report)
+
+    def _forward(self, g: int) -> None:
+        st = self.stage
+        self._validate()  # the previous step must be settled before these weights are read
+        if st.is_first:
+            args = self._args.pop(g)
+        else:
+            C.activation_receives(st)[g] = _fresh(self._act_template)
+            works = [_post(op) for op in st.get_fwd_recv_ops(g)]
+            for w in works:
+                w.wait()
+            if works:  # an empty receive proves nothing (zbpipe.schedules.sends)
+                self._sends.received((True, st.stage_index, g))
+            args = C.received_activations(st, g)
+            del C.activation_receives(st)[g]
+        kwargs = self._kwargs.pop(g) or {}
+        with self.seam.forward(st, g):
+            out = self._forward_compute(g, args, kwargs)
+        out_tuple = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        inputs = [*args, *kwargs.values()]
+        C.forward_cache(st)[g] = (out_tuple, inputs)
+        self._f_count += 1
+        if not st.is_last:
+            self._sends.post(st, g, forward=True)
+            self._sends.add_proofs(self._proofs.output_sent(g))
+
+    def _forward_compute(self, g: int, args: Any, kwargs: dict) -> Any:
+        """The stage's forward (with the weight version microbatch ``g`` must use), and its loss."""
+        st = self.stage
+        if self._versions is not None:
+            k = self._minibatches_before + self._minibatch(g)
+            leaves = self._versions.acquire(g, self._versions.version_for(k))
+            self._leaves[g] = leaves
+            out = torch.func.functional_call(st.submod, leaves, tuple(args), kwargs)
+        else:
+            out = st.submod(*args, **kwargs)
+        if st.is_last:
+            loss = self._loss_fn(out, self._targets.pop(g), **self._loss_kwargs.pop(g, {}))
+            self._losses[g] = loss  # the graph, until B
+            self._loss_values[g] = loss.detach()  # what the user gets
+        return out
+
+    def _backward_input(self, g: int) -> None:
+        st = self.stage
+        if not st.is_last:
+            C.grad_receives(st)[g] = _fresh(self._grad_template)
+            works = [_post(op) for op in st.get_bwd_recv_ops(g)]
+            for w in works:
+                w.wait()
+            if works:
+                self._sends.received((False, st.stage_index, g))
+        params = None
+        if self._versions is not None:  # W computes the gradients of this microbatch's version
+            leaves = list(self._leaves[g].values())
+            params = lambda: leaves  # noqa: E731
+        self.seam.backward_input(st, g, self._losses.pop(g) if st.is_last else None, params)
+        if not st.is_last:
+            del C.grad_receives(st)[g]
+        if not st.is_first:
+            self._sends.post(st, g, forward=False)
+
+    def _backward_weight(self, g: int) -> None:
+        self.seam.backward_weight(self.stage, g)
+        k = self._minibatch(g)
+        if self._versions is not None:
+            acc = self._grad_acc.setdefault(k, {})
+            for name, leaf in self._leaves.pop(g).items():
+                if leaf.grad is not None:
+                    acc[name] = leaf.grad if name not in acc else acc[name] + leaf.grad
+            self._versions.release(g, self._next_forward_minibatch())
+        self._w_done[k] = self._w_done.get(k, 0) + 1
+        if self._w_done[k] == self._n_microbatches:  # the plan's step_after: the last W of k
+            if k != self._stepped:
+                raise RuntimeError(
+                    f"zbpipe continuous: mini-batch {k} finished before {self._stepped}"
+                )
+            self._optimizer_step(k)
+
+    def _next_forward_minibatch(self) -> int:
+        return self._minibatches_before + self._f_count // self._n_microbatches
+
+    def _optimizer_step(self, k: int) -> None:
+        params = [q for q in self.stage.submod.parameters()]
+        if self._versions is not None:
+            acc = self._grad_acc.pop(k, {})
+            for name, q in self._versions.params.items():
+                q.grad = acc.get(name)
+        if self.scale_grads and self._n_microbatches != 1:
+            for q in params:
+                if q.grad is not None:
+                    q.grad.div_(self._n_microbatches)
+        if self._pv is not None:
+            self._pv.step()
+        else:
+            self.optimizer.step()
+        for q in params:
+            q.grad = None
+        if self._versions is not None:
+            self._versions.updated(self._next_forward_minibatch())
+        del self._w_done[k]
+        self._stepped += 1

@@ -1,0 +1,186 @@
+"""One table from schedule name to zbpipe's schedule class, the one lookup that reads it, and
+the registration that makes torch's own ``get_schedule_class`` read it too.
+
+Every way of naming a zbpipe schedule resolves here: :func:`zbpipe.get_schedule_class`, torch's
+own ``get_schedule_class`` once :func:`zbpipe.register` ran
+(:func:`lookup_zbpipe`), and the torchtitan integration
+(:mod:`zbpipe.torchtitan`, through ``lookup_zbpipe``). A name
+matches a key of :data:`SCHEDULE_CLASSES` or a class's own name (``"ZBVHalf"``,
+``"ScheduleZBVHalf"``), in any case. To add a schedule class, add a line to the table.
+
+Plan names (``plan("ZBVHalf", ...)``) are a different table, :data:`zbpipe.planning.GENERATORS`:
+a name there maps to a plan generator, here to a class that runs a plan. The fixed-option classes
+(:mod:`zbpipe.schedules.classes`) make every zbpipe plan name a class name too.
+
+Registration. torch resolves a schedule name (``"1F1B"``, ``"ZBVZeroBubble"``...) with
+``torch.distributed.pipelining.schedules.get_schedule_class``, a closed table. Code built on
+torch (torchtitan's ``pipeline_parallel`` module among others) imports that function by name
+and never asks anyone else. :func:`register` replaces it, in torch's module and in every
+already-imported module that holds it by name, with a wrapper that
+
+1. looks the name up in the table here (:func:`find_schedule_class`) *at call time* (so classes
+   added to it later are found), matching a short name or a class name, case-insensitively,
+   among the classes torch's builders can drive (not ``ScheduleContinuous``);
+2. otherwise calls torch's original function, unchanged (so torch's names and torch's
+   ``ValueError`` for unknown names behave exactly as before).
+
+zbpipe's names are looked up first: a zbpipe name equal to one of torch's would shadow it, so
+zbpipe avoids torch's names. The original stays reachable as ``wrapper.__wrapped__`` and as
+:func:`original_get_schedule_class`. :func:`unregister` puts it back everywhere the wrapper
+was installed. Both calls are explicit and idempotent; nothing happens at import time.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from types import ModuleType
+
+from ..continuous.schedule import ScheduleContinuous
+from ..patching import rebind
+from ..schedules.classes import (
+    Schedule1F1BMulti,
+    ScheduleZB1P,
+    ScheduleZB2P,
+    ScheduleZBAuto,
+    ScheduleZBH1,
+    ScheduleZBH2,
+    ScheduleZBV,
+    ScheduleZBVHalf,
+    ScheduleZBVMin,
+)
+from ..schedules.runtime import PlannedSchedule
+
+#: zbpipe's schedule classes by the short name configs use (torchtitan's
+#: ``pipeline_parallel_schedule``). No name here is one of torch's (``"1F1B"`` stays torch's
+#: ``Schedule1F1B``): zbpipe's names are looked up first and must never shadow torch's.
+SCHEDULE_CLASSES: dict[str, type] = {
+    "1F1BMulti": Schedule1F1BMulti,
+    "ZBH1": ScheduleZBH1,
+    "ZBH2": ScheduleZBH2,
+    "ZBAuto": ScheduleZBAuto,
+    "ZB1P": ScheduleZB1P,
+    "ZB2P": ScheduleZB2P,
+    "ZBV": ScheduleZBV,
+    "ZBVHalf": ScheduleZBVHalf,
+    "ZBVMin": ScheduleZBVMin,
+    "Continuous": ScheduleContinuous,
+}
+
+
+def is_torch_shaped(cls: type) -> bool:
+    """Whether torch's and torchtitan's builders can drive ``cls``: torch's constructor
+    (``cls(stages, n_microbatches, loss_fn=...)``) and ``step()`` contract. Every
+    :class:`~zbpipe.schedules.runtime.PlannedSchedule` is; ``ScheduleContinuous`` is not (it needs
+    ``optimizer=`` and owns the optimizer step)."""
+    return issubclass(cls, PlannedSchedule)
+
+
+def find_schedule_class(name: str, *, torch_shaped_only: bool = False) -> type | None:
+    """zbpipe's class for ``name`` (a :data:`SCHEDULE_CLASSES` key or a class name, any case),
+    else None. ``torch_shaped_only``: None for a class :func:`is_torch_shaped` refuses.
+
+    Reads the table at call time, so a line added to it later is found.
+    """
+    wanted = name.lower()
+    for key, cls in SCHEDULE_CLASSES.items():
+        if wanted in (key.lower(), cls.__name__.lower()):
+            return None if torch_shaped_only and not is_torch_shaped(cls) else cls
+    return None
+
+
+def get_schedule_class(name: str) -> type:
+    """The schedule class for ``name`` (case-insensitive): zbpipe's names first, then torch's.
+
+    >>> get_schedule_class("ZBVHalf").__name__
+    'ScheduleZBVHalf'
+    """
+    found = find_schedule_class(name)
+    if found is not None:
+        return found
+    try:
+        return original_get_schedule_class()(name)
+    except ValueError as torch_error:  # torch's message lists torch's names
+        raise ValueError(
+            f"unknown schedule {name!r}: zbpipe knows {sorted(SCHEDULE_CLASSES)}; "
+            f"torch: {torch_error}"
+        ) from None
+
+
+# Registration: torch's own get_schedule_class learns zbpipe's names.
+
+logger = logging.getLogger(__name__)
+
+_ATTR = "get_schedule_class"
+_MARK = "__zbpipe_registered__"
+
+
+def _torch_schedules() -> ModuleType:
+    import torch.distributed.pipelining.schedules as schedules
+
+    return schedules
+
+
+def _is_wrapper(fn: object) -> bool:
+    return getattr(fn, _MARK, False) is True
+
+
+def original_get_schedule_class() -> Callable[[str], type]:
+    """torch's own ``get_schedule_class``, whether or not :func:`register` has run."""
+    fn = getattr(_torch_schedules(), _ATTR)
+    return fn.__wrapped__ if _is_wrapper(fn) else fn
+
+
+def lookup_zbpipe(name: str) -> type | None:
+    """zbpipe's torch-shaped class for ``name``, else ``None``: a short name (``ZBH1``,
+    ``ZBVHalf``...) or a class name, any case, from :data:`SCHEDULE_CLASSES`.
+    ``ScheduleContinuous`` is left out: torch's and torchtitan's builders cannot drive it."""
+    return find_schedule_class(name, torch_shaped_only=True)
+
+
+def _make_wrapper(original: Callable[[str], type]) -> Callable[[str], type]:
+    @functools.wraps(original)
+    def get_schedule_class(schedule_name: str) -> type:
+        cls = lookup_zbpipe(schedule_name)
+        return cls if cls is not None else original(schedule_name)
+
+    get_schedule_class.__doc__ = (
+        "torch's get_schedule_class, extended by zbpipe.register(): zbpipe's "
+        "schedule names first, then torch's. The original is __wrapped__."
+    )
+    setattr(get_schedule_class, _MARK, True)
+    return get_schedule_class
+
+
+def register() -> Callable[[str], type]:
+    """Make ``torch.distributed.pipelining.schedules.get_schedule_class`` resolve zbpipe's names.
+
+    Rebinds the name in torch's module and in every loaded module that imported it by name
+    (e.g. ``torchtitan.distributed.pipeline_parallel``); modules imported afterwards pick up the
+    wrapper from torch. Idempotent: a second call only rebinds modules loaded since the first.
+    Returns the wrapper.
+    """
+    torch_mod = _torch_schedules()
+    current = getattr(torch_mod, _ATTR)
+    original = current.__wrapped__ if _is_wrapper(current) else current
+    wrapper = current if _is_wrapper(current) else _make_wrapper(original)
+    patched = rebind(_ATTR, original, wrapper)
+    if patched:
+        logger.debug(
+            "zbpipe: get_schedule_class wrapped in %s", sorted(p.target.__name__ for p in patched)
+        )
+    return wrapper
+
+
+def unregister() -> None:
+    """Undo :func:`register`: every module holding the wrapper gets torch's original back."""
+    current = getattr(_torch_schedules(), _ATTR)
+    if not _is_wrapper(current):
+        return
+    rebind(_ATTR, current, current.__wrapped__)
+
+
+def is_registered() -> bool:
+    """Whether torch's ``get_schedule_class`` currently resolves zbpipe's names."""
+    return _is_wrapper(getattr(_torch_schedules(), _ATTR))

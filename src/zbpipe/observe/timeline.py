@@ -1,0 +1,60 @@
+"""One record for a compute action on a timeline, and the Chrome/Perfetto JSON writer.
+
+Shared by the tracer (measured runs, :mod:`zbpipe.observe.trace`) and the pictures
+(:mod:`zbpipe.observe.draw`), so a measured trace and a simulated plan are written, read back and
+drawn the same way. Pure Python (no torch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+
+class Event(NamedTuple):
+    """One compute action on one rank: ``kind`` (F, B, W, BW) of ``microbatch`` on ``stage``,
+    from ``start`` to ``end`` (seconds for measured runs, cost units for simulated plans)."""
+
+    rank: int
+    kind: str
+    stage: int
+    microbatch: int
+    start: float
+    end: float
+
+
+def to_chrome(
+    boxes_by_rank: Mapping[int, Sequence[Event]],
+    time_scale: float = 1e6,
+    meta: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Chrome/Perfetto trace-event JSON: one complete event per compute action, one row per rank.
+
+    Each event is named like ``F3`` with category ``F``; ``tid`` is the rank. ``time_scale``
+    converts event times to microseconds (1e6 for seconds; ``zbpipe.observe.draw.SIM_UNIT_US`` for
+    cost units).
+    """
+    starts = [b.start for boxes in boxes_by_rank.values() for b in boxes]
+    t0 = min(starts) if starts else 0.0
+    rows = [
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
+        for r in sorted(boxes_by_rank)
+    ]
+    for rank in sorted(boxes_by_rank):
+        for b in boxes_by_rank[rank]:
+            rows.append(
+                {
+                    "name": f"{b.kind}{b.microbatch}",
+                    "cat": b.kind,
+                    "ph": "X",
+                    "pid": 0,
+                    "tid": rank,
+                    "ts": (b.start - t0) * time_scale,
+                    "dur": (b.end - b.start) * time_scale,
+                    "args": {"stage": b.stage, "microbatch": b.microbatch},
+                }
+            )
+    out: dict[str, Any] = {"traceEvents": rows, "displayTimeUnit": "ms"}
+    if meta:
+        out["otherData"] = dict(meta)
+    return out

@@ -1,0 +1,29 @@
+"""The torch-facing schedules: the public classes (``classes``), the planned runtime that runs a
+plan with torch's action runtime (``runtime``), the stage seam (``stage_seam``), sends
+(``sends``), a step's inputs (``inputs``), construction-time checks (``validation``) and the
+NaN/Inf loss report (``nonfinite``).
+"""
+
+from .classes import (
+    Schedule1F1BMulti,
+    ScheduleZB1P,
+    ScheduleZB2P,
+    ScheduleZBAuto,
+    ScheduleZBH1,
+    ScheduleZBH2,
+    ScheduleZBV,
+    ScheduleZBVHalf,
+    ScheduleZBVMin,
+)
+
+__all__ = [
+    "Schedule1F1BMulti",
+    "ScheduleZB1P",
+    "ScheduleZB2P",
+    "ScheduleZBAuto",
+    "ScheduleZBH1",
+    "ScheduleZBH2",
+    "ScheduleZBV",
+    "ScheduleZBVHalf",
+    "ScheduleZBVMin",
+]

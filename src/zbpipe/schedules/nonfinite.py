@@ -1,0 +1,64 @@
+"""Which microbatches of a step had a NaN/Inf loss, found without stalling the host.
+
+Asking "is this loss finite?" in a Python ``if`` copies a flag from the device to the host and
+waits for every kernel queued before it: on a GPU the host then spins inside ``step()`` instead of
+queuing the next microbatch's work. So the check is split in two:
+
+- :meth:`NonfiniteLosses.record` (inside ``step()``) stacks one flag per microbatch with device ops
+  only: no host-device synchronisation.
+- :meth:`NonfiniteLosses.resolve` (when someone reads the result) copies the flags to the host,
+  logs the warning that names the microbatches, and caches the answer.
+
+On the CPU the flags are already on the host, so ``record`` resolves at once: the warning appears
+during ``step()`` as it always has.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+# The logger docs/errors.md names: the warning moved here from runtime.py, its name did not.
+logger = logging.getLogger("zbpipe.schedules.runtime")
+
+
+class NonfiniteLosses:
+    """The non-finite loss check of one schedule, resolved when read.
+
+    ``defer`` forces the lazy path on any device (tests use it on the CPU); by default only
+    losses on an accelerator are resolved lazily.
+    """
+
+    def __init__(self, rank: int, *, defer: bool | None = None) -> None:
+        self.rank = rank
+        self._defer = defer
+        self._pending: tuple[list[int], torch.Tensor] | None = None
+        self._resolved: list[int] = []
+
+    def record(self, losses: list) -> None:
+        """Queue the check of this step's ``losses`` (one per microbatch; non-tensors ignored)."""
+        indexed = [(i, x) for i, x in enumerate(losses) if isinstance(x, torch.Tensor)]
+        self._pending, self._resolved = None, []
+        if not indexed:
+            return
+        # One fused device op per microbatch and one stack: nothing here reads a value.
+        flags = torch.stack([~torch.isfinite(x.detach()).all() for _, x in indexed])
+        self._pending = ([i for i, _ in indexed], flags)
+        defer = self._defer if self._defer is not None else flags.device.type != "cpu"
+        if not defer:
+            self.resolve()
+
+    def resolve(self) -> list[int]:
+        """The microbatch indices whose loss was NaN/Inf (synchronises once, on first read)."""
+        if self._pending is not None:
+            indices, flags = self._pending
+            self._pending = None
+            self._resolved = [i for i, bad in zip(indices, flags.tolist()) if bad]
+            if self._resolved:
+                logger.warning(
+                    "zbpipe: non-finite loss in microbatch(es) %s on rank %d",
+                    self._resolved,
+                    self.rank,
+                )
+        return list(self._resolved)

@@ -1,0 +1,446 @@
+"""The torch-facing runtime: run a :class:`~zbpipe.planning.Plan` with torch's action runtime.
+
+:class:`PlannedSchedule` is a ``PipelineScheduleMulti`` (through torch's private
+``_PipelineScheduleRuntime``). It never decides an order: a plan generator does, every rank
+computes the same plan, and this class
+
+1. lowers the plan to torch's action lists (F->F, B->I, W->W, BW->B) and lets torch insert the
+   send/receive (and FSDP unshard/reshard, gradient-reduce) actions;
+2. runs the compute actions itself through the stage seam (:mod:`zbpipe.schedules.stage_seam`), so
+the
+   input-gradient pass B and the weight-gradient pass W use zbpipe's engines (``split=``:
+   deferred Linear GEMMs, or the general graph split; both correct for the first stage, reused
+   weights and custom autograd Functions, where torch's own split is not), and every action is
+   timed by a :class:`~zbpipe.observe.trace.Tracer` after its receive has completed. A W that
+   directly follows its own B runs fused, as one BW.
+
+Concrete schedules (:mod:`zbpipe.schedules`) only say which plan to build.
+
+Long because it is the one class that turns a plan into torch's runtime: its construction, step and
+re-plan share state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from .. import _compat as C
+from ..engines import EngineName, Split, choose_engine
+from ..memory.meter import SavedActivationMeter
+from ..observe.agree import check_peers_agree, config_fingerprint
+from ..observe.profile import ProfileConfig
+from ..observe.replan import CostProfiler
+from ..observe.trace import Tracer
+from ..planning import Costs, Layout, Plan
+from ..planning.fuse import fuse_adjacent_backward
+from .inputs import FirstStageKeywords, drop_inputs_off_stage0, microbatch_inputs
+from .nonfinite import NonfiniteLosses
+from .sends import PendingSends, proven_sends
+from .stage_seam import StageSeam
+from .validation import (
+    check_plan_for_runtime,
+    check_schedule_args,
+    check_step_args,
+)
+
+
+def plan_to_torch_actions(plan: Plan) -> dict[int, list[Any]]:
+    """The plan as torch's compute-only action lists (lossless: see ``_compat.KIND_TO_TORCH``)."""
+    return {
+        rank: [C.torch_action(a.stage, C.KIND_TO_TORCH[a.kind], a.microbatch) for a in actions]
+        for rank, actions in plan.order.items()
+    }
+
+
+# torch's schedule base is built at import time (_compat's shims for the installed torch), so the
+# type checker sees it as Any: subclassing it is the point of this class.
+class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
+    """Base class: a multi-stage torch schedule whose order comes from a zbpipe plan.
+
+    Subclasses set ``plan_name`` (a name :func:`zbpipe.planning.plan` knows), ``layout`` and
+    ``stages_per_rank``, or override :meth:`build_plan`.
+    """
+
+    plan_name: ClassVar[str]
+    layout: ClassVar[Layout] = "loop"
+    stages_per_rank: ClassVar[int] = 1
+    #: weight gradients bitwise equal to a fused backward's (the ``exact=`` option; set per
+    #: instance in ``__init__``, before the plan is built)
+    exact: bool = False
+
+    def __init__(
+        self,
+        stages: Any,
+        n_microbatches: int,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        args_chunk_spec: Any = None,
+        kwargs_chunk_spec: Any = None,
+        output_merge_spec: Any = None,
+        use_full_backward: bool | None = None,
+        scale_grads: bool = True,
+        backward_requires_autograd: bool = True,
+        *,
+        costs: Costs | Literal["profile"] | None = None,
+        profile: ProfileConfig | None = None,
+        trace: bool = True,
+        check_peers: bool = True,
+        split: Split = "auto",
+        exact: bool = False,
+        **plan_options: Any,
+    ) -> None:
+        """Long because it takes torch's constructor signature plus zbpipe's options, each checked,
+        then set, in the order the runtime needs them.
+        """
+        self.exact = exact  # every BW torch's fused one; W adds as AccumulateGrad does
+        # costs="profile": plan for equal costs now, measure real ones on the first steps, re-plan
+        # (zbpipe.observe.profile). Everything else about construction is unchanged.
+        profiling = _check_profile_args(type(self), costs, profile)
+        if profiling:
+            costs = None
+        stages = check_schedule_args(type(self), stages, n_microbatches, costs)
+        super().__init__(
+            stages=stages,
+            n_microbatches=n_microbatches,
+            loss_fn=loss_fn,
+            args_chunk_spec=args_chunk_spec,
+            kwargs_chunk_spec=kwargs_chunk_spec,
+            output_merge_spec=output_merge_spec,
+            scale_grads=scale_grads,
+            use_full_backward=use_full_backward,  # torch's deprecated flag: it warns and ignores it
+            backward_requires_autograd=backward_requires_autograd,
+        )
+        # costs is a Costs or None by now (check_schedule_args); isinstance says so to mypy
+        self.costs = costs if isinstance(costs, Costs) else Costs()
+        self._plan_options = plan_options  # kept for a re-plan from measured costs
+        #: the agreed per-stage costs once ``costs="profile"`` has measured them (else None)
+        self.measured_costs: Costs | None = None
+        #: bytes per memory unit of ``measured_costs`` (None until memory was measured)
+        self.memory_unit_bytes: float | None = None
+        self.plan: Plan = self.build_plan(
+            self.pp_group_size, n_microbatches, self.costs, **plan_options
+        )
+        check_plan_for_runtime(self.plan, stages)
+        engine = choose_engine(split, stages, type(self).__name__, exact=exact)
+        #: the split-backward engine in use: "deferred" or "graph" (see zbpipe.engines)
+        self.split: EngineName = engine.name
+        if self.plan.uses_split_backward():
+            engine.check_stages(type(self), stages)
+        if check_peers:
+            fingerprint = config_fingerprint(
+                type(self), n_microbatches, self._num_stages, self.plan
+            )
+            summary = (
+                f"{type(self).__name__}(n_microbatches={n_microbatches}, "
+                f"stages={self._num_stages}, plan {fingerprint})"
+            )
+            check_peers_agree(type(self), stages[0].group, self.rank, fingerprint, summary)
+        self.seam = StageSeam(stages, engine)
+        # Sends go through zbpipe too: each is let go of once known complete, not kept (with the
+        # tensor it sent) until the end of the step as torch's runtime does
+        # (zbpipe.schedules.sends).
+        self._sends = PendingSends()
+        C.handle_sends(self, self._run_send)
+        self._lower(self.plan)
+        self.tracer = Tracer(rank=self.rank, enabled=trace or profiling, device=stages[0].device)
+        self._profiler = (
+            CostProfiler(profile or ProfileConfig(), keep_tracing=trace) if profiling else None
+        )
+        # dict/TensorDict batches reach stage 0 by keyword (torch stages take only tensors
+        # positionally)
+        self._batch_keywords = FirstStageKeywords(stages)
+        self._step_opts: tuple[bool, dict[str, Any] | None] = (True, None)
+        self._warned_ignored_inputs = False  # step(x) on a rank without stage 0: warned once
+        # NaN/Inf losses of the last step, checked on the device and resolved when read
+        self._nonfinite = NonfiniteLosses(self.rank)
+        for kind, fn in (
+            (C.FORWARD, self._run_forward),
+            (C.BACKWARD_INPUT, self._run_backward_input),
+            (C.BACKWARD_WEIGHT, self._run_backward_weight),
+            (C.FULL_BACKWARD, self._run_full_backward),
+            (C.REDUCE_GRAD, self._run_reduce_grad),
+        ):
+            self.register_custom_function(kind, fn)
+
+    # ------------------------------------------------------------------ planning
+    def _lower(self, plan: Plan) -> None:
+        # Run a W that directly follows its own B as one fused BW: same place, less work.
+        executed = fuse_adjacent_backward(plan)
+        self.seam.assign(executed.order[self.rank])
+        torch_order = plan_to_torch_actions(executed)
+        self.pipeline_order = {r: list(acts) for r, acts in torch_order.items()}
+        self._prepare_schedule_with_comms(torch_order)
+        self._sends.set_proofs(
+            proven_sends(C.order_with_comms(self), self.rank, plan.placement.__getitem__)
+        )
+
+    def replan(self, new_plan: Plan) -> None:
+        """Run ``new_plan`` from the next step on (call between steps, on every rank, same plan).
+
+        Lowers it to torch's action lists again (torch re-inserts the communication). The caller
+        guarantees the ranks agree (``zbpipe.observe.profile`` exchanges the fingerprint first).
+        """
+        check_plan_for_runtime(new_plan, self._stages)
+        if new_plan.uses_split_backward():
+            self.seam.engine.check_stages(type(self), self._stages)
+        self._lower(new_plan)
+        self.plan = new_plan
+
+    def build_plan(self, num_ranks: int, n_microbatches: int, costs: Costs, **options: Any) -> Plan:
+        """The plan this schedule runs (every rank computes the same one)."""
+        from ..planning import plan
+
+        return plan(self.plan_name, num_ranks, n_microbatches, costs=costs, **options)
+
+    @classmethod
+    def stage_index_to_rank(cls, num_ranks: int) -> dict[int, int]:
+        """Which rank holds each stage, for integrations that build stages (torchtitan)."""
+        from ..planning import loop_placement, v_placement
+
+        if cls.layout == "v":
+            return v_placement(num_ranks)
+        return loop_placement(num_ranks, num_ranks * cls.stages_per_rank)
+
+    # ------------------------------------------------------------------ stepping
+    def step(
+        self,
+        *args: Any,
+        target: Any = None,
+        losses: list[Any] | None = None,
+        return_outputs: bool = True,
+        loss_kwargs: dict[str, Any] | None = None,
+        arg_mbs: list[Any] | None = None,
+        kwarg_mbs: list[Any] | None = None,
+        target_mbs: list[Any] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Run one step over ``n_microbatches`` microbatches (torch 2.14's ``step`` contract, on
+        any torch).
+
+        The rank holding stage 0 passes the batch: whole (``args``: tensors, or a dict / TensorDict
+        that stage 0 receives split into microbatches, see :mod:`zbpipe.schedules.inputs`) or
+        already split (``arg_mbs``: one tuple per microbatch; ``kwarg_mbs``: one dict per
+        microbatch). The rank holding the last stage passes ``target`` (or ``target_mbs``) and may
+        pass a ``losses`` list to receive the per-microbatch losses; ``loss_kwargs`` go to every
+        microbatch's ``loss_fn(output, target, **loss_kwargs)``. See :mod:`zbpipe.schedules.inputs`.
+        """
+        check_step_args(
+            self, args, kwargs, target, arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=target_mbs
+        )
+        args, arg_mbs, self._warned_ignored_inputs = drop_inputs_off_stage0(
+            self, args, arg_mbs, self._warned_ignored_inputs
+        )
+        # A whole dict/TensorDict batch goes to stage 0 by keyword (zbpipe.schedules.inputs).
+        args, kwargs = self._batch_keywords.bind(args, kwargs, self._n_microbatches)
+        mbs = microbatch_inputs(self, args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
+        if arg_mbs is not None:  # dict/TensorDict microbatches reach stage 0 by keyword too
+            bound = [self._batch_keywords.bind(a, k, 1) for a, k in zip(mbs.arg_mbs, mbs.kwarg_mbs)]
+            mbs = dataclasses.replace(
+                mbs, arg_mbs=[a for a, _ in bound], kwarg_mbs=[k for _, k in bound]
+            )
+        self.tracer.clear()
+        if self._profiler is not None:
+            self._profiler.before_step(self)  # memory is probed during the profiled steps
+        out = C.run_microbatches(
+            self, mbs.arg_mbs, mbs.kwarg_mbs, mbs.target_mbs, losses, return_outputs, loss_kwargs
+        )
+        if self._profiler is not None and self._has_backward:
+            # A forward-only step (eval()) is not what the plan runs: it is not profiled.
+            self._profiler.after_step(self)  # collective on the profiling window's last step
+        return out
+
+    def _update_losses(self, stages: Any, losses: list[Any] | None) -> None:
+        # torch hands the losses over (and clears its own list) here: check them first, whether
+        # or not the caller asked for them.
+        self._report_nonfinite_losses(self._internal_losses)
+        if not self._internal_losses and not self._has_backward:
+            # A forward-only step without a target computed no loss: there is none to return
+            # (torch's check would count zero losses against n_microbatches and raise).
+            if losses is not None:
+                losses.clear()
+            return
+        super()._update_losses(stages, losses)
+
+    def _report_nonfinite_losses(self, losses: list[Any]) -> None:
+        # No host-device sync inside step(): the flags stay on the device until read.
+        self._nonfinite.record(losses)
+
+    @property
+    def nonfinite_microbatches(self) -> list[int]:
+        """Microbatches whose loss was NaN/Inf in the last step (last-stage rank only).
+
+        On an accelerator, reading this waits for the last step's losses (and logs the warning).
+        """
+        return self._nonfinite.resolve()
+
+    def _step_microbatches(
+        self,
+        arg_mbs: list[Any] | None = None,
+        kwarg_mbs: list[Any] | None = None,
+        target_mbs: list[Any] | None = None,
+        losses: list[Any] | None = None,
+        return_outputs: bool = True,
+        loss_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        # torch's custom-function context carries no return_outputs / loss_kwargs: keep them here.
+        self._step_opts = (return_outputs, loss_kwargs)
+        self.seam.claim_linears()
+        try:
+            super()._step_microbatches(
+                arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs
+            )
+            self._sends.wait_all()
+            if pending := self.seam.pending_weight_passes():
+                raise RuntimeError(
+                    f"zbpipe: weight passes never ran for (stage, microbatch) {pending}"
+                )
+            if self.scale_grads and self._n_microbatches != 1:
+                self._scale_grads_once()
+        finally:
+            # A failed step must not leak autograd graphs or saved activations into the next one
+            # (nor wait on sends a failed peer will never receive).
+            self._sends.abandon()
+            self.seam.clear()
+
+    def _scale_grads_once(self) -> None:
+        """Divide each parameter's gradient by ``n_microbatches``, once per parameter.
+
+        torch divides at each stage's REDUCE_GRAD action, parameter by parameter of that stage: a
+        parameter shared by two stages of this rank (a tied embedding on a V schedule's first and
+        last stage) would be divided twice, the first time before the other stage has added its
+        part. Here the division waits for the end of the step and sees every parameter once.
+        """
+        seen: set[int] = set()
+        for stage in self.seam.stages.values():
+            if not stage.has_backward:  # a forward-only step leaves gradients alone
+                continue
+            for p in stage.submod.parameters():
+                if p.grad is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    p.grad.div_(self._n_microbatches)
+
+    def attach_meter(self, meter: SavedActivationMeter) -> None:
+        """Count this rank's saved-activation bytes with ``meter`` (see :mod:`zbpipe.memory`)."""
+        self.seam.meter = meter
+
+    def _wait_recv(self, stage_idx: int, mb: int, forward: bool) -> None:
+        """Wait for the receive torch posted for this F (``forward``) or backward, then let go of
+        the sends it proves complete (:mod:`zbpipe.schedules.sends`)."""
+        ops = C.forward_receives(self) if forward else C.backward_receives(self)
+        key = (stage_idx, mb)
+        if key not in ops:
+            raise RuntimeError(
+                f"zbpipe: rank {self.rank} ran {'F' if forward else 'backward'} of stage "
+                f"{stage_idx} mb {mb} before its receive"
+            )
+        works = ops.pop(key)
+        C.wait_batch_p2p(works)
+        if works:  # an empty receive (nothing requires grad there) proves nothing
+            self._sends.received((forward, stage_idx, mb))
+
+    def _run_send(self, action: Any, ctx: Any) -> None:
+        stage = self.seam.stages[action.stage_index]
+        self._sends.post(stage, action.microbatch_index, action.computation_type == C.SEND_F)
+
+    # Compute actions: wait for the receive torch posted, then let the stage seam do the work.
+    # Each first lets go of the sends that completed meanwhile (zbpipe.schedules.sends).
+    def _run_forward(self, action: Any, ctx: Any) -> None:
+        self._sends.prune()
+        s, mb = action.stage_index, action.microbatch_index
+        stage = self.seam.stages[s]
+        self._assert_unsharded(stage)
+        if not stage.is_first and (s - 1) not in self.seam.stages:
+            self._wait_recv(s, mb, forward=True)
+        return_outputs, loss_kwargs = self._step_opts
+        with self.tracer.span("F", s, mb), self.seam.forward(stage, mb):
+            output = stage.forward_one_chunk(
+                mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb], save_forward_output=return_outputs
+            )
+            # eval(x) without a target: outputs only (torch would index the missing targets)
+            if ctx.target_mbs is not None or stage.has_backward:
+                self._maybe_compute_loss(stage, output, ctx.target_mbs, mb, loss_kwargs)
+        self.seam.hand_forward(stage, output, mb)
+
+    def _backward_stage(self, s: int, mb: int) -> Any:
+        self._sends.prune()
+        stage = self.seam.stages[s]
+        self._assert_unsharded(stage)
+        if not stage.is_last and (s + 1) not in self.seam.stages:
+            self._wait_recv(s, mb, forward=False)
+        return stage
+
+    def _skip_backward(self, s: int, mb: int) -> None:
+        """A forward-only step's B or BW: nothing to compute, but torch's RECV_B was posted.
+
+        torch lowers a receive before every B/BW that is not fed by a local stage, and posts it
+        even in a forward-only step (an empty batch then: a stage without backward receives no
+        gradient). Its own B pops that entry; skipping the pop left it behind, and the next
+        step's receive failed with torch's "Recv twice ... without executing backward".
+        """
+        pending = C.backward_receives(self).pop((s, mb), None)
+        if pending is not None:
+            C.wait_batch_p2p(pending)
+
+    def _run_backward_input(self, action: Any, ctx: Any) -> None:
+        s, mb = action.stage_index, action.microbatch_index
+        if not self.seam.stages[s].has_backward:  # eval(), or no loss_fn: forward only, like torch
+            self._skip_backward(s, mb)
+            return
+        stage = self._backward_stage(s, mb)
+        with self.tracer.span("B", s, mb):
+            self.seam.backward_input(stage, mb, self._maybe_get_loss(stage, mb))
+
+    def _count_backward(self, s: int) -> bool:
+        """Count a W or BW of stage ``s`` as torch does; True for the stage's last of the step."""
+        counter = C.backward_counter(self)
+        counter[s] += 1
+        return bool(counter[s] == self._n_microbatches)
+
+    def _run_backward_weight(self, action: Any, ctx: Any) -> None:
+        s, mb = action.stage_index, action.microbatch_index
+        stage = self.seam.stages[s]
+        if not stage.has_backward:
+            return
+        self._sends.prune()
+        self._assert_unsharded(stage)
+        last = self._count_backward(s)
+        with self.tracer.span("W", s, mb):
+            self.seam.backward_weight(stage, mb, last_backward=last)
+
+    def _run_reduce_grad(self, action: Any, ctx: Any) -> None:
+        # FSDP's post-backward (gradient reduce-scatter), as torch runs it, without torch's
+        # division by n_microbatches: _scale_grads_once divides at the end of the step.
+        self.seam.stages[action.stage_index].perform_reduce_grad(1)
+
+    def _run_full_backward(self, action: Any, ctx: Any) -> None:
+        s, mb = action.stage_index, action.microbatch_index
+        if not self.seam.stages[s].has_backward:  # eval(), or no loss_fn: forward only
+            self._skip_backward(s, mb)
+            return
+        stage = self._backward_stage(s, mb)
+        last = self._count_backward(s)
+        with self.tracer.span("BW", s, mb):
+            self.seam.full_backward(stage, mb, self._maybe_get_loss(stage, mb), last)
+
+
+def _check_profile_args(cls: type, costs: Any, profile: Any) -> bool:
+    """True for ``costs="profile"``; a ValueError for other strings or a stray ``profile=``."""
+    if isinstance(costs, str):
+        if costs != "profile":
+            raise ValueError(
+                f"{cls.__name__}: costs must be a zbpipe.Costs, None or 'profile', got {costs!r}"
+            )
+        if profile is not None and not isinstance(profile, ProfileConfig):
+            raise ValueError(
+                f"{cls.__name__}: profile must be a zbpipe.ProfileConfig, got {profile!r}"
+            )
+        return True
+    if profile is not None:
+        raise ValueError(
+            f"{cls.__name__}: profile= only applies with costs='profile'; "
+            "pass costs='profile' or drop it"
+        )
+    return False

@@ -1,0 +1,44 @@
+"""The tracer records one event per action on the host clock.
+
+A Trace's bubble rate is the paper's.
+"""
+
+import time
+
+import pytest
+
+from zbpipe.observe.timeline import Event
+from zbpipe.observe.trace import Trace, Tracer
+
+
+def test_spans_become_ordered_events_and_clear_empties_them():
+    tr = Tracer(rank=3)
+    with tr.span("F", 1, 0):
+        time.sleep(0.001)
+    with tr.span("B", 1, 0):
+        pass
+    (f, b) = tr.events
+    assert (f.rank, f.kind, f.stage, f.microbatch) == (3, "F", 1, 0) and b.kind == "B"
+    assert f.start < f.end <= b.start <= b.end and f.end - f.start >= 0.001
+    tr.clear()
+    assert tr.events == []
+
+
+def test_a_disabled_tracer_records_nothing():
+    tr = Tracer(enabled=False)
+    with tr.span("F", 0, 0):
+        pass
+    assert tr.events == []
+
+
+def test_bubble_rate_of_a_hand_worked_trace():
+    # rank 0 busy [0,1] and [2,3] (span 3), rank 1 busy [1,3] (span 2): busy 4 of 2 x 3.
+    t = Trace(
+        {
+            0: [Event(0, "F", 0, 0, 0.0, 1.0), Event(0, "BW", 0, 0, 2.0, 3.0)],
+            1: [Event(1, "F", 1, 0, 1.0, 2.0), Event(1, "BW", 1, 0, 2.0, 3.0)],
+        }
+    )
+    assert t.bubble_rate == pytest.approx(1 - 4 / 6)
+    assert t.makespan == pytest.approx(3.0)
+    assert t.busy() == {0: 2.0, 1: 2.0} and t.busy("F") == {0: 1.0, 1: 1.0}

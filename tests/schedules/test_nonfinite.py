@@ -1,0 +1,41 @@
+"""The non-finite loss check: device-side flags, resolved when read (zbpipe.schedules.nonfinite).
+
+The CUDA path cannot run here; ``defer=True`` takes the same lazy path on the CPU. That no
+host-device synchronisation happens inside ``step()`` on CUDA is shown by benchmarks/gpu.py,
+which runs a step under ``torch.cuda.set_sync_debug_mode("error")``.
+"""
+
+import logging
+
+import torch
+
+from zbpipe.schedules.nonfinite import NonfiniteLosses
+
+LOSSES = [torch.tensor(1.0), torch.tensor(float("nan")), None, torch.tensor(float("inf"))]
+
+
+def test_cpu_losses_are_resolved_and_reported_during_the_step(caplog):
+    check = NonfiniteLosses(rank=1)
+    with caplog.at_level(logging.WARNING, logger="zbpipe.schedules.runtime"):
+        check.record(LOSSES)
+        assert "microbatch(es) [1, 3] on rank 1" in caplog.text
+    assert check.resolve() == [1, 3]
+
+
+def test_deferred_check_logs_nothing_until_read_then_once(caplog):
+    check = NonfiniteLosses(rank=0, defer=True)
+    with caplog.at_level(logging.WARNING, logger="zbpipe.schedules.runtime"):
+        check.record(LOSSES)
+        assert caplog.text == ""
+        assert check.resolve() == [1, 3]
+        assert check.resolve() == [1, 3]  # cached: one warning, one synchronisation
+    assert caplog.text.count("non-finite") == 1
+
+
+def test_each_record_replaces_the_last_steps_answer():
+    check = NonfiniteLosses(rank=0, defer=True)
+    check.record(LOSSES)
+    check.record([torch.tensor(2.0)])
+    assert check.resolve() == []
+    check.record([])
+    assert check.resolve() == []

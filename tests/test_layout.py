@@ -1,0 +1,202 @@
+"""The package's folders are its layers: imports only go down, no file imports itself back.
+
+docs/architecture.md has the map. Each folder (or top-level module) of ``src/zbpipe`` has a layer;
+a module may import from its own folder or from a lower layer, never from a higher one, and the
+files import no circle (a ``TYPE_CHECKING`` import and an import inside a function count too:
+both are the same dependency, paid later). The checks read the source with :mod:`ast`, so they
+need no torch; each is also run on a small hand-made package where it must find the fault.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+#: layer of each folder / top-level module (docs/architecture.md): lower never imports higher
+LAYERS: dict[str, int] = {
+    "planning": 0,  # plans, costs, simulator: pure Python
+    "_compat": 1,  # every private torch name
+    "patching": 1,  # the one way zbpipe replaces someone else's attribute
+    "testing": 1,  # multi-process launcher and tiny models (no zbpipe import)
+    "memory": 2,  # saved tensors, meter, probe
+    "engines": 3,  # how B and W run
+    "observe": 4,  # traces, timelines, pictures, profiling and re-planning
+    "schedules": 5,  # public classes, planned runtime, stage seam, sends, inputs, validation
+    "continuous": 6,  # the flush-free schedule
+    "integrations": 7,  # schedule names, torch's plans, torchtitan
+    "torchtitan": 7,  # the public name of integrations.torchtitan
+    "backward": 8,  # public shim
+    "cli": 8,
+    "demo": 8,
+    "__init__": 8,
+}
+
+#: limits a module or a function may pass only with a reason ("Long because ...") in its docstring
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 60
+
+
+def _module_name(root: Path, path: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_edges(root: Path, package: str) -> dict[str, set[str]]:
+    """{module: modules of ``package`` it imports}, from every import statement anywhere in it.
+
+    ``from X import name`` depends on ``X.name`` where that is a module, else on ``X``.
+    """
+    files = {_module_name(root, p): p for p in (root / package).rglob("*.py")}
+    edges: dict[str, set[str]] = {}
+    for module, path in files.items():
+        is_pkg = path.name == "__init__.py"
+        here = module.split(".") if is_pkg else module.split(".")[:-1]
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = here[: len(here) - node.level + 1] if node.level else []
+                stem = ".".join(base + ([node.module] if node.module else []))
+                targets = [
+                    f"{stem}.{a.name}" if f"{stem}.{a.name}" in files else stem for a in node.names
+                ]
+            else:
+                continue
+            deps |= {t for t in targets if t.split(".")[0] == package and t != module}
+        edges[module] = deps
+    return edges
+
+
+def _unit(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def layer_violations(edges: dict[str, set[str]], layers: dict[str, int]) -> list[str]:
+    """Every import of a module from a higher layer, as 'importer -> imported (layer a < b)'."""
+    out = []
+    for module, deps in sorted(edges.items()):
+        mine = layers[_unit(module)]
+        for dep in sorted(deps):
+            theirs = layers[_unit(dep)]
+            if _unit(dep) != _unit(module) and theirs > mine:
+                out.append(f"{module} -> {dep} (layer {mine} imports layer {theirs})")
+    return out
+
+
+def import_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def too_long_without_reason(root: Path, package: str) -> list[str]:
+    """Modules over MAX_MODULE_LINES and functions over MAX_FUNCTION_LINES whose docstring does
+    not say why ("Long because ...")."""
+    out = []
+    for path in sorted((root / package).rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        n = len(path.read_text().splitlines())
+        if n > MAX_MODULE_LINES and "Long because" not in (ast.get_docstring(tree) or ""):
+            out.append(f"{path.relative_to(root)}: {n} lines")
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                size = (node.end_lineno or node.lineno) - node.lineno + 1
+                if size > MAX_FUNCTION_LINES and "Long because" not in (
+                    ast.get_docstring(node) or ""
+                ):
+                    out.append(f"{path.relative_to(root)}:{node.lineno} {node.name}: {size} lines")
+    return out
+
+
+def test_every_folder_and_top_level_module_has_a_layer():
+    names = {p.stem if p.is_file() else p.name for p in (SRC / "zbpipe").iterdir()}
+    names = {n for n in names if n != "__pycache__"}
+    assert names == set(LAYERS), f"give these a layer in LAYERS and docs: {names ^ set(LAYERS)}"
+
+
+def test_no_module_imports_from_a_higher_layer():
+    assert layer_violations(import_edges(SRC, "zbpipe"), LAYERS) == []
+
+
+def test_no_import_circle_between_files():
+    assert import_cycles(import_edges(SRC, "zbpipe")) == []
+
+
+def test_long_modules_and_functions_say_why():
+    assert too_long_without_reason(SRC, "zbpipe") == []
+
+
+@pytest.fixture
+def toy(tmp_path: Path) -> Path:
+    """A package ``toy`` with a low folder ``low`` and a high one ``high`` (high imports low)."""
+    for folder in ("toy", "toy/low", "toy/high"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "__init__.py").write_text("")
+    (tmp_path / "toy/low/a.py").write_text("X = 1\n")
+    (tmp_path / "toy/high/b.py").write_text("from ..low.a import X\n")
+    return tmp_path
+
+
+TOY_LAYERS = {"low": 0, "high": 1, "__init__": 2}
+
+
+def test_the_layer_check_finds_an_upward_import(toy: Path):
+    assert layer_violations(import_edges(toy, "toy"), TOY_LAYERS) == []
+    (toy / "toy/low/a.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from toy.high import b\n"
+    )
+    assert layer_violations(import_edges(toy, "toy"), TOY_LAYERS) == [
+        "toy.low.a -> toy.high.b (layer 0 imports layer 1)"
+    ]
+
+
+def test_the_circle_check_finds_a_circle_inside_a_function(toy: Path):
+    assert import_cycles(import_edges(toy, "toy")) == []
+    (toy / "toy/high/c.py").write_text("def f():\n    from . import b\n")
+    (toy / "toy/high/b.py").write_text("from ..low.a import X\nfrom .c import f\n")
+    assert import_cycles(import_edges(toy, "toy")) == [["toy.high.b", "toy.high.c"]]
+
+
+def test_the_length_check_wants_a_reason(toy: Path):
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    (toy / "toy/low/a.py").write_text(f"def f():\n{body}")
+    assert too_long_without_reason(toy, "toy") == [
+        f"toy/low/a.py:1 f: {MAX_FUNCTION_LINES + 1} lines"
+    ]
+    (toy / "toy/low/a.py").write_text(f'def f():\n    """Long because it must."""\n{body}')
+    assert too_long_without_reason(toy, "toy") == []
