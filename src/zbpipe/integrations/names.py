@@ -39,32 +39,22 @@ from types import ModuleType
 
 from ..continuous.schedule import ScheduleContinuous
 from ..patching import rebind
-from ..schedules.classes import (
-    Schedule1F1BMulti,
-    ScheduleZB1P,
-    ScheduleZB2P,
-    ScheduleZBAuto,
-    ScheduleZBH1,
-    ScheduleZBH2,
-    ScheduleZBV,
-    ScheduleZBVHalf,
-    ScheduleZBVMin,
-)
+from ..schedules import classes as c
 from ..schedules.runtime import PlannedSchedule
 
 #: zbpipe's schedule classes by the short name configs use (torchtitan's
 #: ``pipeline_parallel_schedule``). No name here is one of torch's (``"1F1B"`` stays torch's
 #: ``Schedule1F1B``): zbpipe's names are looked up first and must never shadow torch's.
 SCHEDULE_CLASSES: dict[str, type] = {
-    "1F1BMulti": Schedule1F1BMulti,
-    "ZBH1": ScheduleZBH1,
-    "ZBH2": ScheduleZBH2,
-    "ZBAuto": ScheduleZBAuto,
-    "ZB1P": ScheduleZB1P,
-    "ZB2P": ScheduleZB2P,
-    "ZBV": ScheduleZBV,
-    "ZBVHalf": ScheduleZBVHalf,
-    "ZBVMin": ScheduleZBVMin,
+    "1F1BMulti": c.Schedule1F1BMulti,
+    "ZBH1": c.ScheduleZBH1,
+    "ZBH2": c.ScheduleZBH2,
+    "ZBAuto": c.ScheduleZBAuto,
+    "ZB1P": c.ScheduleZB1P,
+    "ZB2P": c.ScheduleZB2P,
+    "ZBV": c.ScheduleZBV,
+    "ZBVHalf": c.ScheduleZBVHalf,
+    "ZBVMin": c.ScheduleZBVMin,
     "Continuous": ScheduleContinuous,
 }
 
