@@ -11,8 +11,9 @@ torch's (``PlannedSchedule``, ``ScheduleContinuous``, through the bases below), 
 and call some of torch's private schedule methods and attributes as their own
 (``_step_microbatches``, ``self._n_microbatches``...; ``INHERITED_API`` and
 ``PRIVATE_SCHEDULE_ATTRIBUTES`` list them). A torch upgrade that renames one of those touches the
-subclass too (runtime.py, continuous.py, and the schedule helpers in profile.py, validation.py,
-step_inputs.py); the census test names which. Any other rename touches this file only.
+subclass too (schedules/runtime.py, continuous/schedule.py and continuous/actions.py, and the
+schedule helpers in observe/profile.py, observe/replan.py, schedules/validation.py and
+schedules/inputs.py); the census test names which. Any other rename touches this file only.
 Tested against torch 2.11, 2.13 and 2.14 (CI).
 
 Long because every private torch name zbpipe relies on lives here by design, so one file is what a
@@ -358,9 +359,9 @@ def multi_stage_rank_orders(
 
 # =====================================================================================
 # torch 2.11 - 2.15 differences (issue 14). One shim per difference, detected by feature.
-# Call sites: runtime.py and continuous.py inherit the base classes below; profile.py (message
-# sizes) and stage_seam.py (the number of stage inputs) read the tensor metadata through
-# stage_message_bytes and num_stage_inputs, which use stage_metas.
+# Call sites: schedules/runtime.py and continuous/schedule.py inherit the base classes below;
+# observe/profile.py (message sizes) and schedules/stage_seam.py (the number of stage inputs)
+# read the tensor metadata through stage_message_bytes and num_stage_inputs, which use stage_metas.
 # =====================================================================================
 
 #: torch >= 2.13 threads ``loss_kwargs`` from ``step()`` to the loss function; 2.11 has none

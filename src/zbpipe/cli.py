@@ -24,7 +24,9 @@ def _costs_arg(text: str) -> Costs:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Long because it is the command line's argument table, one declaration per option; split, the
+    """The command line's parser: one subcommand per job (simulate, compare, draw, demo...).
+
+    Long because it is the command line's argument table, one declaration per option; split, the
     table would be in pieces.
     """
     parser = argparse.ArgumentParser(

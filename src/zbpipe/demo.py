@@ -60,7 +60,10 @@ SCHEDULES = ("torch 1F1B", "zbpipe ZBH1")
 
 
 def _rank_main(rank: int, world: int, cfg: DemoConfig) -> list[dict[str, Any]] | None:
-    """Long because it is one rank's whole demo run, in the order it prints."""
+    """One rank of the main job: the same model trained with torch's 1F1B and with ZB-H1, each
+    step traced; rank 0 returns the rows it prints.
+
+    Long because it is one rank's whole demo run, in the order it prints."""
     import torch
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B

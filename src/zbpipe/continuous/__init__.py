@@ -5,6 +5,6 @@ and the post-validated optimizer step (``optim``). Its plans are the plan layer'
 """
 
 from .optim import PostValidatedStep, StepReport
-from .schedule import ScheduleContinuous
+from .schedule import LossRecord, ScheduleContinuous
 
-__all__ = ["PostValidatedStep", "ScheduleContinuous", "StepReport"]
+__all__ = ["LossRecord", "PostValidatedStep", "ScheduleContinuous", "StepReport"]

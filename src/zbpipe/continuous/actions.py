@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from .. import _compat as C
 
+# the schedule's logger: a user filters on one name for the continuous schedule
 log = logging.getLogger("zbpipe.continuous.schedule")
 
 
@@ -40,9 +41,39 @@ def _fresh(infos: tuple) -> tuple:
 
 
 class ContinuousActions:
-    """The per-action methods of :class:`~zbpipe.continuous.schedule.ScheduleContinuous`."""
+    """The per-action methods of :class:`~zbpipe.continuous.schedule.ScheduleContinuous`.
 
+    What they read and write, all set by the schedule (``__init__`` and ``_reset_stream``):
+    """
+
+    # the stage, its seam and optimizer, the settings
     stage: Any
+    seam: Any
+    optimizer: Any
+    rank: int
+    scale_grads: bool
+    _n_microbatches: int
+    _loss_fn: Any
+    _pv: Any  # the post-validated step, or None
+    _versions: Any  # the weight versions (2bw / stash), or None
+    step_reports: list[Any]
+    # the stream: inputs handed in, in flight, done
+    _args: dict[int, Any]
+    _kwargs: dict[int, Any]
+    _targets: dict[int, Any]
+    _loss_kwargs: dict[int, Any]
+    _losses: dict[int, Any]  # loss graphs, until B
+    _loss_values: dict[int, Any]  # what the user gets
+    _leaves: dict[int, dict[str, Any]]  # the weight version each microbatch used, until W
+    _grad_acc: dict[int, dict[str, Any]]  # per mini-batch, summed over its versions
+    _w_done: dict[int, int]
+    _f_count: int
+    _stepped: int
+    _minibatches_before: int
+    _act_template: tuple
+    _grad_template: tuple
+    _sends: Any
+    _proofs: Any
 
     def _minibatch(self, g: int) -> int:
         return g // self._n_microbatches

@@ -23,11 +23,11 @@ calls made at different times on different ranks: stage 0 can start mini-batch `
 the last stage is still in ``k``'s drain, which is the point of the schedule.
 
 zbpipe runs the compute itself (as :mod:`zbpipe.schedules.runtime` does): F through the stage
-module, B and W through :mod:`zbpipe.backward`, using torch's ``PipelineStage`` for shape inference,
-receive buffers and send ops. The stage's per-microbatch caches are keyed by the global index
-``g``: each receive gets a fresh buffer (a buffer is still an autograd input of its microbatch
-until that microbatch's W, so buffers are never reused across microbatches), and the stage is
-told its chunk count is unbounded.
+module, B and W through the stage seam and its engine (:mod:`zbpipe.engines`), using torch's
+``PipelineStage`` for shape inference, receive buffers and send ops. The stage's per-microbatch
+caches are keyed by the global index ``g``: each receive gets a fresh buffer (a buffer is still an
+autograd input of its microbatch until that microbatch's W, so buffers are never reused across
+microbatches), and the stage is told its chunk count is unbounded.
 
 Modes (see docs/continuous.md)
 ------------------------------
@@ -155,7 +155,10 @@ class ScheduleContinuous(ContinuousActions, C.PipelineScheduleMultiBase):
         split: Split = "auto",
         exact: bool = False,
     ) -> None:
-        """Long because it takes torch's constructor signature plus the continuous options, each
+        """Check the arguments; plan the stream; build the stage seam, the optimizer and the weight
+        versions; check that every rank built the same.
+
+        Long because it takes torch's constructor signature plus the continuous options, each
         checked, then set, in order.
         """
         stages = check_schedule_args(type(self), stages, n_microbatches, costs)

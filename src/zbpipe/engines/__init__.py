@@ -2,9 +2,8 @@
 
 The stage seam (:mod:`zbpipe.schedules.stage_seam`) owns what an action does to a torch
 ``PipelineStage`` (caches, hand-offs, FSDP preparation, torch's own path for ``dw_builder`` stages)
-and calls one
-:class:`SplitEngine` for the part that differs between engines: what F must set up, how B
-computes the input gradients while keeping the weight pass pending, and how W runs it.
+and calls one :class:`SplitEngine` for the part that differs between engines: what F must set up,
+how B computes the input gradients while keeping the weight pass pending, and how W runs it.
 docs/backward.md says when each engine is right:
 
 * **deferred** (:mod:`zbpipe.engines.deferred`, its Linears in

@@ -5,6 +5,6 @@ early), ``meter`` measures the activation bytes a stage keeps (:class:`SavedActi
 ``probe`` records what one microbatch holds after its F and after its B (for planning in bytes).
 """
 
-from .meter import SavedActivationMeter
+from .meter import SavedActivationMeter, StepMemory
 
-__all__ = ["SavedActivationMeter"]
+__all__ = ["SavedActivationMeter", "StepMemory"]

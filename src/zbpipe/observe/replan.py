@@ -11,6 +11,7 @@ from typing import Any
 
 from ..memory.probe import MemoryProbe
 from ..planning import Costs, Plan, SimResult
+from .agree import config_fingerprint, disagreement
 from .profile import (
     ProfileConfig,
     costs_from_medians,
@@ -31,8 +32,6 @@ def agree_on_plan(sched: Any, plan_or_error: Plan | str, group: Any) -> None:
     ``plan_or_error`` is a rank's new plan, or the message of the error it hit while planning
     (so a rank that failed does not leave the others waiting).
     """
-    from .agree import config_fingerprint, disagreement
-
     if isinstance(plan_or_error, Plan):
         mine = config_fingerprint(
             type(sched), sched._n_microbatches, sched._num_stages, plan_or_error
@@ -120,7 +119,6 @@ class CostProfiler:
 
     def replan(self, sched: Any) -> None:
         from ..planning import simulate
-        from .agree import config_fingerprint
 
         new, costs = self._plan_or_fall_back(sched, self.measured_costs(sched))
         agree_on_plan(sched, new, sched._stages[0].group)

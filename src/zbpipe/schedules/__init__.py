@@ -15,8 +15,10 @@ from .classes import (
     ScheduleZBVHalf,
     ScheduleZBVMin,
 )
+from .runtime import PlannedSchedule
 
 __all__ = [
+    "PlannedSchedule",
     "Schedule1F1BMulti",
     "ScheduleZB1P",
     "ScheduleZB2P",

@@ -19,7 +19,7 @@ import logging
 
 import torch
 
-# The logger docs/errors.md names: the warning moved here from runtime.py, its name did not.
+# The logger docs/errors.md names: the runtime's (the warning moved here from runtime.py).
 logger = logging.getLogger("zbpipe.schedules.runtime")
 
 

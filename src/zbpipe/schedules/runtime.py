@@ -6,9 +6,8 @@ computes the same plan, and this class
 
 1. lowers the plan to torch's action lists (F->F, B->I, W->W, BW->B) and lets torch insert the
    send/receive (and FSDP unshard/reshard, gradient-reduce) actions;
-2. runs the compute actions itself through the stage seam (:mod:`zbpipe.schedules.stage_seam`), so
-the
-   input-gradient pass B and the weight-gradient pass W use zbpipe's engines (``split=``:
+2. runs the compute actions itself through the stage seam (:mod:`zbpipe.schedules.stage_seam`),
+   so the input-gradient pass B and the weight-gradient pass W use zbpipe's engines (``split=``:
    deferred Linear GEMMs, or the general graph split; both correct for the first stage, reused
    weights and custom autograd Functions, where torch's own split is not), and every action is
    timed by a :class:`~zbpipe.observe.trace.Tracer` after its receive has completed. A W that
@@ -92,7 +91,10 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         exact: bool = False,
         **plan_options: Any,
     ) -> None:
-        """Long because it takes torch's constructor signature plus zbpipe's options, each checked,
+        """Check the arguments; build the plan, the engine, the stage seam and the tracer; check
+        that every rank built the same.
+
+        Long because it takes torch's constructor signature plus zbpipe's options, each checked,
         then set, in the order the runtime needs them.
         """
         self.exact = exact  # every BW torch's fused one; W adds as AccumulateGrad does
@@ -181,7 +183,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         """Run ``new_plan`` from the next step on (call between steps, on every rank, same plan).
 
         Lowers it to torch's action lists again (torch re-inserts the communication). The caller
-        guarantees the ranks agree (``zbpipe.observe.profile`` exchanges the fingerprint first).
+        guarantees the ranks agree (``zbpipe.observe.replan`` exchanges the fingerprint first).
         """
         check_plan_for_runtime(new_plan, self._stages)
         if new_plan.uses_split_backward():
