@@ -229,6 +229,20 @@ def is_compiled(module: Any) -> bool:
     )
 
 
+def grad_accumulator(leaf: Any) -> Any:
+    """The ``AccumulateGrad`` node of the leaf tensor ``leaf`` (autograd keeps it only while a
+    graph or the caller holds it, so hooks on it last as long as the caller keeps it)."""
+    return leaf.view_as(leaf).grad_fn.next_functions[0][0]
+
+
+def dynamo_counters() -> Any:
+    """dynamo's event counters (``torch._dynamo.utils.counters``): ``["stats"]["unique_graphs"]``
+    counts compiled graphs (a recompile adds one), ``["graph_break"]`` the graph breaks."""
+    from torch._dynamo.utils import counters
+
+    return counters
+
+
 # --- what the runtimes read of torch's schedule runtime and stages --------------------------------
 
 

@@ -545,15 +545,17 @@ def test_deepcopy_and_state_dict_of_a_patched_module():
     assert torch.equal(twin(x), fresh(x))
 
 
-def test_patching_skips_compiled_subtrees():
+def test_patching_reaches_into_compiled_subtrees():
+    # Inside compiled code a patched Linear runs zbpipe.engines.compiled_linear's Function,
+    # whose weight GEMM the deferred engine routes to W (tests/test_compiled_linear.py).
     torch.manual_seed(0)
     in_place = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
     in_place[0].compile(backend="eager")  # the way torchtitan compiles
     wrapped = nn.Sequential(torch.compile(nn.Linear(4, 4), backend="eager"), nn.Linear(4, 4))
-    assert patch_linears(in_place, StoreSlot()) == 1
-    assert type(in_place[0]) is nn.Linear and type(in_place[2]) is DeferredLinear
-    assert patch_linears(wrapped, StoreSlot()) == 1
-    assert type(wrapped[0]._orig_mod) is nn.Linear
+    assert patch_linears(in_place, StoreSlot()) == 2
+    assert type(in_place[0]) is DeferredLinear and type(in_place[2]) is DeferredLinear
+    assert patch_linears(wrapped, StoreSlot()) == 2
+    assert type(wrapped[0]._orig_mod) is DeferredLinear
 
 
 def test_patching_skips_a_linear_subclass_with_its_own_forward():
@@ -597,14 +599,15 @@ def test_embedding_does_not_count_as_other_weight_work():
     assert choose_engine("auto", _stages(stage), "Test").name == "deferred"
 
 
-def test_compiled_blocks_count_as_neither_kind_so_auto_stays_deferred():
+def test_compiled_blocks_linears_count_as_linear_work_so_auto_stays_deferred():
     # torchtitan compiles each block in place; the graph engine refuses compiled regions, while
-    # the deferred one computes their weight gradients in B. auto must not pick the refusing one.
+    # the deferred one defers their Linears: auto must not pick the refusing one.
     blocks = [nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(3)]
     for b in blocks[:2]:
         b.compile(backend="eager")
-    stage = nn.Sequential(*blocks)
-    assert weight_census(stage) == (64 * 64, 0)
+    stage = nn.Sequential(*blocks, nn.Sequential(nn.Conv2d(64, 64, 3)))
+    stage[-1].compile(backend="eager")  # a compiled conv counts as neither kind
+    assert weight_census(stage) == (3 * 64 * 64, 0)
     assert choose_engine("auto", _stages(stage), "Test").name == "deferred"
 
 

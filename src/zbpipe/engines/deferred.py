@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from .. import _compat as C
 from ..memory.saved import Holder, Observer, SavedTensors
 from .accumulate import accumulate, accumulate_hooked, add_product, weight_grad
+from .compiled_linear import route_compiled_linears
 from .fused import backward_full
 from .linear_patch import StoreSlot, patch_linears, patched_linears, post_accumulate_hooks_parked
 
@@ -204,6 +205,8 @@ class DeferredEngine:
         self._linears: dict[int, list[nn.Module]] = {}
         self._stores: dict[Key, WeightGradStore] = {}  # opened by F, waiting for B
         self._pending: dict[Key, WeightGradStore] = {}  # B ran, waiting for W
+        #: the AccumulateGrad nodes of compiled Linears' weights, kept alive with their pre-hooks
+        self._accumulators: list[Any] = []
 
     def attach(self, stages: Sequence[Any]) -> None:
         """Patch every Linear of ``stages`` to read its stage's slot, which holds a store only
@@ -212,7 +215,14 @@ class DeferredEngine:
             slot = self._slots[st.stage_index] = StoreSlot()
             n = patch_linears(st.submod, slot)
             self._linears[st.stage_index] = patched_linears(st.submod)
-            logger.debug("zbpipe: stage %d: %d Linears defer their W", st.stage_index, n)
+            nodes = route_compiled_linears(st.submod, self._linears[st.stage_index])
+            self._accumulators.extend(nodes)
+            logger.debug(
+                "zbpipe: stage %d: %d Linears defer their W (%d inside compiled code)",
+                st.stage_index,
+                n,
+                len(nodes),
+            )
 
     def claim_linears(self) -> None:
         """Point this rank's patched Linears at this engine's slots again (call per step).
@@ -227,7 +237,8 @@ class DeferredEngine:
                     lin._zbpipe_slot = slot  # type: ignore[assignment]
 
     def check_stages(self, owner: type, stages: Sequence[Any]) -> None:
-        """Nothing to refuse: a compiled region's weight gradients are computed in B."""
+        """Nothing to refuse: a compiled region's Linears defer their W too
+        (:mod:`zbpipe.engines.compiled_linear`); its other weight gradients come in B."""
 
     @contextlib.contextmanager
     def forward_scope(self, key: Key, meter: Observer | None, *, fused: bool) -> Iterator[None]:

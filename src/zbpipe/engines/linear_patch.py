@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from .._compat import has_grad_hooks, is_compiled, own_parameter, post_accumulate_grad_hooks
 from .accumulate import weight_grad
+from .compiled_linear import compiled_linear
 
 __all__ = [
     "DeferredLinear",
@@ -135,6 +136,12 @@ class DeferredLinear(nn.Linear):
     _zbpipe_slot: StoreSlot
 
     def forward(self, input: Tensor) -> Tensor:
+        if torch.compiler.is_compiling():
+            # Traced once for every microbatch and outside zbpipe alike: the weight GEMM's
+            # routing is decided at run time by an opaque op (zbpipe.engines.compiled_linear).
+            if self.weight.is_complex():
+                return F.linear(input, self.weight, self.bias)
+            return compiled_linear(input, self.weight, self.bias)
         store = self._zbpipe_slot.store
         # Complex weights: autograd's gradients take conjugates, which this engine's GEMMs do not.
         if store is None or self.weight.is_complex():
@@ -161,13 +168,10 @@ def _patchable(module: nn.Module) -> bool:
 
 
 def _linears(module: nn.Module) -> list[nn.Module]:
-    """Patchable Linears of ``module``, skipping compiled subtrees.
-
-    A compiled region is one opaque autograd node: its Linears' weight gradients are computed in
-    B with the rest of the region, whatever class they have.
+    """Patchable Linears of ``module``, inside compiled subtrees too: there they run
+    :class:`~zbpipe.engines.compiled_linear.CompiledLinear`, whose weight GEMM the deferred
+    engine routes to W (:func:`~zbpipe.engines.compiled_linear.route_compiled_linears`).
     """
-    if is_compiled(module):
-        return []
     if _patchable(module):
         return [module]
     return [lin for child in module.children() for lin in _linears(child)]
@@ -176,7 +180,8 @@ def _linears(module: nn.Module) -> list[nn.Module]:
 def patch_linears(module: nn.Module, slot: StoreSlot) -> int:
     """Make every patchable Linear under ``module`` a deferred one reading ``slot``.
 
-    Patches ``nn.Linear`` and subclasses that keep its ``forward``; skips compiled subtrees.
+    Patches ``nn.Linear`` and subclasses that keep its ``forward``, compiled ones included (a
+    block compiled before has its forward traced again at its next call: one compile).
     Patching again (a second schedule on the same modules) points the Linears at the new slot.
     Returns the number of Linears patched.
     """
@@ -242,9 +247,16 @@ def weight_census(module: nn.Module) -> tuple[int, int]:
     work the deferred engine leaves in B. ``split="auto"`` compares the two.
     """
     in_linears = {id(p) for lin in _linears(module) for p in lin.parameters()}
-    # A compiled region's weight gradients are computed in B by either engine (the graph engine
-    # refuses it): neither kind of work, so it does not push auto towards the graph engine.
-    compiled = {id(p) for m in module.modules() if is_compiled(m) for p in m.parameters()}
+    # The graph engine refuses compiled regions and the deferred one defers their Linears: a
+    # compiled region's other weights count as neither kind, so they do not push auto towards
+    # the engine that refuses them.
+    compiled = {
+        id(p)
+        for m in module.modules()
+        if is_compiled(m)
+        for p in m.parameters()
+        if id(p) not in in_linears
+    }
     in_embeddings = {
         id(p) for m in module.modules() if isinstance(m, nn.Embedding) for p in m.parameters()
     }

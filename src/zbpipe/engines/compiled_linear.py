@@ -1,0 +1,202 @@
+"""The deferred engine's Linears inside ``torch.compile``d code: the split survives compilation.
+
+A compiled region is one autograd node: its backward returns every input's and every
+parameter's gradient at once, so an ordinary Linear inside it computes its weight GEMM in B.
+Inside compiled code a patched Linear therefore runs :class:`CompiledLinear`, an
+``autograd.Function`` that dynamo traces whole (no graph break under ``fullgraph=True``): its
+forward is ``F.linear`` and its backward computes the input and bias gradients as plain ops
+inductor sees and optimizes, and hands the weight GEMM to one opaque custom op,
+``zbpipe::linear_weight_grad(input, grad_output, weight)``.
+
+That op reads the routing of ``weight`` at run time, not at trace time, so the compiled graph is
+the same for every microbatch, every step and outside zbpipe (no guard on the store, no
+recompile). When the weight's stage is in a zbpipe B, the op queues ``(weight, input,
+grad_output)`` in the store as the eager Linear does and returns a *placeholder*; anywhere else
+(plain training, a fused backward, ``torch.autograd.grad``) it returns the GEMM's result, so
+the module is an ordinary Linear. The compiled backward hands the placeholder to the weight's
+``AccumulateGrad`` node, where a pre-hook installed by :func:`route_compiled_linears` drops it
+(autograd then adds nothing) when it arrives untouched. If the compiled graph summed it with
+another contribution (the weight used twice in the region, or tied to a module outside it),
+the placeholder was zeros and the sum reaches ``.grad`` unchanged and correct: a weight's first
+placeholder is always zeros, and only a weight whose placeholder arrived alone gets cheaper
+uninitialized ones after that. One that then arrives summed (a different graph) raises.
+
+The routes live in a process-wide table keyed weakly by parameter: a ``torch.library`` op is
+process-wide itself, and it receives the parameter, not the module or the schedule.
+docs/backward.md says why this and not a partition of the compiled backward graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .. import _compat as C
+from .accumulate import weight_grad
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "CompiledLinear",
+    "LinearRoute",
+    "compiled_linear",
+    "route_compiled_linears",
+    "route_of",
+]
+
+
+class LinearRoute:
+    """Where the weight GEMM of one compiled Linear's weight goes at run time.
+
+    ``module``: the patched Linear (weakly), whose ``_zbpipe_slot`` names the store of a B in
+    progress (a second schedule on the same modules re-points it). ``placeholder``: what the op
+    returned in place of the gradient, until the weight's ``AccumulateGrad`` pre-hook sees it.
+    ``alone``: None until a placeholder reached the hook; then whether it arrived untouched
+    (True: later placeholders need no zeros).
+    """
+
+    __slots__ = ("alone", "module", "placeholder", "__weakref__")
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = weakref.ref(module)
+        self.placeholder: Tensor | None = None
+        self.alone: bool | None = None
+
+    def store(self) -> Any:
+        """The deferring store of the B in progress on this Linear's stage, else None."""
+        module = self.module()
+        slot = None if module is None else module.__dict__.get("_zbpipe_slot")
+        store = None if slot is None else slot.store
+        return store if store is not None and store.deferring else None
+
+    def make_placeholder(self, weight: Tensor) -> Tensor:
+        holder = torch.empty_like(weight) if self.alone else torch.zeros_like(weight)
+        self.placeholder = holder
+        return holder
+
+    def on_accumulate(self, grads: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...] | None:
+        """The ``AccumulateGrad`` pre-hook: drop an untouched placeholder (W adds the gradient)."""
+        holder, self.placeholder = self.placeholder, None
+        if holder is None:
+            return None  # an ordinary gradient
+        if grads[0] is holder:
+            self.alone = True
+            return (None,)
+        if self.alone:
+            raise RuntimeError(
+                "zbpipe: a compiled Linear's deferred weight gradient was summed with another "
+                "gradient in a compiled graph that did not do so before (was the block "
+                "recompiled with the weight used elsewhere?); build the schedule again"
+            )
+        # Zeros summed with what else reached the weight: correct as it stands. Keep zeros.
+        self.alone = False
+        return None
+
+
+_ROUTES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> LinearRoute
+
+
+def route_of(weight: Tensor) -> LinearRoute | None:
+    """The route of a compiled Linear's ``weight`` (None: not routed, its GEMM runs in B)."""
+    route: LinearRoute | None = _ROUTES.get(weight)  # type: ignore[no-untyped-call]
+    return route
+
+
+@torch.library.custom_op("zbpipe::linear_weight_grad", mutates_args=())
+def linear_weight_grad(x: Tensor, grad_out: Tensor, weight: Tensor) -> Tensor:
+    """``grad_out^T @ x`` (2-D operands), or, during a zbpipe B of the weight's stage, queue it
+    for W and return a placeholder that the weight's ``AccumulateGrad`` pre-hook drops."""
+    dtype = None if grad_out.dtype == x.dtype == weight.dtype else grad_out.dtype
+    route = route_of(weight)
+    store = None if route is None else route.store()
+    if route is None or store is None or not _deferrable(weight) or torch.is_grad_enabled():
+        return weight_grad(grad_out, x, dtype, weight.dtype)
+    store.put(weight, x, grad_out, dtype)
+    return route.make_placeholder(weight)
+
+
+@linear_weight_grad.register_fake
+def _linear_weight_grad_fake(x: Tensor, grad_out: Tensor, weight: Tensor) -> Tensor:
+    return torch.empty_like(weight)
+
+
+def _deferrable(weight: Tensor) -> bool:
+    # as linear_patch._deferrable: a leaf without register_hook hooks
+    return weight.grad_fn is None and not C.has_grad_hooks(weight)
+
+
+class CompiledLinear(torch.autograd.Function):
+    """``F.linear`` whose weight GEMM is one opaque op (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        out = F.linear(x, weight, bias)
+        # Under autocast the output (and the gradient) has the autocast dtype: save the input
+        # at that size, as autocast's own Linear does, and compute the backward in it.
+        ctx.save_for_backward(x if out.dtype == x.dtype else x.to(out.dtype), weight)
+        ctx.x_dtype = x.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad
+        g2d = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_x = grad_w = grad_b = None
+        if need_x:
+            grad_x = grad_out.matmul(weight.to(grad_out.dtype)).to(ctx.x_dtype)
+        if need_w:
+            grad_w = linear_weight_grad(x.reshape(-1, x.shape[-1]), g2d, weight)
+        if need_b:
+            grad_b = g2d.sum(0)
+        return grad_x, grad_w, grad_b
+
+
+def compiled_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """What a patched Linear runs inside compiled code."""
+    out: Tensor = CompiledLinear.apply(x, weight, bias)  # type: ignore[no-untyped-call]
+    return out
+
+
+def route_compiled_linears(module: nn.Module, linears: list[nn.Module]) -> list[Any]:
+    """Route the weight GEMMs of those ``linears`` that sit inside a compiled subtree of
+    ``module`` (``torch.compile(m)`` or in-place ``m.compile()``) through their stage's store.
+
+    Returns the weights' ``AccumulateGrad`` nodes, which carry the pre-hooks: the caller keeps
+    them alive (autograd holds a leaf's node weakly and would make a new one, without hooks).
+    A Linear compiled after this call computes its weight gradient in B, correctly.
+    """
+    inside = {id(lin) for m in module.modules() if C.is_compiled(m) for lin in m.modules()}
+    nodes = []
+    for lin in linears:
+        weight = C.own_parameter(lin, "weight")
+        if id(lin) not in inside or weight is None or not weight.requires_grad:
+            continue
+        route = route_of(weight)
+        if route is None or route.module() is not lin:
+            route = _ROUTES[weight] = LinearRoute(lin)
+        node = C.grad_accumulator(weight)
+        # A second schedule on the same modules adds a second hook: harmless, the first one
+        # to see a placeholder consumes it and the next sees an ordinary gradient.
+        node.register_prehook(_hook_for(weight))
+        nodes.append(node)
+    logger.debug("zbpipe: %d compiled Linears defer their W", len(nodes))
+    return nodes
+
+
+def _hook_for(weight: Tensor) -> Callable[[tuple[Tensor | None, ...]], Any]:
+    weight_ref = weakref.ref(weight)  # the node holds the weight: no cycle through the hook
+
+    def hook(grads: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...] | None:
+        weight = weight_ref()
+        route = None if weight is None else route_of(weight)
+        return None if route is None else route.on_accumulate(grads)
+
+    return hook

@@ -1,0 +1,122 @@
+"""Per-rank bodies of the compiled-stage tests (module level: spawned processes import them).
+
+The model is the issue's: pre-norm MLP blocks (LayerNorm -> Linear -> GELU -> Linear, plus the
+residual), each compiled on its own with ``fullgraph=True`` as torchtitan compiles per block.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.pipelining import PipelineStage
+
+import zbpipe
+from zbpipe import _compat as C
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+def mlp_stages(
+    num_stages: int, blocks: int = 2, dim: int = 16, hidden: int = 32, seed: int = 0
+) -> list[nn.Sequential]:
+    torch.manual_seed(seed)
+    return [
+        nn.Sequential(*(MLPBlock(dim, hidden) for _ in range(blocks))) for _ in range(num_stages)
+    ]
+
+
+def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, target)
+
+
+def compile_blocks(mod: nn.Sequential, how: str, backend: str) -> nn.Sequential:
+    """Compile every block of ``mod`` (``how``: "in-place" as torchtitan does, "wrapped" with
+    ``torch.compile(block)``, "eager": leave it)."""
+    for i, block in enumerate(mod):
+        if how == "in-place":
+            block.compile(fullgraph=True, backend=backend)
+        elif how == "wrapped":
+            mod[i] = torch.compile(block, fullgraph=True, backend=backend)
+    return mod
+
+
+def _count_w_gemms(sched: Any) -> list[int]:
+    """Wrap the deferred engine's W to record how many GEMMs each W runs (a fused BW run as B
+    then W at once computes its GEMMs in B: it records 0)."""
+    engine = sched.seam.engine
+    counts: list[int] = []
+    run_w = engine.backward_weight
+
+    def counted(key: Any) -> None:
+        counts.append(engine._pending[key].num_gemms)
+        run_w(key)
+
+    engine.backward_weight = counted
+    return counts
+
+
+def compiled_step_grads(
+    rank: int, world: int, schedule: str, how: str, backend: str = "aot_eager", m: int = 4
+) -> dict[str, Any]:
+    """One ``step()`` of ``schedule`` over compiled blocks against an eager unpipelined reference
+    (microbatch losses averaged, as ``scale_grads=True``); then two more steps on zeroed grads
+    to count recompiles. Returns the largest difference, W's GEMMs per W, the graphs compiled
+    in the first step and after it, and the graph breaks."""
+    cls = getattr(zbpipe, schedule)
+    num_stages = world * cls.stages_per_rank
+    mods = mlp_stages(num_stages)
+    torch.manual_seed(100)
+    x, tgt = torch.randn(4 * m, 3, 16), torch.randn(4 * m, 3, 16)
+    ref = copy.deepcopy(nn.Sequential(*mods))
+    losses = [mse(ref(a), b) for a, b in zip(x.chunk(m), tgt.chunk(m))]
+    (torch.stack(losses).sum() / m).backward()
+
+    mine = sorted(s for s, r in cls.stage_index_to_rank(world).items() if r == rank)
+    torch.compiler.reset()
+    counters = C.dynamo_counters()
+    counters.clear()
+    stages = [
+        PipelineStage(compile_blocks(mods[s], how, backend), s, num_stages, torch.device("cpu"))
+        for s in mine
+    ]
+    sched = cls(stages, m, loss_fn=mse)
+    gemms = _count_w_gemms(sched)
+    worst = 0.0
+    graphs = []
+    for _ in range(3):
+        for s in mine:
+            mods[s].zero_grad(set_to_none=True)
+        sched.step(*((x,) if 0 in mine else ()), target=tgt if num_stages - 1 in mine else None)
+        graphs.append(counters["stats"]["unique_graphs"])
+        for s in mine:
+            for (name, p), (_, q) in zip(mods[s].named_parameters(), ref[s].named_parameters()):
+                assert p.grad is not None, f"{schedule} {how}: stage {s} {name} has no grad"
+                # fp32; compiled code may fuse and reorder the norms' sums: rounding only.
+                torch.testing.assert_close(
+                    p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=f"{schedule} {how} {s} {name}"
+                )
+                worst = max(worst, (p.grad - q.grad).abs().max().item())
+    return {
+        "worst": worst,
+        "w_gemms": gemms,
+        "graphs": graphs,
+        "graph_breaks": sum(counters["graph_break"].values()),
+    }
+
+
+def compiled_cases(rank: int, world: int, cases: list[tuple[str, str, str]]) -> list[Any]:
+    """Several ``(schedule, how, backend)`` cases in one process group (spawning is slow)."""
+    return [compiled_step_grads(rank, world, s, h, b) for s, h, b in cases]

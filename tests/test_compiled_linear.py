@@ -1,0 +1,172 @@
+"""The deferred engine inside ``torch.compile``d blocks (zbpipe.engines.compiled_linear).
+
+A block is compiled with ``fullgraph=True`` (a graph break raises), driven the way the stage
+seam drives a stage (the store in the slot around F and B, ``deferring=True`` during B, then
+``store.run()`` as W), and compared with an uncompiled, unpatched copy run with one plain
+backward. Compiled code may reorder float sums (inductor fuses the norms), so gradients are
+compared to fp32 rounding (rtol 1e-5, atol 1e-6 on values of order 1), not bitwise.
+
+Most tests compile with ``backend="aot_eager"``: it builds the same one-node autograd region
+(AOTAutograd's joint graph and partition) inductor does, in a fraction of the time; one test
+runs inductor itself.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zbpipe import _compat as C
+from zbpipe.engines.compiled_linear import route_compiled_linears, route_of
+from zbpipe.engines.deferred import WeightGradStore
+from zbpipe.engines.linear_patch import StoreSlot, patch_linears, patched_linears
+
+
+class MLPBlock(nn.Module):
+    """The issue's pre-norm MLP block: LayerNorm -> Linear -> GELU -> Linear, plus residual."""
+
+    def __init__(self, dim: int = 16, hidden: int = 32) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class Twice(nn.Module):
+    """One Linear applied twice inside the compiled region: its two products are summed there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.tanh(self.lin(x)))
+
+
+class Driven:
+    """A stage's module with the seam's F / B / W (one slot, a store per microbatch)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module, self.slot = module, StoreSlot()
+        patch_linears(module, self.slot)
+        self.nodes = route_compiled_linears(module, patched_linears(module))
+
+    def step(self, x: torch.Tensor, g: torch.Tensor) -> WeightGradStore:
+        """F then B of one microbatch; returns the store W runs."""
+        store = WeightGradStore()
+        self.slot.store = store
+        try:
+            out = self.module(x)
+            store.deferring = True
+            out.backward(g)
+        finally:
+            self.slot.store, store.deferring = None, False
+        return store
+
+
+def _compiled(block: nn.Module, how: str, backend: str = "aot_eager") -> nn.Module:
+    if how == "in-place":  # the way torchtitan compiles each block
+        block.compile(fullgraph=True, backend=backend)
+        return block
+    return torch.compile(block, fullgraph=True, backend=backend)
+
+
+def _pair(cls: type = MLPBlock) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    block = cls()
+    return block, copy.deepcopy(block)
+
+
+def _assert_close(block: nn.Module, ref: nn.Module) -> None:
+    for (name, p), (_, q) in zip(block.named_parameters(), ref.named_parameters(), strict=True):
+        assert p.grad is not None, f"{name}: no grad"
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("how", ["in-place", "wrapped"])
+def test_b_queues_the_compiled_linears_gemms_and_w_completes_the_grads(how):
+    block, ref = _pair()
+    x, g = torch.randn(2, 4, 16), torch.randn(2, 4, 16)
+    ref(x).backward(g)
+
+    driven = Driven(_compiled(block, how))
+    store = driven.step(x, g)
+    # B: the norm's and the biases' gradients are in; the two weight GEMMs wait in the store.
+    assert store.num_gemms == 2
+    assert block.up.weight.grad is None and block.down.weight.grad is None
+    for name in ("norm.weight", "norm.bias", "up.bias", "down.bias"):
+        p, q = block.get_parameter(name), ref.get_parameter(name)
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    store.run()
+    _assert_close(block, ref)
+
+
+def test_grads_accumulate_over_microbatches_with_no_recompile_and_no_graph_break():
+    torch.compiler.reset()  # earlier tests compiled the same code: count this test's graphs
+    counters = C.dynamo_counters()
+    counters.clear()
+    block, ref = _pair()
+    driven = Driven(_compiled(block, "in-place"))
+    for step in range(3):
+        for mb in range(4):
+            torch.manual_seed(10 * step + mb)
+            x, g = torch.randn(2, 4, 16), torch.randn(2, 4, 16)
+            ref(x).backward(g)
+            driven.step(x, g).run()
+        if step == 0:  # the first step compiles the forward and the backward once
+            graphs = counters["stats"]["unique_graphs"]
+    _assert_close(block, ref)
+    assert graphs == 1
+    assert counters["stats"]["unique_graphs"] == graphs, "recompiled after the first step"
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_outside_a_zbpipe_b_the_compiled_linear_is_an_ordinary_one():
+    block, ref = _pair()
+    driven = Driven(_compiled(block, "in-place"))
+    x, g = torch.randn(2, 4, 16), torch.randn(2, 4, 16)
+    driven.step(x, g).run()  # a zbpipe microbatch first: the same graph serves both
+    block.zero_grad(set_to_none=True)
+    block(x).backward(g)  # plain training: the slot is empty
+    ref(x).backward(g)
+    _assert_close(block, ref)
+    (dw,) = torch.autograd.grad(block(x).sum(), [block.up.weight])
+    (ref_dw,) = torch.autograd.grad(ref(x).sum(), [ref.up.weight])
+    torch.testing.assert_close(dw, ref_dw, rtol=1e-5, atol=1e-6)
+
+
+def test_a_linear_used_twice_in_the_region_is_summed_correctly():
+    # The compiled graph sums the two placeholders: zeros, so .grad is right without dropping.
+    block, ref = _pair(Twice)
+    driven = Driven(_compiled(block, "in-place"))
+    for mb in range(3):
+        torch.manual_seed(mb)
+        x, g = torch.randn(5, 16), torch.randn(5, 16)
+        ref(x).backward(g)
+        store = driven.step(x, g)
+        assert store.num_gemms == 2
+        store.run()
+    _assert_close(block, ref)
+    assert route_of(block.lin.weight).alone is False  # summed in the graph: zeros each time
+
+
+def test_inductor_compiled_block_defers_and_matches():
+    block, ref = _pair()
+    driven = Driven(_compiled(block, "in-place", backend="inductor"))
+    for mb in range(2):
+        torch.manual_seed(mb)
+        x, g = torch.randn(2, 4, 16), torch.randn(2, 4, 16)
+        ref(x).backward(g)
+        store = driven.step(x, g)
+        assert store.num_gemms == 2 and (mb or block.up.weight.grad is None)
+        store.run()
+    _assert_close(block, ref)
+    # Each placeholder reached its AccumulateGrad untouched: later ones need no zeros.
+    assert route_of(block.up.weight).alone and route_of(block.down.weight).alone
