@@ -120,3 +120,56 @@ def compiled_step_grads(
 def compiled_cases(rank: int, world: int, cases: list[tuple[str, str, str]]) -> list[Any]:
     """Several ``(schedule, how, backend)`` cases in one process group (spawning is slow)."""
     return [compiled_step_grads(rank, world, s, h, b) for s, h, b in cases]
+
+
+class Counted(nn.Module):
+    """A block under non-reentrant ``torch.utils.checkpoint`` that counts its forward runs
+    (the step's forwards and B's recomputes alike)."""
+
+    def __init__(self, block: nn.Module, calls: list[int]) -> None:
+        super().__init__()
+        self.block, self.calls = block, calls
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self._run, x, use_reentrant=False)
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls[0] += 1
+        return self.block(x)
+
+
+def checkpointed_v_forwards(rank: int, world: int, split: str, m: int = 4) -> dict[str, Any]:
+    """One rank holding a 2-stage V pipeline (ZBV; or torch's ScheduleZBVZeroBubble when
+    ``split`` is "torch") of 2 checkpointed MLP blocks per stage: the block forwards one step
+    runs (its second: the first also infers shapes), and the largest gradient difference from
+    an uncheckpointed unpipelined reference."""
+    from torch.distributed.pipelining import ScheduleZBVZeroBubble
+
+    mods = mlp_stages(2)
+    torch.manual_seed(100)
+    x, tgt = torch.randn(4 * m, 3, 16), torch.randn(4 * m, 3, 16)
+    ref = copy.deepcopy(nn.Sequential(*mods))
+    losses = [mse(ref(a), b) for a, b in zip(x.chunk(m), tgt.chunk(m))]
+    (torch.stack(losses).sum() / m).backward()
+    calls = [0]
+    for mod in mods:
+        for i, block in enumerate(mod):
+            mod[i] = Counted(block, calls)
+    stages = [PipelineStage(mods[s], s, 2, torch.device("cpu")) for s in range(2)]
+    if split == "torch":
+        sched: Any = ScheduleZBVZeroBubble(stages, m, loss_fn=mse)
+    else:
+        sched = zbpipe.ScheduleZBV(stages, m, loss_fn=mse, split=split)
+    counts = []
+    for _ in range(2):
+        for mod in mods:
+            mod.zero_grad(set_to_none=True)
+        calls[0] = 0
+        sched.step(x, target=tgt)
+        counts.append(calls[0])
+    worst = max(
+        (p.grad - q.grad).abs().max().item()
+        for s in range(2)
+        for p, q in zip(mods[s].parameters(), ref[s].parameters())
+    )
+    return {"forwards": counts[-1], "worst": worst}

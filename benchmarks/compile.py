@@ -1,0 +1,339 @@
+"""Zero bubble over ``torch.compile``d blocks: zbpipe's ZBH1 and ZBV against torch's 1F1B.
+
+2 gloo ranks, one thread each. The model is issue 26's: pre-norm MLP blocks (LayerNorm ->
+Linear(512, 1024) -> GELU -> Linear(1024, 512), plus the residual), ``--blocks-per-rank`` of them
+per rank (one stage per rank for torch's Schedule1F1B and ZBH1, two chunks per rank for ZBV),
+``--rows`` rows per microbatch, ``--microbatches`` microbatches. "compiled" compiles every block
+on its own, in place, with ``block.compile(fullgraph=True)`` (inductor), as torchtitan does.
+Every (mode, schedule) pair trains its own copy of the same weights; repetitions are
+interleaved (each repetition runs every pair once, in a rotating order) and each step time (max
+over ranks) is paired with torch's Schedule1F1B of the same mode and repetition.
+
+Also reported for zbpipe's schedules: the share of the split backward done in W (the traced W
+time over B + W time of the same keys; fused BWs are not counted) and the bubble rate from the
+traced compute intervals; and dynamo's graph and graph-break counts after the warm-up and at
+the end (equal: nothing recompiled during the timed steps).
+
+Second part (``--part llama``, one process, one thread, CPU time of the pass): the split's cost on
+a compiled Llama-style block (benchmarks/llama_blocks.py: RMSNorm, causal SDPA, SwiGLU), each
+block compiled in place with ``fullgraph=True``: (B + W) / fused, where fused is the ordinary
+backward of an unpatched compiled copy with the same weights (what torch's 1F1B runs) and B + W
+the deferred engine's on the patched copy; for a step's first microbatch (no ``.grad`` yet) and
+for the others (``.grad`` exists), repetitions interleaved.
+
+Run:  flock /tmp/zb/bench.lock env PYTHONPATH=src python benchmarks/compile.py [--reps 10]
+      [--part pipeline|llama|all]
+Writes benchmarks/results/compile.json; docs/benchmarks.md records what we saw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+SCHEDULES = ("torch:1F1B", "ZBH1", "ZBV")
+MODES = ("eager", "compiled")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    reps: int = 10
+    """interleaved repetitions (each runs every mode and schedule once)"""
+    microbatches: int = 4
+    rows: int = 32
+    """rows of one microbatch (a 2-D ``rows x dim`` input)"""
+    dim: int = 512
+    hidden: int = 1024
+    blocks_per_rank: int = 4
+
+
+def _blocks(cfg: Config, world: int) -> list[Any]:
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(cfg.dim)
+            self.up = nn.Linear(cfg.dim, cfg.hidden)
+            self.down = nn.Linear(cfg.hidden, cfg.dim)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.down(F.gelu(self.up(self.norm(x))))
+
+    torch.manual_seed(0)
+    return [Block() for _ in range(cfg.blocks_per_rank * world)]
+
+
+def _mse(out: Any, target: Any) -> Any:
+    return (out - target).pow(2).mean()
+
+
+def _build(mode: str, name: str, rank: int, world: int, cfg: Config) -> tuple[Any, list, Any]:
+    import torch
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from zbpipe.planning import loop_placement, v_placement
+    from zbpipe.schedules import ScheduleZBH1, ScheduleZBV
+
+    blocks = _blocks(cfg, world)
+    n_stages = 2 * world if name == "ZBV" else world
+    per = len(blocks) // n_stages
+    modules = [nn.Sequential(*blocks[i * per : (i + 1) * per]) for i in range(n_stages)]
+    placement = v_placement(world) if name == "ZBV" else loop_placement(world, n_stages)
+    mine = sorted(s for s, r in placement.items() if r == rank)
+    for s in mine:
+        for block in modules[s] if mode == "compiled" else ():
+            block.compile(fullgraph=True)
+    stages = [PipelineStage(modules[s], s, n_stages, torch.device("cpu")) for s in mine]
+    m = cfg.microbatches
+    if name == "torch:1F1B":
+        return Schedule1F1B(stages[0], m, loss_fn=_mse), stages, None
+    cls = ScheduleZBH1 if name == "ZBH1" else ScheduleZBV
+    sched = cls(stages, m, loss_fn=_mse)
+    return sched, stages, sched.tracer
+
+
+def _w_share(events: list) -> float | None:
+    """W time over B + W time, on the keys that ran a B and a W (not fused BWs)."""
+    b = {(e.stage, e.microbatch): e.end - e.start for e in events if e.kind == "B"}
+    w = {(e.stage, e.microbatch): e.end - e.start for e in events if e.kind == "W"}
+    keys = b.keys() & w.keys()
+    total = sum(b[k] + w[k] for k in keys)
+    return sum(w[k] for k in keys) / total if total else None
+
+
+def _rank_main(rank: int, world: int, cfg: Config) -> dict | None:
+    import torch
+    import torch.distributed as dist
+
+    from zbpipe import _compat as C
+    from zbpipe.trace import Trace
+
+    pairs = [(mode, name) for mode in MODES for name in SCHEDULES]
+    runs = {pair: _build(*pair, rank, world, cfg) for pair in pairs}
+    torch.manual_seed(1)
+    x = torch.randn(cfg.microbatches * cfg.rows, cfg.dim)
+    tgt = torch.randn_like(x)
+
+    def one_step(pair: tuple[str, str]) -> tuple[float, list]:
+        sched, stages, tracer = runs[pair]
+        has_first = any(s.is_first for s in stages)
+        has_last = any(s.is_last for s in stages)
+        for st in stages:
+            for p in st.submod.parameters():
+                p.grad = None
+        if tracer is not None:
+            tracer.clear()
+        dist.barrier()
+        t0 = time.perf_counter()
+        sched.step(*((x,) if has_first else ()), target=tgt if has_last else None)
+        elapsed = time.perf_counter() - t0
+        return elapsed, [] if tracer is None else list(tracer.events)
+
+    counters = C.dynamo_counters()
+    for _ in range(2):  # warm-up: shapes, compiles (forward and backward), allocator
+        for pair in pairs:
+            one_step(pair)
+    warm = (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
+    records = []
+    for rep in range(cfg.reps):
+        k = rep % len(pairs)
+        for pair in pairs[k:] + pairs[:k]:
+            t, events = one_step(pair)
+            records.append((rep, pair, t, events))
+    end = (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, (records, warm, end))
+    if rank != 0:
+        return None
+    out: dict[str, Any] = {
+        "dynamo_graphs_breaks_after_warmup_by_rank": [g[1] for g in gathered],
+        "dynamo_graphs_breaks_at_end_by_rank": [g[2] for g in gathered],
+    }
+    from results_io import paired_ratios
+
+    for mode in MODES:
+        res: dict[str, Any] = {}
+        for name in SCHEDULES:
+            times, bubbles, shares = [], [], []
+            for rep in range(cfg.reps):
+                per_rank = [
+                    next(r for r in g[0] if r[0] == rep and r[1] == (mode, name)) for g in gathered
+                ]
+                times.append(max(r[2] for r in per_rank))
+                if name != "torch:1F1B":
+                    bubbles.append(Trace({i: r[3] for i, r in enumerate(per_rank)}).bubble_rate)
+                    share = _w_share([e for r in per_rank for e in r[3]])
+                    if share is not None:
+                        shares.append(share)
+            res[name] = {"step_time_s": times}
+            if bubbles:
+                res[name]["bubble_rate"] = bubbles
+                res[name]["w_share_of_split_backward"] = shares
+        base = res["torch:1F1B"]["step_time_s"]
+        for name in SCHEDULES:
+            res[name]["ratio_to_torch_1f1b"] = paired_ratios(res[name]["step_time_s"], base)
+        out[mode] = res
+    eager_1f1b = out["eager"]["torch:1F1B"]["step_time_s"]
+    out["compiled_1f1b_over_eager_1f1b"] = paired_ratios(
+        out["compiled"]["torch:1F1B"]["step_time_s"], eager_1f1b
+    )
+    return out
+
+
+def llama_split_cost(reps: int, hidden: int = 256, seq: int = 128, blocks: int = 2) -> dict:
+    """(B + W) / fused on compiled Llama-style blocks (see the module docstring)."""
+    import copy
+
+    import torch
+    from llama_blocks import build_chunks
+
+    from zbpipe.engines.compiled_linear import route_compiled_linears
+    from zbpipe.engines.deferred import WeightGradStore
+    from zbpipe.engines.linear_patch import StoreSlot, patch_linears, patched_linears
+
+    torch.set_num_threads(1)
+    fused_mod = build_chunks(hidden, blocks, 1, seed=0, dtype=torch.float32, device="cpu")[0]
+    split_mod = copy.deepcopy(fused_mod)
+    slot = StoreSlot()
+    patch_linears(split_mod, slot)
+    for mod in (fused_mod, split_mod):
+        for block in mod:
+            block.compile(fullgraph=True)
+    nodes = route_compiled_linears(split_mod, patched_linears(split_mod))
+    torch.manual_seed(1)
+    x0 = torch.randn(1, seq, hidden)
+    g = torch.randn(1, seq, hidden)
+
+    def clock(fn: Any) -> float:
+        t = time.thread_time()
+        fn()
+        return time.thread_time() - t
+
+    def fused(accumulate: bool) -> dict[str, float]:
+        fused_mod.zero_grad(set_to_none=not accumulate)
+        out = fused_mod(x0.clone().requires_grad_())
+        return {"fused": clock(lambda: out.backward(g))}
+
+    def split(accumulate: bool) -> dict[str, float]:
+        split_mod.zero_grad(set_to_none=not accumulate)
+        store = WeightGradStore()
+        slot.store = store
+        out = split_mod(x0.clone().requires_grad_())
+
+        def b() -> None:
+            store.deferring = True
+            out.backward(g)
+            store.deferring = False
+
+        t_b = clock(b)
+        slot.store = None
+        return {"B": t_b, "W": clock(store.run), "gemms": store.num_gemms}
+
+    for _ in range(3):  # compile, warm up
+        fused(False), split(False), fused(True), split(True)
+    samples: dict[bool, list[tuple[dict, dict]]] = {False: [], True: []}
+    for rep in range(reps):
+        for accumulate in (rep % 2 == 1, rep % 2 == 0):
+            if rep % 2:
+                a, b = fused(accumulate), split(accumulate)
+            else:
+                b, a = split(accumulate), fused(accumulate)
+            samples[accumulate].append((a, b))
+    del nodes
+    from results_io import paired_ratios
+
+    out: dict[str, Any] = {"config": {"hidden": hidden, "seq": seq, "blocks": blocks, "reps": reps}}
+    for key, accumulate in (("first_microbatch", False), ("accumulating", True)):
+        got = samples[accumulate]
+        out[key] = {
+            "ratio_b_plus_w_over_fused": paired_ratios(
+                [b["B"] + b["W"] for _, b in got], [a["fused"] for a, _ in got]
+            ),
+            "fused_s": statistics.median(a["fused"] for a, _ in got),
+            "b_s": statistics.median(b["B"] for _, b in got),
+            "w_s": statistics.median(b["W"] for _, b in got),
+            "w_share": statistics.median(b["W"] / (b["B"] + b["W"]) for _, b in got),
+            "gemms_per_w": got[0][1]["gemms"],
+        }
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    defaults = Config()
+    for f in ("reps", "microbatches", "rows", "dim", "hidden", "blocks_per_rank"):
+        ap.add_argument(f"--{f.replace('_', '-')}", type=int, default=getattr(defaults, f))
+    ap.add_argument("--out", default="benchmarks/results/compile.json")
+    ap.add_argument("--part", choices=("pipeline", "llama", "all"), default="all")
+    args = ap.parse_args()
+    cfg = Config(**{k: v for k, v in vars(args).items() if k not in ("out", "part")})
+    data: dict[str, Any] = {"config": asdict(cfg)}
+    if args.part in ("llama", "all"):
+        llama = data["llama_split_cost"] = llama_split_cost(cfg.reps)
+        for key in ("first_microbatch", "accumulating"):
+            r = llama[key]
+            q = r["ratio_b_plus_w_over_fused"]
+            print(
+                f"compiled Llama-style block, {key}: (B+W)/fused {q['median']:.3f} "
+                f"({q['min']:.3f}-{q['max']:.3f}); fused {r['fused_s'] * 1e3:.1f} ms, "
+                f"B {r['b_s'] * 1e3:.1f} ms, W {r['w_s'] * 1e3:.1f} ms "
+                f"(W share {r['w_share']:.1%}, {r['gemms_per_w']} GEMMs per W)"
+            )
+    if args.part in ("pipeline", "all"):
+        data["results"] = pipeline(cfg)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from results_io import write_result
+
+    write_result("", data, path=args.out)
+
+
+def pipeline(cfg: Config) -> dict:
+    from zbpipe.testing import run_ranks
+
+    t0 = time.perf_counter()
+    res: dict = run_ranks(_rank_main, 2, cfg, timeout=1800)[0]
+    print(
+        f"2 ranks, m={cfg.microbatches}, {cfg.rows} rows, {cfg.dim}->{cfg.hidden}, "
+        f"{cfg.blocks_per_rank} blocks/rank, {cfg.reps} interleaved reps "
+        f"({time.perf_counter() - t0:.0f} s)"
+    )
+    print(
+        "dynamo (graphs, breaks) per rank after warm-up:",
+        res["dynamo_graphs_breaks_after_warmup_by_rank"],
+    )
+    print(
+        "dynamo (graphs, breaks) per rank at the end:   ",
+        res["dynamo_graphs_breaks_at_end_by_rank"],
+    )
+    q = res["compiled_1f1b_over_eager_1f1b"]
+    print(
+        f"compiled torch 1F1B / eager torch 1F1B: {q['median']:.3f} ({q['min']:.3f}-{q['max']:.3f})"
+    )
+    for mode in MODES:
+        for name in SCHEDULES:
+            r = res[mode][name]
+            q = r["ratio_to_torch_1f1b"]
+            line = (
+                f"{mode:9s} {name:11s} median {statistics.median(r['step_time_s']) * 1e3:7.1f} ms"
+                f"  vs torch 1F1B {q['median']:.3f} ({q['min']:.3f}-{q['max']:.3f})"
+            )
+            if "bubble_rate" in r:
+                line += f"  bubble {statistics.median(r['bubble_rate']):.1%}"
+                if r["w_share_of_split_backward"]:
+                    line += f"  W share {statistics.median(r['w_share_of_split_backward']):.1%}"
+            print(line)
+    return res
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    main()
