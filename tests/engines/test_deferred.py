@@ -547,7 +547,7 @@ def test_deepcopy_and_state_dict_of_a_patched_module():
 
 def test_patching_reaches_into_compiled_subtrees():
     # Inside compiled code a patched Linear runs zbpipe.engines.compiled_linear's Function,
-    # whose weight GEMM the deferred engine routes to W (tests/test_compiled_linear.py).
+    # whose weight GEMM the deferred engine routes to W (tests/engines/test_compiled_linear.py).
     torch.manual_seed(0)
     in_place = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
     in_place[0].compile(backend="eager")  # the way torchtitan compiles

@@ -1,8 +1,8 @@
 """Zero-bubble schedules over ``torch.compile``d blocks: the split survives compilation.
 
 Two gloo ranks, each block compiled on its own with ``fullgraph=True``
-(tests/_compile_cases.py). Gradients after ``step()`` must equal an eager unpipelined reference
-to fp32 rounding; the compiled stages' W must run as many weight GEMMs as the eager stages'
+(tests/engines/_compile_cases.py). Gradients after ``step()`` must equal an eager unpipelined
+reference to fp32 rounding; the compiled stages' W must run as many weight GEMMs as the eager ones
 (every Linear's weight work is in W, as without compile); the first step compiles, later steps
 do not, and nothing breaks the graph.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-import _compile_cases as cases
+from tests.engines import _compile_cases as cases
 from zbpipe.testing import run_ranks
 
 

@@ -11,7 +11,7 @@ ScheduleZBVZeroBubble runs 56). Gradients equal an unpipelined, uncheckpointed r
 
 from __future__ import annotations
 
-import _compile_cases as cases
+from tests.engines import _compile_cases as cases
 from zbpipe.testing import run_ranks
 
 
