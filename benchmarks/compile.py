@@ -189,8 +189,10 @@ def _rank_main(rank: int, world: int, cfg: Config) -> dict | None:
     return out
 
 
-def llama_split_cost(reps: int, hidden: int = 256, seq: int = 128, blocks: int = 2) -> dict:
-    """(B + W) / fused on compiled Llama-style blocks (see the module docstring)."""
+def llama_split_cost(
+    reps: int, compiled: bool, hidden: int = 256, seq: int = 128, blocks: int = 2
+) -> dict:
+    """(B + W) / fused on Llama-style blocks, each compiled or not (the module docstring)."""
     import copy
 
     import torch
@@ -205,7 +207,7 @@ def llama_split_cost(reps: int, hidden: int = 256, seq: int = 128, blocks: int =
     split_mod = copy.deepcopy(fused_mod)
     slot = StoreSlot()
     patch_linears(split_mod, slot)
-    for mod in (fused_mod, split_mod):
+    for mod in (fused_mod, split_mod) if compiled else ():
         for block in mod:
             block.compile(fullgraph=True)
     nodes = route_compiled_linears(split_mod, patched_linears(split_mod))
@@ -236,7 +238,8 @@ def llama_split_cost(reps: int, hidden: int = 256, seq: int = 128, blocks: int =
 
         t_b = clock(b)
         slot.store = None
-        return {"B": t_b, "W": clock(store.run), "gemms": store.num_gemms}
+        gemms = store.num_gemms
+        return {"B": t_b, "W": clock(store.run), "gemms": gemms}
 
     for _ in range(3):  # compile, warm up
         fused(False), split(False), fused(True), split(True)
@@ -251,7 +254,8 @@ def llama_split_cost(reps: int, hidden: int = 256, seq: int = 128, blocks: int =
     del nodes
     from results_io import paired_ratios
 
-    out: dict[str, Any] = {"config": {"hidden": hidden, "seq": seq, "blocks": blocks, "reps": reps}}
+    config = {"hidden": hidden, "seq": seq, "blocks": blocks, "reps": reps, "compiled": compiled}
+    out: dict[str, Any] = {"config": config}
     for key, accumulate in (("first_microbatch", False), ("accumulating", True)):
         got = samples[accumulate]
         out[key] = {
@@ -278,16 +282,19 @@ def main() -> None:
     cfg = Config(**{k: v for k, v in vars(args).items() if k not in ("out", "part")})
     data: dict[str, Any] = {"config": asdict(cfg)}
     if args.part in ("llama", "all"):
-        llama = data["llama_split_cost"] = llama_split_cost(cfg.reps)
-        for key in ("first_microbatch", "accumulating"):
-            r = llama[key]
-            q = r["ratio_b_plus_w_over_fused"]
-            print(
-                f"compiled Llama-style block, {key}: (B+W)/fused {q['median']:.3f} "
-                f"({q['min']:.3f}-{q['max']:.3f}); fused {r['fused_s'] * 1e3:.1f} ms, "
-                f"B {r['b_s'] * 1e3:.1f} ms, W {r['w_s'] * 1e3:.1f} ms "
-                f"(W share {r['w_share']:.1%}, {r['gemms_per_w']} GEMMs per W)"
+        for mode in MODES:
+            llama = data[f"llama_split_cost_{mode}"] = llama_split_cost(
+                cfg.reps, mode == "compiled"
             )
+            for key in ("first_microbatch", "accumulating"):
+                r = llama[key]
+                q = r["ratio_b_plus_w_over_fused"]
+                print(
+                    f"{mode} Llama-style block, {key}: (B+W)/fused {q['median']:.3f} "
+                    f"({q['min']:.3f}-{q['max']:.3f}); fused {r['fused_s'] * 1e3:.1f} ms, "
+                    f"B {r['b_s'] * 1e3:.1f} ms, W {r['w_s'] * 1e3:.1f} ms "
+                    f"(W share {r['w_share']:.1%}, {r['gemms_per_w']} GEMMs per W)"
+                )
     if args.part in ("pipeline", "all"):
         data["results"] = pipeline(cfg)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
