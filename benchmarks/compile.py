@@ -113,9 +113,9 @@ def _w_share(events: list) -> float | None:
 def _rank_main(rank: int, world: int, cfg: Config) -> dict | None:
     import torch
     import torch.distributed as dist
-    from zbpipe.trace import Trace
 
     from zbpipe import _compat as C
+    from zbpipe.observe.trace import Trace
 
     pairs = [(mode, name) for mode in MODES for name in SCHEDULES]
     runs = {pair: _build(*pair, rank, world, cfg) for pair in pairs}
