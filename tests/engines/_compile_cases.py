@@ -173,3 +173,48 @@ def checkpointed_v_forwards(rank: int, world: int, split: str, m: int = 4) -> di
         for p, q in zip(mods[s].parameters(), ref[s].parameters())
     )
     return {"forwards": counts[-1], "worst": worst}
+
+
+def _compiled_stage(mod: nn.Sequential, what: str) -> nn.Sequential:
+    if what == "stage":  # the whole stage module, in place
+        mod.compile(fullgraph=True, backend="aot_eager")
+        return mod
+    return compile_blocks(mod, "in-place", "aot_eager")
+
+
+def profiled_compiled_v(rank: int, world: int, what: str, m: int = 4) -> dict[str, Any]:
+    """ZBV over compiled ``what`` ("blocks": each block; "stage": each stage module) with
+    ``costs="profile"`` (1 warm-up step, its memory probed,
+    then 2 timed steps): returns the bytes per memory unit the re-plan measured (None: the
+    memory was not measured), the graphs dynamo compiled after the first step and at the end,
+    and the largest gradient difference of the last step from an eager unpipelined reference."""
+    from zbpipe.observe.profile import ProfileConfig
+
+    mods = mlp_stages(2 * world)
+    torch.manual_seed(100)
+    x, tgt = torch.randn(4 * m, 3, 16), torch.randn(4 * m, 3, 16)
+    ref = copy.deepcopy(nn.Sequential(*mods))
+    losses = [mse(ref(a), b) for a, b in zip(x.chunk(m), tgt.chunk(m))]
+    (torch.stack(losses).sum() / m).backward()
+    mine = sorted(s for s, r in zbpipe.ScheduleZBV.stage_index_to_rank(world).items() if r == rank)
+    torch.compiler.reset()
+    counters = C.dynamo_counters()
+    counters.clear()
+    stages = [
+        PipelineStage(_compiled_stage(mods[s], what), s, 2 * world, torch.device("cpu"))
+        for s in mine
+    ]
+    profile = ProfileConfig(warmup_steps=1, profile_steps=2)
+    sched = zbpipe.ScheduleZBV(stages, m, loss_fn=mse, costs="profile", profile=profile)
+    graphs = []
+    for _ in range(4):
+        for s in mine:
+            mods[s].zero_grad(set_to_none=True)
+        sched.step(*((x,) if 0 in mine else ()), target=tgt if 2 * world - 1 in mine else None)
+        graphs.append(counters["stats"]["unique_graphs"])
+    worst = max(
+        (p.grad - q.grad).abs().max().item()
+        for s in mine
+        for p, q in zip(mods[s].parameters(), ref[s].parameters())
+    )
+    return {"unit_bytes": sched.memory_unit_bytes, "graphs": graphs, "worst": worst}

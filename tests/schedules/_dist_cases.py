@@ -234,7 +234,7 @@ def step_argument_errors(rank, world):
 def compiled_submodule_error(rank, world):
     """A block compiled in place (the way torchtitan compiles; torch's own check misses it):
     the graph engine refuses it at construction; the deferred engine (the default for this
-    model) trains it, the compiled region's weight gradients computed in B, equal to the
+    model) trains it, the compiled region's Linears deferring their GEMMs to W, equal to the
     reference's. Returns (the graph engine's message, the deferred run's largest difference)."""
     from zbpipe import ScheduleZBH1
 

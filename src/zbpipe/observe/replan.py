@@ -67,18 +67,12 @@ class CostProfiler:
         """Call on every rank before each step: memory is probed in one step of its own.
 
         The last warm-up step (the first profiled one if there is none): the probe's hooks cost
-        time, which must not enter the timed steps. Not on a rank with a compiled stage, whose
-        compiled regions the probe's saved-tensor hooks would interfere with: the measured
-        costs then keep the memory unit model (every rank agrees: see :meth:`measured_costs`).
+        time, which must not enter the timed steps. Compiled stages are probed too: a compiled
+        region's autograd node saves its tensors through the same saved-tensor hooks, and the
+        hooks do not make dynamo trace again (tests/engines/test_compiled_schedules.py).
         """
-        from .. import _compat as C
-
         probe_step = max(self.config.warmup_steps - 1, 0)
-        probing = (
-            self.config.memory
-            and self.steps_seen == probe_step
-            and not any(C.is_compiled(st.submod) for st in sched._stages)
-        )
+        probing = self.config.memory and self.steps_seen == probe_step
         sched.seam.probe = self.memory if probing else None
 
     def after_step(self, sched: Any) -> None:
