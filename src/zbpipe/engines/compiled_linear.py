@@ -57,7 +57,8 @@ class LinearRoute:
 
     ``module``: the patched Linear (weakly), whose ``_zbpipe_slot`` names the store of a B in
     progress (a second schedule on the same modules re-points it). ``placeholder``: what the op
-    returned in place of the gradient, until the weight's ``AccumulateGrad`` pre-hook sees it.
+    returned in place of the gradient, until the weight's ``AccumulateGrad`` pre-hook sees it
+    (during that B: one left by a B that raised is not taken for the next backward's).
     ``alone``: None until a placeholder reached the hook; then whether it arrived untouched
     (True: later placeholders need no zeros).
     """
@@ -66,7 +67,8 @@ class LinearRoute:
 
     def __init__(self, module: nn.Module) -> None:
         self.module = weakref.ref(module)
-        self.placeholder: Tensor | None = None
+        #: (the placeholder, the store whose B made it)
+        self.placeholder: tuple[Tensor, Any] | None = None
         self.alone: bool | None = None
 
     def store(self) -> Any:
@@ -76,16 +78,17 @@ class LinearRoute:
         store = None if slot is None else slot.store
         return store if store is not None and store.deferring else None
 
-    def make_placeholder(self, weight: Tensor) -> Tensor:
+    def make_placeholder(self, weight: Tensor, store: Any) -> Tensor:
         holder = torch.empty_like(weight) if self.alone else torch.zeros_like(weight)
-        self.placeholder = holder
+        self.placeholder = (holder, store)
         return holder
 
     def on_accumulate(self, grads: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...] | None:
         """The ``AccumulateGrad`` pre-hook: drop an untouched placeholder (W adds the gradient)."""
-        holder, self.placeholder = self.placeholder, None
-        if holder is None:
-            return None  # an ordinary gradient
+        made, self.placeholder = self.placeholder, None
+        if made is None or not made[1].deferring:
+            return None  # an ordinary gradient (or a placeholder left by a B that failed)
+        holder = made[0]
         if grads[0] is holder:
             self.alone = True
             return (None,)
@@ -118,7 +121,7 @@ def linear_weight_grad(x: Tensor, grad_out: Tensor, weight: Tensor) -> Tensor:
     if route is None or store is None or not _deferrable(weight) or torch.is_grad_enabled():
         return weight_grad(grad_out, x, dtype, weight.dtype)
     store.put(weight, x, grad_out, dtype)
-    return route.make_placeholder(weight)
+    return route.make_placeholder(weight, store)
 
 
 def _linear_weight_grad_fake(x: Tensor, grad_out: Tensor, weight: Tensor) -> Tensor:
@@ -190,9 +193,8 @@ def route_compiled_linears(module: nn.Module, linears: list[nn.Module]) -> list[
         weight = C.own_parameter(lin, "weight")
         if id(lin) not in inside or weight is None or not weight.requires_grad:
             continue
-        route = route_of(weight)
-        if route is None or route.module() is not lin:
-            route = _ROUTES[weight] = LinearRoute(lin)
+        # A fresh route: whether placeholders arrive alone is learnt again (one zeros placeholder)
+        _ROUTES[weight] = LinearRoute(lin)
         node = C.grad_accumulator(weight)
         # A second schedule on the same modules adds a second hook: harmless, the first one
         # to see a placeholder consumes it and the next sees an ordinary gradient.
