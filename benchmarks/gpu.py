@@ -24,6 +24,7 @@ Repetitions are interleaved (each runs every schedule once, in a rotating order)
 
     python benchmarks/gpu.py                          # cuda:0, full run: both tables + JSON
     python benchmarks/gpu.py --device cpu --quick     # smoke test (CI): tiny sizes, 1 rep
+    python benchmarks/gpu.py --compile                # table (b) on compiled blocks (issue 26)
 
 Tables on stdout; JSON to ``--out`` (default benchmarks/results/gpu_<device type>.json).
 """
@@ -97,6 +98,9 @@ class Config:
     """table (b): blocks in the whole model (a multiple of 2)"""
     microbatches: int = 8
     max_seq: int = 4096
+    compile: bool = False
+    """table (b): compile every block in place, ``block.compile(fullgraph=True)`` (torchtitan's
+    way), before its schedule is built (the graph engine refuses them: error rows)"""
 
 
 QUICK: dict[str, Any] = {
@@ -235,7 +239,10 @@ def all_runs(cfg: Config, dtype: torch.dtype, device) -> list[tuple[str, Callabl
     """(name, builder) for every row of table (b); each builder makes a fresh model copy."""
 
     def chunks(n: int) -> list:
-        return build_chunks(cfg.hidden, cfg.blocks, n, seed=0, dtype=dtype, device=device)
+        built = build_chunks(cfg.hidden, cfg.blocks, n, seed=0, dtype=dtype, device=device)
+        for block in (b for chunk in built for b in chunk) if cfg.compile else ():
+            block.compile(fullgraph=True)
+        return built
 
     m = cfg.microbatches
     out: list[tuple[str, Callable[[], Run]]] = [
@@ -481,6 +488,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, str]:
     ap.add_argument("--blocks", type=int)
     ap.add_argument("--microbatches", type=int)
     ap.add_argument("--split-hidden", help="table (a) widths, comma-separated")
+    ap.add_argument("--compile", action="store_true", help="table (b): compile every block")
     ap.add_argument("--out", help="JSON path (default benchmarks/results/gpu_<device>.json)")
     a = ap.parse_args(argv)
     fields: dict[str, Any] = dict(QUICK) if a.quick else {}
@@ -491,8 +499,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, str]:
             fields[f] = getattr(a, f)
     if a.split_hidden:
         fields["split_hidden"] = tuple(int(h) for h in a.split_hidden.split(","))
+    fields["compile"] = a.compile
     cfg = Config(**fields)
-    out = a.out or f"benchmarks/results/gpu_{torch.device(cfg.device).type}.json"
+    suffix = "_compiled" if cfg.compile else ""
+    out = a.out or f"benchmarks/results/gpu_{torch.device(cfg.device).type}{suffix}.json"
     return cfg, out
 
 

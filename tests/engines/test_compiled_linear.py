@@ -260,3 +260,44 @@ def test_a_placeholder_left_by_a_failed_b_is_not_taken_for_a_later_gradient():
     block(x).backward(g)  # plain training afterwards: an ordinary gradient, added
     ref(x).backward(g)
     _assert_close(block, ref)
+
+
+class LlamaLike(nn.Module):
+    """A Llama-style block (RMSNorm, causal attention, SwiGLU, two residuals): the attention
+    projection's output gradient is the residual stream's, which inductor's backward then adds
+    the attention branch's gradient into, in place."""
+
+    def __init__(self, dim: int = 32, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.attn_norm, self.ffn_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
+        self.gate = nn.Linear(dim, 2 * dim, bias=False)
+        self.up = nn.Linear(dim, 2 * dim, bias=False)
+        self.down = nn.Linear(2 * dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, h = x.shape
+        qkv = self.qkv(self.attn_norm(x)).view(b, t, 3, self.heads, h // self.heads)
+        q, k, v = (u.transpose(1, 2) for u in qkv.unbind(2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, h))
+        z = self.ffn_norm(x)
+        return x + self.down(F.silu(self.gate(z)) * self.up(z))
+
+
+def test_w_long_after_b_reads_what_b_queued_not_reused_inductor_buffers():
+    # B of three microbatches, then their W: the queued operands must outlive the compiled
+    # backward that made them (inductor reuses its buffers once the op has read them).
+    block, ref = _pair(LlamaLike)
+    driven = Driven(_compiled(block, "in-place", backend="inductor"))
+    stores = []
+    for mb in range(3):
+        torch.manual_seed(mb)
+        x, g = torch.randn(2, 8, 32), torch.randn(2, 8, 32)
+        ref(x).backward(g)
+        stores.append(driven.step(x, g))
+    for store in stores:
+        store.run()
+    _assert_close(block, ref)

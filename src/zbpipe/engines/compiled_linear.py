@@ -120,6 +120,11 @@ def linear_weight_grad(x: Tensor, grad_out: Tensor, weight: Tensor) -> Tensor:
     store = None if route is None else route.store()
     if route is None or store is None or not _deferrable(weight) or torch.is_grad_enabled():
         return weight_grad(grad_out, x, dtype, weight.dtype)
+    if store.keeps(weight):
+        # Compiled code owns its buffers: once this op has read them, inductor may reuse or add
+        # into them in place (the residual stream's gradient, say), so what W reads later must
+        # be a copy. Cheap next to the GEMM: rows x (in + out) elements against rows x in x out.
+        x, grad_out = x.clone(), grad_out.clone()
     store.put(weight, x, grad_out, dtype)
     return route.make_placeholder(weight, store)
 

@@ -94,7 +94,7 @@ class WeightGradStore:
         entries = self._entries
         if entries is None:
             raise RuntimeError("zbpipe: a weight gradient was queued after its W ran")
-        if self.immediate and not self.exact and id(weight) not in self.parked:
+        if not self.keeps(weight):
             dw = add_product(weight, x2d, g2d, dtype)
             if dw is not None:  # post-accumulate hooks B did not park: autograd fires them
                 accumulate_hooked([(weight, dw)])
@@ -106,6 +106,10 @@ class WeightGradStore:
                 Holder(g2d, self._observer, hold=False),
             )
         entries.append((weight, x2d, g2d, dtype, held))
+
+    def keeps(self, weight: Tensor) -> bool:
+        """Whether :meth:`put` keeps its operands for W (else it computes the GEMM at once)."""
+        return not self.immediate or self.exact or id(weight) in self.parked
 
     def run(self) -> None:
         """W: compute every queued GEMM and accumulate the results into the weights' ``.grad``."""
