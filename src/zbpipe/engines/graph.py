@@ -99,6 +99,6 @@ def check_not_compiled(cls: type, stages: Sequence[Any]) -> None:
             raise ValueError(
                 f"{cls.__name__}: stage {st.stage_index} submodule {where!r} is torch.compile'd, "
                 "which hides the autograd graph the graph engine's split backward (B/W) needs; "
-                "use split='deferred' (it splits compiled blocks: their Linears' GEMMs wait for W), "
+                "use split='deferred' (it splits compiled blocks, their Linears' GEMMs in W), "
                 "remove the compile, or use a fused-backward schedule (Schedule1F1BMulti)"
             )
