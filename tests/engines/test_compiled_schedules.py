@@ -9,8 +9,6 @@ do not, and nothing breaks the graph.
 
 from __future__ import annotations
 
-import pytest
-
 from tests.engines import _compile_cases as cases
 from zbpipe.testing import run_ranks
 
@@ -23,15 +21,21 @@ def _check(result: dict, eager: dict) -> None:
     assert result["graph_breaks"] == 0
 
 
-@pytest.mark.parametrize("schedule", ["ScheduleZBH1", "ScheduleZBV"])
-def test_compiled_blocks_split_like_eager_ones(schedule):
-    order = [(schedule, "eager", ""), (schedule, "in-place", "aot_eager")]
-    order.append((schedule, "wrapped", "aot_eager"))
+def test_compiled_blocks_split_like_eager_ones():
+    # ZBH1 (loop placement) with blocks compiled in place, ZBV (V placement) with
+    # torch.compile(block) wrappers; each against the same schedule on eager blocks.
+    order = [
+        ("ScheduleZBH1", "eager", ""),
+        ("ScheduleZBH1", "in-place", "aot_eager"),
+        ("ScheduleZBV", "eager", ""),
+        ("ScheduleZBV", "wrapped", "aot_eager"),
+    ]
     per_rank = run_ranks(cases.compiled_cases, 2, order, timeout=300)
-    for eager, in_place, wrapped in per_rank:
-        _check(in_place, eager)
-        _check(wrapped, eager)
-    assert sum(sum(eager["w_gemms"]) for eager, *_ in per_rank) > 0  # W ran GEMMs somewhere
+    for h1_eager, h1_compiled, v_eager, v_compiled in per_rank:
+        _check(h1_compiled, h1_eager)
+        _check(v_compiled, v_eager)
+    for k in (0, 2):  # W ran GEMMs somewhere, for each schedule
+        assert sum(sum(rank[k]["w_gemms"]) for rank in per_rank) > 0
 
 
 def test_inductor_compiled_blocks_split_like_eager_ones():
