@@ -23,7 +23,7 @@ copy; for a step's first microbatch (no ``.grad`` yet) and for the others (``.gr
 repetitions interleaved.
 
 Run:  flock /tmp/zb/bench.lock env PYTHONPATH=src python benchmarks/compile.py [--reps 10]
-      [--part pipeline|split|all]
+      [--part pipeline|split|all] [--ac 1 --out benchmarks/results/compile_ac.json]
 Writes benchmarks/results/compile.json; docs/benchmarks.md records what we saw.
 """
 
@@ -36,6 +36,9 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
+
+import torch
+import torch.utils.checkpoint
 
 SCHEDULES = ("torch:1F1B", "ZBH1", "ZBV")
 MODES = ("eager", "compiled")
@@ -51,6 +54,9 @@ class Config:
     dim: int = 512
     hidden: int = 1024
     blocks_per_rank: int = 4
+    ac: int = 0
+    """1: every block under non-reentrant ``torch.utils.checkpoint`` (wrapped, then compiled in
+    "compiled" mode: torchtitan's order), for every schedule alike"""
 
 
 def _blocks(cfg: Config, world: int) -> list[Any]:
@@ -72,6 +78,18 @@ def _blocks(cfg: Config, world: int) -> list[Any]:
     return [Block() for _ in range(cfg.blocks_per_rank * world)]
 
 
+class Checkpointed(torch.nn.Module):
+    """A block under non-reentrant ``torch.utils.checkpoint`` (recomputed during B)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+        return out
+
+
 def _mse(out: Any, target: Any) -> Any:
     return (out - target).pow(2).mean()
 
@@ -85,6 +103,8 @@ def _build(mode: str, name: str, rank: int, world: int, cfg: Config) -> tuple[An
     from zbpipe.schedules import ScheduleZBH1, ScheduleZBV
 
     blocks = _blocks(cfg, world)
+    if cfg.ac:
+        blocks = [Checkpointed(b) for b in blocks]
     n_stages = 2 * world if name == "ZBV" else world
     per = len(blocks) // n_stages
     modules = [nn.Sequential(*blocks[i * per : (i + 1) * per]) for i in range(n_stages)]
@@ -281,7 +301,7 @@ def split_cost(kind: str, reps: int, compiled: bool, cfg: Config) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     defaults = Config()
-    for f in ("reps", "microbatches", "rows", "dim", "hidden", "blocks_per_rank"):
+    for f in ("reps", "microbatches", "rows", "dim", "hidden", "blocks_per_rank", "ac"):
         ap.add_argument(f"--{f.replace('_', '-')}", type=int, default=getattr(defaults, f))
     ap.add_argument("--out", default="benchmarks/results/compile.json")
     ap.add_argument("--part", choices=("pipeline", "split", "all"), default="all")
