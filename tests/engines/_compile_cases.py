@@ -42,14 +42,30 @@ def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out, target)
 
 
+class Checkpointed(nn.Module):
+    """A block under non-reentrant ``torch.utils.checkpoint``."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+        return out
+
+
 def compile_blocks(mod: nn.Sequential, how: str, backend: str) -> nn.Sequential:
     """Compile every block of ``mod`` (``how``: "in-place" as torchtitan does, "wrapped" with
-    ``torch.compile(block)``, "eager": leave it)."""
+    ``torch.compile(block)``, "ac-in-place": checkpointed, then compiled in place, torchtitan's
+    order; "eager": leave it)."""
     for i, block in enumerate(mod):
         if how == "in-place":
             block.compile(fullgraph=True, backend=backend)
         elif how == "wrapped":
             mod[i] = torch.compile(block, fullgraph=True, backend=backend)
+        elif how == "ac-in-place":
+            mod[i] = Checkpointed(block)
+            mod[i].compile(fullgraph=True, backend=backend)
     return mod
 
 

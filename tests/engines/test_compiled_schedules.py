@@ -38,6 +38,22 @@ def test_compiled_blocks_split_like_eager_ones():
         assert sum(sum(rank[k]["w_gemms"]) for rank in per_rank) > 0
 
 
+def test_more_schedules_and_checkpointed_compiled_blocks_split_like_eager_ones():
+    # ZBH2 and ZBAuto (loop placement) over blocks compiled in place; ZBV and ZBH1 over blocks
+    # checkpointed, then compiled (torchtitan's order: the recompute runs in the compiled B).
+    order = []
+    for schedule, how in (
+        ("ScheduleZBH2", "in-place"),
+        ("ScheduleZBAuto", "in-place"),
+        ("ScheduleZBV", "ac-in-place"),
+        ("ScheduleZBH1", "ac-in-place"),
+    ):
+        order += [(schedule, "eager", ""), (schedule, how, "aot_eager")]
+    for results in run_ranks(cases.compiled_cases, 2, order, timeout=300):
+        for eager, compiled in zip(results[::2], results[1::2]):
+            _check(compiled, eager)
+
+
 def test_inductor_compiled_blocks_split_like_eager_ones():
     order = [("ScheduleZBV", "eager", ""), ("ScheduleZBV", "in-place", "inductor")]
     per_rank = run_ranks(cases.compiled_cases, 2, order, timeout=400)
