@@ -29,6 +29,7 @@ docs/backward.md says why this and not a partition of the compiled backward grap
 from __future__ import annotations
 
 import logging
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -133,17 +134,43 @@ def _linear_weight_grad_fake(x: Tensor, grad_out: Tensor, weight: Tensor) -> Ten
     return torch.empty_like(weight)
 
 
-# Defined with the low-level registration API, not ``torch.library.custom_op``: the op runs once
-# per Linear in every B, and custom_op's Python wrappers (its autograd layer, its run-time
-# aliasing check) cost about 10 us a call against about 2 us here. The op is only ever called
-# inside a backward, so it needs no autograd formula of its own.
-_LIB = torch.library.Library("zbpipe", "FRAGMENT")  # type: ignore[no-untyped-call]
-_LIB.define(  # type: ignore[no-untyped-call]  # torch's Library is untyped
-    "linear_weight_grad(Tensor x, Tensor grad_out, Tensor weight) -> Tensor"
-)
-_LIB.impl("linear_weight_grad", linear_weight_grad, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
-torch.library.register_fake("zbpipe::linear_weight_grad", _linear_weight_grad_fake, lib=_LIB)
-_OP = torch.ops.zbpipe.linear_weight_grad.default
+def _dispatch(x: Tensor, grad_out: Tensor, weight: Tensor) -> Tensor:
+    """The op's kernel: :func:`linear_weight_grad` of this module as imported now.
+
+    An op is registered once per process, but this module can be imported again (reloaded, or
+    forgotten and re-imported as the torchtitan tests do between runs): the kernel registered
+    first then reaches the routes of the module imported last, never a stale copy's.
+    """
+    current = sys.modules.get(__name__)
+    fn = getattr(current, "linear_weight_grad", linear_weight_grad)
+    result: Tensor = fn(x, grad_out, weight)
+    return result
+
+
+def _register_op() -> Any:
+    """``zbpipe::linear_weight_grad``, registered on the first import of this module only.
+
+    Defined with the low-level registration API, not ``torch.library.custom_op``: the op runs
+    once per Linear in every B, and custom_op's Python wrappers (its autograd layer, its run-time
+    aliasing check) cost about 10 us a call against about 2 us here. The op is only ever called
+    inside a backward, so it needs no autograd formula of its own. The kernel keeps its
+    ``Library`` alive (a ``Library`` that is garbage-collected takes its op with it).
+    """
+    try:
+        return torch.ops.zbpipe.linear_weight_grad.default  # an earlier import registered it
+    except (AttributeError, RuntimeError):
+        pass
+    lib = torch.library.Library("zbpipe", "FRAGMENT")  # type: ignore[no-untyped-call]
+    lib.define(  # type: ignore[no-untyped-call]  # torch's Library is untyped
+        "linear_weight_grad(Tensor x, Tensor grad_out, Tensor weight) -> Tensor"
+    )
+    lib.impl("linear_weight_grad", _dispatch, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+    torch.library.register_fake("zbpipe::linear_weight_grad", _linear_weight_grad_fake, lib=lib)
+    _dispatch.__dict__["library"] = lib
+    return torch.ops.zbpipe.linear_weight_grad.default
+
+
+_OP = _register_op()
 
 
 def _deferrable(weight: Tensor) -> bool:
