@@ -211,6 +211,10 @@ class DeferredEngine:
         self._pending: dict[Key, WeightGradStore] = {}  # B ran, waiting for W
         #: the AccumulateGrad nodes of compiled Linears' weights, kept alive with their pre-hooks
         self._accumulators: list[Any] = []
+        #: stages whose compiled Linears are not routed yet: routed at their first step, not
+        #: here, because a trainer may still rebuild the parameters after building the schedule
+        #: (torchtitan's ``to_empty`` swaps them, which a route's weak reference would refuse)
+        self._unrouted: dict[int, nn.Module] = {}
 
     def attach(self, stages: Sequence[Any]) -> None:
         """Patch every Linear of ``stages`` to read its stage's slot, which holds a store only
@@ -219,14 +223,17 @@ class DeferredEngine:
             slot = self._slots[st.stage_index] = StoreSlot()
             n = patch_linears(st.submod, slot)
             self._linears[st.stage_index] = patched_linears(st.submod)
-            nodes = route_compiled_linears(st.submod, self._linears[st.stage_index])
+            self._unrouted[st.stage_index] = st.submod
+            logger.debug("zbpipe: stage %d: %d Linears defer their W", st.stage_index, n)
+
+    def _route_compiled(self) -> None:
+        """Route the weight GEMMs of the compiled Linears of stages not routed yet (their first
+        step): the parameters are the ones training uses by then."""
+        for idx, submod in self._unrouted.items():
+            nodes = route_compiled_linears(submod, self._linears[idx])
             self._accumulators.extend(nodes)
-            logger.debug(
-                "zbpipe: stage %d: %d Linears defer their W (%d inside compiled code)",
-                st.stage_index,
-                n,
-                len(nodes),
-            )
+            logger.debug("zbpipe: stage %d: %d compiled Linears routed", idx, len(nodes))
+        self._unrouted.clear()
 
     def claim_linears(self) -> None:
         """Point this rank's patched Linears at this engine's slots again (call per step).
@@ -234,6 +241,8 @@ class DeferredEngine:
         A second schedule built on the same modules takes their Linears over (``patch_linears``
         re-points them); without this, this schedule would silently stop deferring.
         """
+        if self._unrouted:
+            self._route_compiled()
         for idx, linears in self._linears.items():
             slot = self._slots[idx]
             if linears and linears[0].__dict__.get("_zbpipe_slot") is not slot:
