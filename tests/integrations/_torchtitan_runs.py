@@ -47,7 +47,11 @@ def _forget_imports(recipe_dir: str) -> None:
     would: module-level state stays with its run (torchtitan 0.2's ``parse_args`` takes the
     ``sys.argv`` of its module's import as its default, for one). zbpipe's integration first
     gives torch and torchtitan their original functions back. Imports after the first cost
-    about 0.1 s: torch and the data stack stay loaded."""
+    about 0.1 s: torch and the data stack stay loaded. Compiled code is forgotten too: dynamo's
+    caches hold the previous run's blocks, guarded on the previous torchtitan's globals."""
+    import torch
+
+    torch.compiler.reset()
     integration = sys.modules.get("zbpipe.torchtitan")
     if integration is not None:
         integration.uninstall()

@@ -130,3 +130,22 @@ def test_zbh1_with_torchtitans_default_selective_ac(trained):
     assert_same_losses(
         trained["zbpipe ZBH1, selective AC"], trained["torchtitan 1F1B, selective AC"]
     )
+
+
+def test_compiled_zbh1_trains_like_torchtitans_compiled_1f1b(trained):
+    """torchtitan's compile (each block and the loss) with full AC: the deferred engine's
+    compiled Linears keep the split inside the compiled blocks (tests/engines/ count it)."""
+    assert_same_losses(trained["zbpipe ZBH1, compiled"], trained["torchtitan 1F1B, compiled"])
+
+
+def test_compiled_zbv_trains_like_torchtitans_compiled_interleaved_1f1b(trained):
+    assert_same_losses(
+        trained["zbpipe ZBV, compiled"], trained["torchtitan Interleaved1F1B, compiled"]
+    )
+
+
+def test_compiled_zbh1_with_torchtitans_default_selective_ac(trained):
+    assert_same_losses(
+        trained["zbpipe ZBH1, compiled, selective AC"],
+        trained["torchtitan 1F1B, compiled, selective AC"],
+    )
