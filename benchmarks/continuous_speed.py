@@ -110,9 +110,7 @@ def _rank_main(rank: int, world: int, m: int, a: argparse.Namespace) -> dict | N
     dist.all_gather_object(gathered, times)
     if rank != 0:
         return None
-    return {
-        name: [max(g[name][i] for g in gathered) for i in range(a.reps)] for name in names
-    }
+    return {name: [max(g[name][i] for g in gathered) for i in range(a.reps)] for name in names}
 
 
 def main() -> None:
@@ -140,8 +138,9 @@ def main() -> None:
         times = run_ranks(_rank_main, 2, m, a, timeout=1800, pg_timeout=600)[0]
         rows: dict[str, Any] = {}
         print(
-            f"\n2 gloo ranks, {a.layers} x Linear({a.hidden})+ReLU per rank, m={m} x {a.rows} rows, "
-            f"SGD, {a.minibatches} mini-batches per round, {a.reps} interleaved rounds"
+            f"\n2 gloo ranks, {a.layers} x Linear({a.hidden})+ReLU per rank, "
+            f"m={m} x {a.rows} rows, SGD, {a.minibatches} mini-batches per round, "
+            f"{a.reps} interleaved rounds"
         )
         print(f"{'variant':>16} {'ms/mini-batch':>14} {'vs ' + base:>26} {'vs sync':>26}")
         for name in a.variants:
