@@ -63,6 +63,7 @@ from ..engines import EngineName, Split, choose_engine
 from ..observe.agree import check_peers_agree, config_fingerprint
 from ..planning import Costs
 from ..planning.continuous_plan import MODES, continuous_parts, plan_continuous, version_bound
+from ..planning.continuous_tradeoff import continuous_tradeoff
 from ..schedules.inputs import drop_inputs_off_stage0, microbatch_inputs
 from ..schedules.sends import ChainProofs, PendingSends
 from ..schedules.stage_seam import EVERY_KEY, StageSeam
@@ -208,6 +209,8 @@ class ScheduleContinuous(ContinuousActions, C.PipelineScheduleMultiBase):
         self.seam.split_keys = EVERY_KEY  # a continuous plan splits every backward
         p, m = self.pp_group_size, n_microbatches
         self.parts = continuous_parts(p, m, self.costs, memory_limit, mode)
+        if log.isEnabledFor(logging.INFO):  # (two more plans and a simulation: only if shown)
+            log.info("%s", continuous_tradeoff(p, m, self.costs, memory_limit).summary())
         if check_peers:
             plan = plan_continuous(p, m, self.costs, memory_limit, n_minibatches=2, mode=mode)
             fp = config_fingerprint(type(self), m, self._num_stages, plan)
