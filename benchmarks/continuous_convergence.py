@@ -41,7 +41,7 @@ from zbpipe.schedules import Schedule1F1BMulti
 from zbpipe.testing import run_ranks
 from zbpipe.testing.models import TinyGPTConfig, build_stages, lm_loss, synthetic_batch
 
-MODES = ("1F1B", "sync", "2bw", "2bw+predict", "stash")
+MODES = ("1F1B", "sync", "2bw", "2bw+predict", "2bw+nesterov", "stash")
 CFG = TinyGPTConfig(hidden=32, blocks_per_stage=1)
 DIGITS_TEST = 300
 
@@ -166,19 +166,19 @@ def _report(task: str, res: dict, a: argparse.Namespace, lrs: list[float], wall:
         f"\n{task}: 2 ranks, AdamW, m={a.microbatches}, batch={a.batch}, {a.steps} steps, "
         f"seeds {a.seeds}; {metric} (mean and min..max over seeds)"
     )
-    print(f"{'lr':>8} " + " ".join(f"{mode:>22}" for mode in MODES))
+    print(f"{'lr':>8} " + " ".join(f"{mode:>22}" for mode in a.modes))
     rows = []
     for lr in lrs:
         if task == "digits":
-            finals = {mode: [held[mode, lr, s] for s in a.seeds] for mode in MODES}
+            finals = {mode: [held[mode, lr, s] for s in a.seeds] for mode in a.modes}
         else:
             finals = {
                 mode: [statistics.mean(curves[mode, lr, s][-a.tail :]) for s in a.seeds]
-                for mode in MODES
+                for mode in a.modes
             }
         tails = {
             mode: [statistics.mean(curves[mode, lr, s][-a.tail :]) for s in a.seeds]
-            for mode in MODES
+            for mode in a.modes
         }
         cells = [f"{statistics.mean(v):8.4f} ({min(v):.3f}..{max(v):.3f})" for v in finals.values()]
         print(f"{lr:8.0e} " + " ".join(f"{c:>22}" for c in cells))
@@ -194,18 +194,18 @@ def _report(task: str, res: dict, a: argparse.Namespace, lrs: list[float], wall:
                 final_mean={k: statistics.mean(v) for k, v in finals.items()},
                 train_tail_mean={k: statistics.mean(v) for k, v in tails.items()},
                 gap_to_1f1b={
-                    k: statistics.mean(finals[k]) - statistics.mean(finals["1F1B"]) for k in MODES
+                    k: statistics.mean(finals[k]) - statistics.mean(finals["1F1B"]) for k in a.modes
                 },
                 sync_vs_1f1b_max_loss_diff=sync_vs_1f1b,
             )
         )
-    best = {mode: min(r["final_mean"][mode] for r in rows) for mode in MODES}
-    best_lr = {mode: min(rows, key=lambda r: r["final_mean"][mode])["lr"] for mode in MODES}
+    best = {mode: min(r["final_mean"][mode] for r in rows) for mode in a.modes}
+    best_lr = {mode: min(rows, key=lambda r: r["final_mean"][mode])["lr"] for mode in a.modes}
     print(
         "best over lr: "
-        + ", ".join(f"{mode} {best[mode]:.4f} (lr {best_lr[mode]:g})" for mode in MODES)
+        + ", ".join(f"{mode} {best[mode]:.4f} (lr {best_lr[mode]:g})" for mode in a.modes)
     )
-    gaps = {mode: best[mode] - best["sync"] for mode in MODES}
+    gaps = {mode: best[mode] - best["sync"] for mode in a.modes}
     print(
         "gap to sync at each mode's best lr: " + ", ".join(f"{k} {v:+.4f}" for k, v in gaps.items())
     )
@@ -253,14 +253,16 @@ def main() -> None:
     ap.add_argument("--lrs", type=float, nargs="+", default=None)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--tail", type=int, default=10, help="mini-batches averaged at the end")
+    ap.add_argument("--modes", nargs="+", default=list(MODES), help="modes (1F1B, sync always)")
     ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
     a = ap.parse_args()
+    a.modes = ["1F1B", "sync"] + [mode for mode in a.modes if mode not in ("1F1B", "sync")]
     tasks = ("gpt", "digits") if a.task == "both" else (a.task,)
     for task in tasks:
         lrs = a.lrs or ([3e-3, 1e-2, 3e-2, 1e-1] if task == "gpt" else [1e-3, 3e-3, 1e-2, 3e-2])
         batch = a.batch
         a.batch = batch or (8 if task == "gpt" else 32)
-        grid = [(mode, lr, seed) for lr in lrs for seed in a.seeds for mode in MODES]
+        grid = [(mode, lr, seed) for lr in lrs for seed in a.seeds for mode in a.modes]
         t0 = time.perf_counter()
         res = run_ranks(_all_runs, 2, task, grid, a, timeout=3600, pg_timeout=600)
         data = _report(task, res[1], a, lrs, time.perf_counter() - t0)

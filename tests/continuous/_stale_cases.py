@@ -40,11 +40,14 @@ def train_cases(rank: int, world: int, cases: list[tuple]) -> list[dict]:
     return [train(rank, world, *c) for c in cases]
 
 
-def reference_predict(world: int, m: int, n: int, opt: str) -> list[dict[str, torch.Tensor]]:
+def reference_predict(
+    world: int, m: int, n: int, opt: str, horizon: float = 1.0
+) -> list[dict[str, torch.Tensor]]:
     """2bw with weight prediction, replayed on the unpipelined model, one stage at a time.
 
     Each stage keeps its weights after every step, W(0), W(1), ...; mini-batch k runs (forward
-    and backward) on P(max(k - 1, 0)), where P(0) = W(0) and P(v) = W(v) + (W(v) - W(v - 1));
+    and backward) on P(max(k - 1, 0)), where P(0) = W(0) and P(v) = W(v) + h (W(v) - W(v - 1))
+    (h = ``horizon``: 1 for correction="predict", 2 for "nesterov");
     its gradient, the mean over its microbatches, is then applied to the latest weights W(k).
     """
     mods = build_stages(cc.CFG, world, seed=cc.SEED)
@@ -56,7 +59,7 @@ def reference_predict(world: int, m: int, n: int, opt: str) -> list[dict[str, to
         w = weights[s]
         if v == 0:
             return w[0]
-        return {name: w[v][name] + (w[v][name] - w[v - 1][name]) for name in w[v]}
+        return {name: w[v][name] + horizon * (w[v][name] - w[v - 1][name]) for name in w[v]}
 
     for k in range(n):
         ids, tgt = cc.batch(k, m)

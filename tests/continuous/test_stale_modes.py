@@ -57,9 +57,12 @@ def test_prediction_rule_on_a_hand_computed_example():
     predict runs k on P(k-1) = W(k-1) + (W(k-1) - W(k-2)), P(0) = W(0): g = 1, 1,
     P(1) = 0.9 + (0.9 - 1) = 0.8, P(2) = 0.8 + (0.8 - 0.9) = 0.7 -> 0.9, 0.8, 0.72, 0.65:
     two steps after the first, each closer to sync than 2bw's.
+    nesterov runs k on W(k-1) + 2 (W(k-1) - W(k-2)): g = 1, 1, 0.9 - 0.2 = 0.7, 0.8 - 0.2 = 0.6
+    -> 0.9, 0.8, 0.73, 0.67 (the gradient taken a step ahead of the weights it updates).
     """
     np.testing.assert_allclose(_two_bw_steps(None, 4), [0.9, 0.8, 0.71, 0.63], rtol=1e-6)
     np.testing.assert_allclose(_two_bw_steps("predict", 4), [0.9, 0.8, 0.72, 0.65], rtol=1e-6)
+    np.testing.assert_allclose(_two_bw_steps("nesterov", 4), [0.9, 0.8, 0.73, 0.67], rtol=1e-6)
 
 
 def test_prediction_is_2bw_only():
@@ -67,7 +70,7 @@ def test_prediction_is_2bw_only():
     with pytest.raises(ValueError, match="needs mode='2bw'"):
         WeightVersions(lin, "stash", "predict")
     with pytest.raises(ValueError, match="correction must be one of"):
-        WeightVersions(lin, "2bw", "nesterov")
+        WeightVersions(lin, "2bw", "momentum")
 
 
 def test_tied_parameters_are_swapped_together_and_restored():
@@ -110,10 +113,17 @@ def runs():
         (M, N, "2bw", "adamw", None),
         (M, N, "stash", "adamw", None),
         (M, N, "2bw", "adamw", "predict"),
+        (M, N, "2bw", "sgd", "nesterov"),
     ]
-    cases += cases[3:]  # the same three again: determinism
+    cases += cases[3:6]  # three of them again: determinism
     out = run_ranks(sc.train_cases, 2, cases, timeout=240)
     return {i: [out[r][i] for r in range(2)] for i in range(len(cases))}
+
+
+@pytest.mark.dist
+def test_2bw_nesterov_follows_its_rule(runs):
+    ref = sc.reference_predict(2, M, N, "sgd", horizon=2.0)
+    _assert_close(runs[6], ref, "sgd", 1e-6, "2bw+nesterov sgd")
 
 
 def _assert_close(per_rank, ref, opt, tol, what):
@@ -151,7 +161,7 @@ def test_prediction_changes_the_update(runs):
 @pytest.mark.dist
 @pytest.mark.parametrize("case", [3, 4, 5], ids=["2bw", "stash", "2bw+predict"])
 def test_stale_modes_are_bitwise_deterministic(runs, case):
-    first, second = runs[case], runs[case + 3]
+    first, second = runs[case], runs[case + 4]
     for r in range(2):
         for name, value in first[r]["params"].items():
             assert np.array_equal(value, second[r]["params"][name]), (

@@ -37,8 +37,8 @@ Modes (see docs/continuous.md)
 * ``2bw`` / ``stash``: separate weight versions (:mod:`zbpipe.continuous.versions`), put in the
   stage module's parameter slots for the forwards that must use them (one swap per run of
   forwards on the same version and mini-batch), their weight gradients summed per mini-batch
-  where they are computed. ``correction="predict"`` (2bw): each version is a prediction of the
-  weights a synchronous run would use (the last step extrapolated once more).
+  where they are computed. ``correction="predict"`` / ``"nesterov"`` (2bw): each version is the
+  last step extrapolated once (the weights a synchronous run would use) or twice (a look-ahead).
 
 When results appear: the losses of mini-batch ``k`` are computed on the last stage's F passes
 of ``k``, which every continuous plan runs during ``step(k)``; they are returned (tagged
@@ -145,10 +145,11 @@ class ScheduleContinuous(ContinuousActions, C.PipelineScheduleMultiBase):
     so in sync mode the gradients, and the parameters, are bitwise those of a plain loop that
     runs one fused backward per microbatch (the graph engine ignores it); in 2bw/stash it sums
     each mini-batch's gradient in microbatch order as ``AccumulateGrad`` would.
-    ``correction``: ``None`` (default: PipeDream-2BW's update, as published) or ``"predict"``
-    (2bw only): mini-batch ``k`` runs on ``W(k-1) + (W(k-1) - W(k-2))``, a prediction of the
-    ``W(k)`` that sync would use (weight prediction; docs/continuous.md has the literature and
-    what it earns back).
+    ``correction`` (2bw only): ``None`` (default: PipeDream-2BW's update, as published),
+    ``"predict"`` (mini-batch ``k`` runs on ``W(k-1) + (W(k-1) - W(k-2))``, a prediction of the
+    ``W(k)`` sync would use: weight prediction) or ``"nesterov"`` (``W(k-1) + 2 (W(k-1) -
+    W(k-2))``: that prediction plus a one-step look-ahead); docs/continuous.md has the
+    literature and what each earns back.
     """
 
     layout = "loop"
@@ -174,7 +175,7 @@ class ScheduleContinuous(ContinuousActions, C.PipelineScheduleMultiBase):
         check_peers: bool = True,
         split: Split = "auto",
         exact: bool = False,
-        correction: Literal["predict"] | None = None,
+        correction: Literal["predict", "nesterov"] | None = None,
     ) -> None:
         """Check the arguments; plan the stream; build the stage seam, the optimizer and the weight
         versions; check that every rank built the same.
@@ -196,7 +197,7 @@ class ScheduleContinuous(ContinuousActions, C.PipelineScheduleMultiBase):
             backward_requires_autograd=backward_requires_autograd,
         )
         self.mode = mode
-        #: 2bw's delay correction: None (PipeDream-2BW as published) or "predict"
+        #: 2bw's delay correction: None (PipeDream-2BW as published), "predict" or "nesterov"
         self.correction = correction
         self.costs = costs if costs is not None else Costs()
         self.stage = stages[0]

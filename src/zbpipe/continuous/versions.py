@@ -27,12 +27,18 @@ Version ``v`` is the weights after ``v`` optimizer steps of this stage. Which on
 * ``2bw``: mini-batch ``k`` uses version ``max(k - 1, 0)`` (PipeDream-2BW);
 * ``stash``: the latest version at the time of the forward (PipeDream weight stashing).
 
-With ``correction="predict"`` (2bw only) a version is not the weights after ``v`` steps but a
-prediction of the next ones, ``P(v) = W(v) + (W(v) - W(v - 1))`` (``P(0) = W(0)``): mini-batch
-``k`` runs on ``P(k - 1)``, an estimate of the ``W(k)`` a synchronous run would use (weight
-prediction, as SpecTrain and PipeMare do; see docs/continuous.md). It costs one more pass over the
-weights per step (the master is copied before the step; the prediction is formed in the same
-buffer after it).
+With a ``correction`` (2bw only) a version is not the weights after ``v`` steps but an
+extrapolation of the last step, ``P(v) = W(v) + h (W(v) - W(v - 1))`` (``P(0) = W(0)``), and
+mini-batch ``k`` runs on ``P(k - 1)``:
+
+* ``"predict"``, ``h = 1``: an estimate of the ``W(k)`` a synchronous run would use (weight
+  prediction, as SpecTrain and PipeMare do);
+* ``"nesterov"``, ``h = 2``: that estimate plus one more step, so the gradient is taken one step
+  ahead of the weights it is applied to, as Nesterov's momentum takes it (see docs/continuous.md
+  for the literature and the measurements).
+
+It costs one more pass over the weights per step (the master is copied before the step; the
+prediction is formed in the same buffer after it).
 
 A version is kept while an in-flight microbatch uses it, while it is the latest, or (2bw) while
 the stage's next forward will use it. :attr:`peak` is the most versions held at once (the latest
@@ -50,7 +56,9 @@ from torch import nn
 
 from .. import _compat as C
 
-CORRECTIONS = (None, "predict")
+CORRECTIONS = (None, "predict", "nesterov")
+#: how many steps each correction extrapolates the last one
+HORIZON = {"predict": 1.0, "nesterov": 2.0}
 LeafKey = tuple[int, int]  # (version, global mini-batch)
 
 
@@ -117,7 +125,7 @@ class WeightVersions:
         self.uses: dict[int, int] = {}  # in-flight microbatch -> version
         self.peak = 1
         self._spare: list[torch.Tensor] | None = None  # buffers of a dropped version, for reuse
-        self._before: list[torch.Tensor] | None = None  # predict: the master before the step
+        self._before: list[torch.Tensor] | None = None  # correction: the master before the step
         #: (version, mini-batch) -> leaf aliases, shared by the mini-batch's microbatches
         self.leaf_sets: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._grad_spare: list[torch.Tensor | None] | None = None  # last step's gradients
@@ -218,8 +226,8 @@ class WeightVersions:
         return out
 
     def before_step(self) -> None:
-        """The optimizer is about to step the master (``predict`` keeps what it was)."""
-        if self.correction == "predict":
+        """The optimizer is about to step the master (a correction keeps what it was)."""
+        if self.correction is not None:
             before = self._take_spare()
             with torch.no_grad():
                 for b, t in zip(before, self._masters):
@@ -229,10 +237,11 @@ class WeightVersions:
     def updated(self, next_minibatch: int) -> None:
         """The optimizer stepped the master weights: they become version ``latest + 1``."""
         with torch.no_grad():
-            if self._before is not None:  # P = W + (W - W_before), in the buffer of W_before
+            if self._before is not None:  # P = W + h (W - W_before), in W_before's buffer
                 new, self._before = self._before, None
+                weight = 1.0 + HORIZON[str(self.correction)]
                 for b, t in zip(new, self._masters):
-                    b.lerp_(t, 2.0)
+                    b.lerp_(t, weight)
             else:
                 new = self._take_spare()
                 for b, t in zip(new, self._masters):
