@@ -9,12 +9,16 @@ followed by its optimizer step. Variants:
 * ``ZBH1``: zbpipe's flushed ``ScheduleZBH1`` then ``optimizer.step()``;
 * ``sync`` / ``2bw`` / ``stash``: ``ScheduleContinuous`` (its own optimizer step), ``step()`` per
   mini-batch and a ``flush()`` at the end of the round, inside the timed region;
-* ``2bw+nesterov`` / ``stash+nesterov``: the stale mode with its delay correction.
+* ``2bw+nesterov``: 2bw with its delay correction (``correction="nesterov"``; ``"predict"``
+  costs the same);
+* a ``@exact`` suffix (``2bw@exact``) passes ``exact=True``.
 
 Rounds are interleaved (each repetition runs every variant once, in a rotating order, after a
 barrier); a round's time is the slowest rank's, divided by the mini-batches. Reported: the
-median time per mini-batch, its ratio to torch's 1F1B paired per repetition, and the paired ratio
-of every continuous mode to ``sync`` (min/median/max).
+median time per mini-batch, its ratio to torch's 1F1B paired per repetition, the paired ratio
+of every continuous mode to ``sync`` (min/median/max), and the same for the CPU time of the
+round summed over both ranks (``time.process_time``: the work itself, waiting excluded, which
+other processes on a shared machine move much less than the wall time).
 
     PYTHONPATH=src python benchmarks/continuous_speed.py            # m = 4 and m = 2, 2-4 min
     PYTHONPATH=src python benchmarks/continuous_speed.py --m 2 --reps 20
@@ -32,7 +36,7 @@ import sys
 import time
 from typing import Any
 
-VARIANTS = ("torch:1F1B", "ZBH1", "sync", "2bw", "stash", "2bw+nesterov", "stash+nesterov")
+VARIANTS = ("torch:1F1B", "ZBH1", "sync", "2bw", "stash", "2bw+nesterov")
 
 
 def _stage_module(hidden: int, layers: int, rank: int) -> Any:
@@ -65,8 +69,11 @@ def _build(name: str, rank: int, world: int, m: int, a: argparse.Namespace) -> d
         return dict(sched=Schedule1F1B(stage, m, loss_fn=_mse), opt=make_opt(mod.parameters()))
     if name == "ZBH1":
         return dict(sched=ScheduleZBH1([stage], m, loss_fn=_mse), opt=make_opt(mod.parameters()))
+    name, _, option = name.partition("@")  # "2bw@exact": ScheduleContinuous(exact=True)
     mode, _, corr = name.partition("+")
-    extra = {"correction": corr} if corr else {}
+    extra: dict[str, Any] = {"correction": corr} if corr else {}
+    if option == "exact":
+        extra["exact"] = True
     sched = ScheduleContinuous([stage], m, loss_fn=_mse, optimizer=make_opt, mode=mode, **extra)
     return dict(sched=sched, opt=None)
 
@@ -83,10 +90,11 @@ def _rank_main(rank: int, world: int, m: int, a: argparse.Namespace) -> dict | N
         for _ in range(a.minibatches)
     ]
 
-    def one_round(name: str) -> float:
+    def one_round(name: str) -> tuple[float, float]:
         run = runs[name]
         sched, opt = run["sched"], run["opt"]
         dist.barrier()
+        c0 = time.process_time()
         t0 = time.perf_counter()
         for x, y in data:
             args = (x,) if rank == 0 else ()
@@ -97,11 +105,12 @@ def _rank_main(rank: int, world: int, m: int, a: argparse.Namespace) -> dict | N
                 opt.zero_grad(set_to_none=True)
         if opt is None:
             sched.flush()
-        return (time.perf_counter() - t0) / len(data)
+        wall = (time.perf_counter() - t0) / len(data)
+        return wall, (time.process_time() - c0) / len(data)
 
     for name in names:  # warm-up: shape inference, allocator, first versions
         one_round(name)
-    times: dict[str, list[float]] = {name: [] for name in names}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
     for rep in range(a.reps):
         k = rep % len(names)
         for name in names[k:] + names[:k]:
@@ -110,7 +119,16 @@ def _rank_main(rank: int, world: int, m: int, a: argparse.Namespace) -> dict | N
     dist.all_gather_object(gathered, times)
     if rank != 0:
         return None
-    return {name: [max(g[name][i] for g in gathered) for i in range(a.reps)] for name in names}
+    # wall: the slowest rank's; CPU: summed over the ranks (what the stage's work costs,
+    # waiting excluded: a loaded machine moves it much less than the wall time)
+    return {
+        "wall": {
+            name: [max(g[name][i][0] for g in gathered) for i in range(a.reps)] for name in names
+        },
+        "cpu": {
+            name: [sum(g[name][i][1] for g in gathered) for i in range(a.reps)] for name in names
+        },
+    }
 
 
 def main() -> None:
@@ -121,7 +139,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--m", type=int, nargs="+", default=[4, 2], help="microbatches per mini-batch")
-    ap.add_argument("--reps", type=int, default=12, help="interleaved repetitions")
+    ap.add_argument("--reps", type=int, default=16, help="interleaved repetitions")
     ap.add_argument("--minibatches", type=int, default=6, help="mini-batches per round")
     ap.add_argument("--rows", type=int, default=32, help="rows per microbatch")
     ap.add_argument("--hidden", type=int, default=1024)
@@ -135,14 +153,18 @@ def main() -> None:
     results: dict[str, Any] = {}
     t0 = time.perf_counter()
     for m in a.m:
-        times = run_ranks(_rank_main, 2, m, a, timeout=1800, pg_timeout=600)[0]
+        both = run_ranks(_rank_main, 2, m, a, timeout=1800, pg_timeout=600)[0]
+        times, cpu = both["wall"], both["cpu"]
         rows: dict[str, Any] = {}
         print(
             f"\n2 gloo ranks, {a.layers} x Linear({a.hidden})+ReLU per rank, "
             f"m={m} x {a.rows} rows, SGD, {a.minibatches} mini-batches per round, "
             f"{a.reps} interleaved rounds"
         )
-        print(f"{'variant':>16} {'ms/mini-batch':>14} {'vs ' + base:>26} {'vs sync':>26}")
+        print(
+            f"{'variant':>16} {'ms/mini-batch':>14} {'vs ' + base:>26} {'vs sync':>26} "
+            f"{'CPU ms (2 ranks)':>17} {'CPU vs sync':>26}"
+        )
         for name in a.variants:
             t = times[name]
             row = dict(
@@ -150,8 +172,11 @@ def main() -> None:
                 median_ms=statistics.median(t) * 1e3,
                 ratio_to_baseline=paired_ratios(t, times[base]),
             )
+            row["cpu_seconds_per_minibatch"] = cpu[name]
+            row["cpu_median_ms"] = statistics.median(cpu[name]) * 1e3
             if "sync" in times:
                 row["ratio_to_sync"] = paired_ratios(t, times["sync"])
+                row["cpu_ratio_to_sync"] = paired_ratios(cpu[name], cpu["sync"])
             rows[name] = row
 
             def fmt(q: dict[str, float] | None) -> str:
@@ -161,7 +186,8 @@ def main() -> None:
 
             print(
                 f"{name:>16} {row['median_ms']:14.2f} {fmt(row['ratio_to_baseline']):>26} "
-                f"{fmt(row.get('ratio_to_sync')):>26}"
+                f"{fmt(row.get('ratio_to_sync')):>26} {row['cpu_median_ms']:17.2f} "
+                f"{fmt(row.get('cpu_ratio_to_sync')):>26}"
             )
         results[f"m={m}"] = rows
     wall = time.perf_counter() - t0
