@@ -64,8 +64,8 @@ class ContinuousActions:
     _loss_kwargs: dict[int, Any]
     _losses: dict[int, Any]  # loss graphs, until B
     _loss_values: dict[int, Any]  # what the user gets
-    _leaves: dict[int, dict[str, Any]]  # the weight version each microbatch used, until W
-    _grad_acc: dict[int, dict[str, Any]]  # per mini-batch, summed over its versions
+    # the leaf set (and its (version, mini-batch) key) each microbatch used, until its W
+    _leaves: dict[int, tuple[tuple[int, int], list[Any]]]
     _w_done: dict[int, int]
     _f_count: int
     _stepped: int
