@@ -434,6 +434,7 @@ class ScheduleContinuous(ContinuousActions, C.PipelineScheduleMultiBase):
         self._leaves: dict[int, tuple[tuple[int, int], list[torch.Tensor]]] = {}
         if self._versions is not None:
             self._versions.leaf_sets.clear()
+            self._versions.drop_spare_grads()
         self._sends = PendingSends(consume_proofs=True)
         self._proofs = ChainProofs(self.stage.stage_index)
 

@@ -195,6 +195,11 @@ class WeightVersions:
         """The gradients the optimizer just used (aligned with :attr:`params`), for reuse."""
         self._grad_spare = list(grads)
 
+    def drop_spare_grads(self) -> None:
+        """Let go of the last step's gradient buffers (a stream ended: between streams a stale
+        mode holds no gradient memory, as sync holds none)."""
+        self._grad_spare = None
+
     def release(self, microbatch: int, next_minibatch: int) -> None:
         """The microbatch's last backward pass is done."""
         del self.uses[microbatch]
