@@ -233,12 +233,6 @@ def set_own_parameter(module: Any, name: str, tensor: Any) -> None:
     module._parameters[name] = tensor
 
 
-def version_counter(t: Any) -> int:
-    """How many in-place writes ``t``'s storage has seen (``Tensor._version``, autograd's
-    saved-tensor check): a buffer whose counter did not move was not written."""
-    return int(t._version)
-
-
 def is_compiled(module: Any) -> bool:
     """``torch.compile(module)`` (an ``OptimizedModule``) or in-place ``module.compile()`` (the way
     torchtitan compiles; it sets ``_compiled_call_impl``)."""
@@ -627,7 +621,6 @@ PRIVATE_OBJECT_ATTRIBUTES = (
     ("Tensor", "_is_view"),
     ("Tensor", "_backward_hooks"),
     ("Tensor", "_post_accumulate_grad_hooks"),
-    ("Tensor", "_version"),
     ("nn.Module", "_parameters"),
     ("nn.Module", "_compiled_call_impl"),
 )

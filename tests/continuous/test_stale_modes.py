@@ -88,9 +88,9 @@ def test_tied_parameters_are_swapped_together_and_restored():
     assert list(module.parameters()) == params
 
 
-def test_a_recycled_gradient_buffer_no_pass_wrote_comes_back_as_none():
+def test_a_recycled_gradient_buffer_nothing_took_leaves_the_gradient_none():
     """A parameter the mini-batch never used keeps grad None (AdamW then skips it, weight decay
-    included), although the buffer of its last gradient was handed to its leaf, zeroed."""
+    included), although the buffer of its last gradient was offered to its leaf."""
     used, unused = nn.Linear(2, 2, bias=False), nn.Linear(2, 2, bias=False)
     module = nn.ModuleList([used, unused])
     versions = WeightVersions(module, "stash")
@@ -102,6 +102,23 @@ def test_a_recycled_gradient_buffer_no_pass_wrote_comes_back_as_none():
     g_used, g_unused = versions.take_grads(0)
     assert g_unused is None
     assert torch.equal(g_used, torch.ones(2, 2))  # zeroed, then the one pass added into it
+
+
+def test_the_engine_writes_a_first_product_into_the_offered_buffer():
+    """The deferred W's first product goes into the offered buffer (no fresh allocation), with
+    the bits of the product it would otherwise have stolen; the next one adds inside the GEMM."""
+    from zbpipe.engines.accumulate import GRAD_BUFFER, add_product
+
+    torch.manual_seed(0)
+    weight = torch.randn(4, 3).requires_grad_()
+    x, g = torch.randn(5, 3), torch.randn(5, 4)
+    buf = torch.full((4, 3), 7.0)
+    setattr(weight, GRAD_BUFFER, buf)
+    with torch.no_grad():
+        add_product(weight, x, g, None)
+        assert weight.grad is buf and torch.equal(buf, g.t().mm(x))
+        add_product(weight, x, g, None)  # the offer was used once
+    assert weight.grad is buf and not hasattr(weight, GRAD_BUFFER)
 
 
 @pytest.fixture(scope="module")

@@ -55,6 +55,7 @@ import torch
 from torch import nn
 
 from .. import _compat as C
+from ..engines.accumulate import GRAD_BUFFER
 
 CORRECTIONS = (None, "predict", "nesterov")
 #: how many steps each correction extrapolates the last one
@@ -129,8 +130,7 @@ class WeightVersions:
         #: (version, mini-batch) -> leaf aliases, shared by the mini-batch's microbatches
         self.leaf_sets: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._grad_spare: list[torch.Tensor | None] | None = None  # last step's gradients
-        #: leaf sets whose .grad holds a recycled buffer: (index, buffer, its counter when zeroed)
-        self._zeroed: dict[tuple[int, int], list[tuple[int, torch.Tensor, int]]] = {}
+        self._prepared: set[tuple[int, int]] = set()  # leaf sets offered gradient buffers
 
     def version_for(self, minibatch: int) -> int:
         """The version a forward of global mini-batch ``minibatch`` runs on."""
@@ -159,37 +159,31 @@ class WeightVersions:
         return key, leaves
 
     def prepare_grads(self, key: tuple[int, int]) -> None:
-        """Before the first backward pass on leaf set ``key``: give its leaves the gradient
-        buffers of the last step, zeroed (the weight-gradient GEMMs then add into them, as
-        into sync's from its second microbatch on, instead of writing a fresh allocation).
+        """Before the first backward pass on leaf set ``key``: offer its leaves the gradient
+        buffers of the last step (the deferred engine writes a weight's first product into its
+        buffer, as sync's first product goes into a fresh allocation, then adds the next ones
+        inside the GEMM; :data:`zbpipe.engines.accumulate.GRAD_BUFFER`).
 
-        Given at the first B, not at F: by then the previous mini-batch's gradients have been
-        stepped and handed back, so no more gradient buffers are alive than in sync.
-        A buffer that no pass writes is taken back out by :meth:`take_grads` (its parameter
-        gets None, as without recycling: an optimizer skips it).
+        Offered at the first B, not at F: by then the previous mini-batch's gradients have been
+        stepped and handed back, so no more gradient buffers are alive than in sync. A buffer
+        nothing takes (a parameter the mini-batch did not use, a bias, the graph engine) leaves
+        the leaf's gradient as it would be without the offer.
         """
-        if key in self._zeroed:
+        if key in self._prepared:
             return
+        self._prepared.add(key)
         leaves = self.leaf_sets[key]
         for other, done in self.leaf_sets.items():
-            if other[1] == key[1] and other in self._zeroed and other != key:
+            if other[1] == key[1] and other in self._prepared and other != key:
                 # stash: the mini-batch's microbatches on an earlier version ran their passes
                 # (in microbatch order): this set adds into the same buffers, no second sum
                 for leaf, mine in zip(leaves, done):
                     if leaf.grad is None and mine.grad is not None:
                         leaf.grad = mine.grad
-        if self._grad_spare is None:
-            self._zeroed[key] = []
-            return
         spare, self._grad_spare = self._grad_spare, None
-        zeroed = []
-        with torch.no_grad():
-            for i, (leaf, buf) in enumerate(zip(leaves, spare)):
-                if buf is not None and leaf.grad is None:
-                    buf.zero_()
-                    leaf.grad = buf
-                    zeroed.append((i, buf, C.version_counter(buf)))
-        self._zeroed[key] = zeroed
+        for leaf, buf in zip(leaves, spare or ()):
+            if buf is not None and leaf.grad is None:
+                setattr(leaf, GRAD_BUFFER, buf)
 
     def recycle_grads(self, grads: Sequence[torch.Tensor | None]) -> None:
         """The gradients the optimizer just used (aligned with :attr:`params`), for reuse."""
@@ -216,9 +210,7 @@ class WeightVersions:
         out: list[torch.Tensor | None] = [None] * len(self._names)
         for key in keys:
             leaves = self.leaf_sets.pop(key)
-            for i, buf, counter in self._zeroed.pop(key, ()):
-                if leaves[i].grad is buf and C.version_counter(buf) == counter:
-                    leaves[i].grad = None  # no pass wrote it: the parameter had no gradient
+            self._prepared.discard(key)
             for i, leaf in enumerate(leaves):
                 g = leaf.grad
                 if g is None:
@@ -290,7 +282,7 @@ class WeightVersions:
         }
         self.uses = {}
         self.leaf_sets = {}
-        self._zeroed = {}
+        self._prepared = set()
         self._spare = self._before = self._grad_spare = None
         self.peak = max(self.peak, len(self.store))
 
