@@ -70,3 +70,10 @@ def test_parser_has_subcommands():
     assert parser.parse_args(["compare", "-p", "2", "-m", "3"]).command == "compare"
     with pytest.raises(SystemExit):
         parser.parse_args(["simulate", "-p", "2", "-m", "3", "--costs", "x=1"])
+
+
+def test_compare_says_what_2bw_would_save_over_sync(capsys):
+    assert main(["compare", "-p", "4", "-m", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "continuous, p=4, m=4: sync leaves a bubble rate of 20.0%" in out
+    assert "2bw would save" in out

@@ -220,6 +220,19 @@ def own_parameter(module: Any, name: str) -> Any:
     return module._parameters.get(name)
 
 
+def own_parameters(module: Any) -> dict[str, Any]:
+    """The parameters registered on ``module`` itself, by attribute name (its ``_parameters``;
+    a slot may hold None)."""
+    return dict(module._parameters)
+
+
+def set_own_parameter(module: Any, name: str, tensor: Any) -> None:
+    """Put ``tensor`` (a Parameter, or any tensor: a weight version's leaf) in ``module``'s
+    parameter slot ``name``, as ``torch.func.functional_call`` does for the duration of a call:
+    ``nn.Module.__setattr__`` would refuse a tensor that is not a Parameter."""
+    module._parameters[name] = tensor
+
+
 def is_compiled(module: Any) -> bool:
     """``torch.compile(module)`` (an ``OptimizedModule``) or in-place ``module.compile()`` (the way
     torchtitan compiles; it sets ``_compiled_call_impl``)."""

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from .integrations.plans import plan  # zbpipe's names and torch's ("torch:<Name>"), one lookup
 from .planning import Costs, Plan, PlanError, SimResult, known_names, plan_to_csv, simulate
+from .planning.continuous_tradeoff import continuous_tradeoff
 
 
 def _costs_arg(text: str) -> Costs:
@@ -186,6 +187,14 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         print(f"{name:<28} {res.bubble_rate:>11.4f} {res.makespan:>10.4g} {peak:>12.4g}")
     for note in notes:
         print(note)
+    try:  # sync continuous is exact; does 2bw's stream buy enough to pay for its staleness?
+        tradeoff = continuous_tradeoff(
+            args.num_ranks, args.n_microbatches, args.costs, args.memory_limit
+        )
+    except (ValueError, PlanError) as e:
+        print(f"continuous: skipped: {e}")
+    else:
+        print(tradeoff.summary())
     return 0
 
 

@@ -64,8 +64,8 @@ class ContinuousActions:
     _loss_kwargs: dict[int, Any]
     _losses: dict[int, Any]  # loss graphs, until B
     _loss_values: dict[int, Any]  # what the user gets
-    _leaves: dict[int, dict[str, Any]]  # the weight version each microbatch used, until W
-    _grad_acc: dict[int, dict[str, Any]]  # per mini-batch, summed over its versions
+    # the leaf set (and its (version, mini-batch) key) each microbatch used, until its W
+    _leaves: dict[int, tuple[tuple[int, int], list[Any]]]
     _w_done: dict[int, int]
     _f_count: int
     _stepped: int
@@ -82,20 +82,27 @@ class ContinuousActions:
         """Run this rank's slice of the stream (``slices``: every rank's, from the frontier)."""
         if self.rank > 0:  # what the previous rank runs proves which gradients it received
             self._sends.add_proofs(self._proofs.previous_rank_ran(slices[self.rank - 1]))
-        for a in slices[self.rank]:
-            self._sends.prune()  # let go of the sends that completed (zbpipe.schedules.sends)
-            try:
-                {"F": self._forward, "B": self._backward_input, "W": self._backward_weight}[a.kind](
-                    a.microbatch
-                )
-            except Exception:
-                log.error(
-                    "zbpipe continuous: rank %d failed at %s (mini-batch %d of this stream)",
-                    self.rank,
-                    a,
-                    self._minibatch(a.microbatch),
-                )
-                raise
+        try:
+            for a in slices[self.rank]:
+                self._sends.prune()  # let go of the sends that completed (zbpipe.schedules.sends)
+                try:
+                    run = {
+                        "F": self._forward,
+                        "B": self._backward_input,
+                        "W": self._backward_weight,
+                    }[a.kind]
+                    run(a.microbatch)
+                except Exception:
+                    log.error(
+                        "zbpipe continuous: rank %d failed at %s (mini-batch %d of this stream)",
+                        self.rank,
+                        a,
+                        self._minibatch(a.microbatch),
+                    )
+                    raise
+        finally:
+            if self._versions is not None:  # between calls the module holds its own parameters
+                self._versions.slots.restore()
         self._sends.prune()
 
     def _validate(self) -> None:
@@ -133,12 +140,13 @@ class ContinuousActions:
         """The stage's forward (with the weight version microbatch ``g`` must use), and its loss."""
         st = self.stage
         if self._versions is not None:
+            # The microbatch's version goes in the module's parameter slots; a run of forwards
+            # on the same (version, mini-batch) swaps once (zbpipe.continuous.versions).
             k = self._minibatches_before + self._minibatch(g)
-            leaves = self._versions.acquire(g, self._versions.version_for(k))
-            self._leaves[g] = leaves
-            out = torch.func.functional_call(st.submod, leaves, tuple(args), kwargs)
-        else:
-            out = st.submod(*args, **kwargs)
+            key, leaves = self._versions.acquire(g, k)
+            self._versions.slots.install(key, leaves)
+            self._leaves[g] = (key, leaves)
+        out = st.submod(*args, **kwargs)
         if st.is_last:
             loss = self._loss_fn(out, self._targets.pop(g), **self._loss_kwargs.pop(g, {}))
             self._losses[g] = loss  # the graph, until B
@@ -156,7 +164,8 @@ class ContinuousActions:
                 self._sends.received((False, st.stage_index, g))
         params = None
         if self._versions is not None:  # W computes the gradients of this microbatch's version
-            leaves = list(self._leaves[g].values())
+            key, leaves = self._leaves[g]
+            self._versions.prepare_grads(key)
             params = lambda: leaves  # noqa: E731
         self.seam.backward_input(st, g, self._losses.pop(g) if st.is_last else None, params)
         if not st.is_last:
@@ -167,11 +176,8 @@ class ContinuousActions:
     def _backward_weight(self, g: int) -> None:
         self.seam.backward_weight(self.stage, g)
         k = self._minibatch(g)
-        if self._versions is not None:
-            acc = self._grad_acc.setdefault(k, {})
-            for name, leaf in self._leaves.pop(g).items():
-                if leaf.grad is not None:
-                    acc[name] = leaf.grad if name not in acc else acc[name] + leaf.grad
+        if self._versions is not None:  # its gradients are in its leaf set's .grad already
+            del self._leaves[g]
             self._versions.release(g, self._next_forward_minibatch())
         self._w_done[k] = self._w_done.get(k, 0) + 1
         if self._w_done[k] == self._n_microbatches:  # the plan's step_after: the last W of k
@@ -185,11 +191,15 @@ class ContinuousActions:
         return self._minibatches_before + self._f_count // self._n_microbatches
 
     def _optimizer_step(self, k: int) -> None:
-        params = [q for q in self.stage.submod.parameters()]
         if self._versions is not None:
-            acc = self._grad_acc.pop(k, {})
-            for name, q in self._versions.params.items():
-                q.grad = acc.get(name)
+            # the module's slots may hold a version's leaves: step the master parameters
+            params = list(self._versions.params.values())
+            grads = self._versions.take_grads(self._minibatches_before + k)
+            for q, grad in zip(params, grads):
+                q.grad = grad
+            self._versions.before_step()
+        else:
+            params = [q for q in self.stage.submod.parameters()]
         if self.scale_grads and self._n_microbatches != 1:
             for q in params:
                 if q.grad is not None:
@@ -198,6 +208,8 @@ class ContinuousActions:
             self._pv.step()
         else:
             self.optimizer.step()
+        if self._versions is not None:  # the schedule owns the gradients: reuse their buffers
+            self._versions.recycle_grads([q.grad for q in params])
         for q in params:
             q.grad = None
         if self._versions is not None:

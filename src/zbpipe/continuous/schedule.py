@@ -34,8 +34,11 @@ Modes (see docs/continuous.md)
 * ``sync``: each stage steps its optimizer for mini-batch ``k`` right after its last W of
   ``k`` (the plan's ``step_after``), and its first F of ``k + 1`` runs after that step.
   Parameters equal a plain synchronous training loop.
-* ``2bw`` / ``stash``: separate weight versions (:mod:`zbpipe.continuous.versions`), the stage
-  run functionally with the version each microbatch must use.
+* ``2bw`` / ``stash``: separate weight versions (:mod:`zbpipe.continuous.versions`), put in the
+  stage module's parameter slots for the forwards that must use them (one swap per run of
+  forwards on the same version and mini-batch), their weight gradients summed per mini-batch
+  where they are computed. ``correction="predict"`` / ``"nesterov"`` (2bw): each version is the
+  last step extrapolated once (the weights a synchronous run would use) or twice (a look-ahead).
 
 When results appear: the losses of mini-batch ``k`` are computed on the last stage's F passes
 of ``k``, which every continuous plan runs during ``step(k)``; they are returned (tagged
@@ -60,6 +63,7 @@ from ..engines import EngineName, Split, choose_engine
 from ..observe.agree import check_peers_agree, config_fingerprint
 from ..planning import Costs
 from ..planning.continuous_plan import MODES, continuous_parts, plan_continuous, version_bound
+from ..planning.continuous_tradeoff import continuous_tradeoff
 from ..schedules.inputs import drop_inputs_off_stage0, microbatch_inputs
 from ..schedules.sends import ChainProofs, PendingSends
 from ..schedules.stage_seam import EVERY_KEY, StageSeam
@@ -67,7 +71,7 @@ from ..schedules.validation import check_schedule_args, check_step_args
 from .actions import ContinuousActions
 from .optim import PostValidatedStep, StepReport
 from .stream import StreamFrontier
-from .versions import WeightVersions
+from .versions import CORRECTIONS, WeightVersions
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +79,21 @@ LossRecord = tuple[int, list[torch.Tensor]]
 OptimizerArg = torch.optim.Optimizer | Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
 
-def _check_options(stages: list[Any], mode: str, loss_fn: Any, post_validate: Any) -> None:
+def _check_options(
+    stages: list[Any], mode: str, loss_fn: Any, post_validate: Any, correction: Any = None
+) -> None:
     """The construction checks of the continuous schedule's own options (ValueErrors)."""
     if mode not in MODES:
         raise ValueError(f"ScheduleContinuous: mode must be one of {MODES}, got {mode!r}")
+    if correction not in CORRECTIONS:
+        raise ValueError(
+            f"ScheduleContinuous: correction must be one of {CORRECTIONS}, got {correction!r}"
+        )
+    if correction is not None and mode != "2bw":
+        raise ValueError(
+            f"ScheduleContinuous: correction={correction!r} corrects 2bw's one-step delay; "
+            f"use it with mode='2bw' (got mode={mode!r}) or drop it"
+        )
     if loss_fn is None:
         raise ValueError(
             "ScheduleContinuous: loss_fn is required "
@@ -128,7 +143,13 @@ class ScheduleContinuous(ContinuousActions, C.PipelineScheduleMultiBase):
     ``"deferred"``, ``"graph"``; :attr:`split` is the one chosen). ``exact``: the deferred
     engine's W adds each weight gradient as ``AccumulateGrad`` does instead of inside its GEMMs,
     so in sync mode the gradients, and the parameters, are bitwise those of a plain loop that
-    runs one fused backward per microbatch (the graph engine ignores it).
+    runs one fused backward per microbatch (the graph engine ignores it); in 2bw/stash it sums
+    each mini-batch's gradient in microbatch order as ``AccumulateGrad`` would.
+    ``correction`` (2bw only): ``None`` (default: PipeDream-2BW's update, as published),
+    ``"predict"`` (mini-batch ``k`` runs on ``W(k-1) + (W(k-1) - W(k-2))``, a prediction of the
+    ``W(k)`` sync would use: weight prediction) or ``"nesterov"`` (``W(k-1) + 2 (W(k-1) -
+    W(k-2))``: that prediction plus a one-step look-ahead); docs/continuous.md has the
+    literature and what each earns back.
     """
 
     layout = "loop"
@@ -154,6 +175,7 @@ class ScheduleContinuous(ContinuousActions, C.PipelineScheduleMultiBase):
         check_peers: bool = True,
         split: Split = "auto",
         exact: bool = False,
+        correction: Literal["predict", "nesterov"] | None = None,
     ) -> None:
         """Check the arguments; plan the stream; build the stage seam, the optimizer and the weight
         versions; check that every rank built the same.
@@ -162,7 +184,7 @@ class ScheduleContinuous(ContinuousActions, C.PipelineScheduleMultiBase):
         checked, then set, in order.
         """
         stages = check_schedule_args(type(self), stages, n_microbatches, costs)
-        _check_options(stages, mode, loss_fn, post_validate)
+        _check_options(stages, mode, loss_fn, post_validate, correction)
         super().__init__(
             stages=stages,
             n_microbatches=n_microbatches,
@@ -175,6 +197,8 @@ class ScheduleContinuous(ContinuousActions, C.PipelineScheduleMultiBase):
             backward_requires_autograd=backward_requires_autograd,
         )
         self.mode = mode
+        #: 2bw's delay correction: None (PipeDream-2BW as published), "predict" or "nesterov"
+        self.correction = correction
         self.costs = costs if costs is not None else Costs()
         self.stage = stages[0]
         engine = choose_engine(split, stages, type(self).__name__, exact=exact)
@@ -186,6 +210,8 @@ class ScheduleContinuous(ContinuousActions, C.PipelineScheduleMultiBase):
         self.seam.split_keys = EVERY_KEY  # a continuous plan splits every backward
         p, m = self.pp_group_size, n_microbatches
         self.parts = continuous_parts(p, m, self.costs, memory_limit, mode)
+        if log.isEnabledFor(logging.INFO):  # (two more plans and a simulation: only if shown)
+            log.info("%s", continuous_tradeoff(p, m, self.costs, memory_limit).summary())
         if check_peers:
             plan = plan_continuous(p, m, self.costs, memory_limit, n_minibatches=2, mode=mode)
             fp = config_fingerprint(type(self), m, self._num_stages, plan)
@@ -194,7 +220,8 @@ class ScheduleContinuous(ContinuousActions, C.PipelineScheduleMultiBase):
                 self.stage.group,
                 self.rank,
                 fp,
-                f"ScheduleContinuous(n_microbatches={m}, mode={mode}, plan {fp})",
+                f"ScheduleContinuous(n_microbatches={m}, mode={mode}, "
+                f"correction={correction}, plan {fp})",
             )
         self.optimizer = _build_optimizer(optimizer, list(self.stage.submod.parameters()))
         self._pv = (
@@ -204,7 +231,9 @@ class ScheduleContinuous(ContinuousActions, C.PipelineScheduleMultiBase):
         )
         #: reports of the post-validated steps, in mini-batch order (post_validate only)
         self.step_reports: list[StepReport] = []
-        self._versions = WeightVersions(self.stage.submod, mode) if mode != "sync" else None
+        self._versions = (
+            WeightVersions(self.stage.submod, mode, correction) if mode != "sync" else None
+        )
         self._initialized = False
         self._warned_ignored_inputs = False  # step(x) on a rank without stage 0: warned once
         self._minibatches_before = 0  # mini-batches completed by earlier (flushed) streams
@@ -348,6 +377,7 @@ class ScheduleContinuous(ContinuousActions, C.PipelineScheduleMultiBase):
         self._refuse_in_flight("state_dict")
         return {
             "mode": self.mode,
+            "correction": self.correction,
             "stage_index": self.stage.stage_index,
             "n_microbatches": self._n_microbatches,
             "minibatches_done": self._minibatches_before,
@@ -359,10 +389,15 @@ class ScheduleContinuous(ContinuousActions, C.PipelineScheduleMultiBase):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved (same mode and stage; nothing in flight)."""
         self._refuse_in_flight("load_state_dict")
-        for key, mine in (("mode", self.mode), ("stage_index", self.stage.stage_index)):
-            if state[key] != mine:
+        checks = (
+            ("mode", self.mode),
+            ("correction", self.correction),
+            ("stage_index", self.stage.stage_index),
+        )
+        for key, mine in checks:
+            if state.get(key) != mine:  # (a checkpoint from before corrections has none)
                 raise ValueError(
-                    f"ScheduleContinuous.load_state_dict: checkpoint has {key}={state[key]!r}, "
+                    f"ScheduleContinuous.load_state_dict: checkpoint has {key}={state.get(key)!r}, "
                     f"this schedule {mine!r}"
                 )
         self.stage.submod.load_state_dict(state["module"])
@@ -394,9 +429,12 @@ class ScheduleContinuous(ContinuousActions, C.PipelineScheduleMultiBase):
         self._loss_values: dict[int, torch.Tensor] = {}
         self._reported = 0
         self._w_done: dict[int, int] = {}
-        self._grad_acc: dict[int, dict[str, torch.Tensor]] = {}
         self.seam.clear()
-        self._leaves: dict[int, dict[str, torch.Tensor]] = {}
+        #: 2bw/stash: each microbatch's leaf set and its key (zbpipe.continuous.versions)
+        self._leaves: dict[int, tuple[tuple[int, int], list[torch.Tensor]]] = {}
+        if self._versions is not None:
+            self._versions.leaf_sets.clear()
+            self._versions.drop_spare_grads()
         self._sends = PendingSends(consume_proofs=True)
         self._proofs = ChainProofs(self.stage.stage_index)
 

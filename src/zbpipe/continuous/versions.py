@@ -1,47 +1,136 @@
 """Weight versions of one stage for the ``2bw`` and ``stash`` continuous modes.
 
 The optimizer owns the stage module's parameters (the *master* weights, always the latest
-version) and updates them in place. A forward never reads them: it runs the stage functionally
-(``torch.func.functional_call``) on a version, a set of separate tensors cloned from the master
-right after an update and never written afterwards. So an update between a microbatch's forward
-and its backward cannot trip autograd's saved-tensor version check (the PipeDream trap), and
-the backward computes the gradient at exactly the weights the forward used.
+version) and updates them in place. A forward never reads them: it runs the stage on a version,
+a set of separate tensors copied from the master right after an update and never written while
+a microbatch uses them. So an update between a microbatch's forward and its backward cannot trip
+autograd's saved-tensor version check (the PipeDream trap), and the backward computes the
+gradient at exactly the weights the forward used.
 
-Each microbatch gets its own leaf aliases of its version's tensors (``detach()``: same storage,
-new autograd leaf), so its weight gradient lands in ``leaf.grad``, apart from other microbatches
-on the same version; the runtime sums them per mini-batch.
+What it costs, per stage (the stale modes' price over ``sync``, kept per mini-batch, not per
+microbatch):
+
+* **one copy of the weights per optimizer step**, into the buffers of a version no longer used
+  (recycled: no allocation, no page faults after the first steps). An in-place optimizer
+  destroys the values a microbatch in flight still reads, so one copy per step is the least any
+  optimizer-agnostic scheme can do;
+* **one set of leaf aliases per (version, mini-batch)** (``detach()``: same storage, new autograd
+  leaf), shared by the mini-batch's microbatches on that version: the weight-gradient pass adds
+  into their ``.grad`` as it adds into the module's in ``sync`` mode (inside the GEMM with the
+  deferred engine), so the mini-batch's gradient is summed where it is computed, with no
+  per-microbatch buffer and no per-microbatch Python loop over the parameters;
+* the leaves are put in the module's parameter slots (:class:`ModuleSlots`) when the leaf set
+  changes, not around each forward: a mini-batch's forwards in a row pay one dictionary check each.
 
 Version ``v`` is the weights after ``v`` optimizer steps of this stage. Which one a forward uses:
 
 * ``2bw``: mini-batch ``k`` uses version ``max(k - 1, 0)`` (PipeDream-2BW);
 * ``stash``: the latest version at the time of the forward (PipeDream weight stashing).
 
+With a ``correction`` (2bw only) a version is not the weights after ``v`` steps but an
+extrapolation of the last step, ``P(v) = W(v) + h (W(v) - W(v - 1))`` (``P(0) = W(0)``), and
+mini-batch ``k`` runs on ``P(k - 1)``:
+
+* ``"predict"``, ``h = 1``: an estimate of the ``W(k)`` a synchronous run would use (weight
+  prediction, as SpecTrain and PipeMare do);
+* ``"nesterov"``, ``h = 2``: that estimate plus one more step, so the gradient is taken one step
+  ahead of the weights it is applied to, as Nesterov's momentum takes it (see docs/continuous.md
+  for the literature and the measurements).
+
+It costs one more pass over the weights per step (the master is copied before the step; the
+prediction is formed in the same buffer after it).
+
 A version is kept while an in-flight microbatch uses it, while it is the latest, or (2bw) while
 the stage's next forward will use it. :attr:`peak` is the most versions held at once (the latest
-included), the number the plan layer bounds by 2 (2bw) and ``p - s`` (stash).
+included), the number the plan layer bounds by 2 (2bw) and ``p - s`` (stash); a recycled buffer
+waiting for the next step replaces a version dropped before it, so the buffers held never
+exceed :attr:`peak` sets.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
+
+from .. import _compat as C
+from ..engines.accumulate import GRAD_BUFFER
+
+CORRECTIONS = (None, "predict", "nesterov")
+#: how many steps each correction extrapolates the last one
+HORIZON = {"predict": 1.0, "nesterov": 2.0}
+LeafKey = tuple[int, int]  # (version, global mini-batch)
+
+
+class ModuleSlots:
+    """Where each trainable parameter of a module is registered, to put other tensors there.
+
+    ``torch.func.functional_call`` does the same around every call (and checks tied weights,
+    strictness and buffers each time); here the slots are found once per stage and a swap is one
+    dictionary write per slot, done only when the tensors to run on change.
+    """
+
+    def __init__(self, module: nn.Module, params: Sequence[torch.Tensor]) -> None:
+        index = {id(p): i for i, p in enumerate(params)}
+        self.module = module
+        self.masters = list(params)
+        #: (owning module, attribute, index into params); a tied parameter has several
+        self.slots = [
+            (mod, name, index[id(t)])
+            for mod in module.modules(remove_duplicate=False)
+            for name, t in C.own_parameters(mod).items()
+            if t is not None and id(t) in index
+        ]
+        self.installed: object | None = None  # key of the tensors in the slots (None: masters)
+
+    def install(self, key: object, tensors: Sequence[torch.Tensor]) -> None:
+        """Put ``tensors`` (aligned with ``params``) in the slots, unless ``key`` is there."""
+        if self.installed == key:
+            return
+        for mod, name, i in self.slots:
+            C.set_own_parameter(mod, name, tensors[i])
+        self.installed = key
+
+    def restore(self) -> None:
+        """Put the module's own parameters back."""
+        if self.installed is None:
+            return
+        for mod, name, i in self.slots:
+            C.set_own_parameter(mod, name, self.masters[i])
+        self.installed = None
 
 
 class WeightVersions:
     """The versions of one stage module's trainable parameters."""
 
-    def __init__(self, module: nn.Module, mode: str) -> None:
+    def __init__(self, module: nn.Module, mode: str, correction: str | None = None) -> None:
         if mode not in ("2bw", "stash"):
             raise ValueError(f"WeightVersions: mode must be '2bw' or 'stash', got {mode!r}")
+        if correction not in CORRECTIONS:
+            raise ValueError(
+                f"WeightVersions: correction must be one of {CORRECTIONS}, got {correction!r}"
+            )
+        if correction is not None and mode != "2bw":
+            raise ValueError(
+                f"WeightVersions: correction={correction!r} needs mode='2bw', got {mode!r}"
+            )
         self.mode = mode
+        self.correction = correction
         self.params = {n: p for n, p in module.named_parameters() if p.requires_grad}
+        self._names = list(self.params)
+        self._masters = [p.detach() for p in self.params.values()]
+        self.slots = ModuleSlots(module, list(self.params.values()))
         self.latest = 0
-        self.store: dict[int, dict[str, torch.Tensor]] = {0: self._snapshot()}
+        self.store: dict[int, list[torch.Tensor]] = {0: [t.clone() for t in self._masters]}
         self.uses: dict[int, int] = {}  # in-flight microbatch -> version
         self.peak = 1
-
-    def _snapshot(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().clone() for n, p in self.params.items()}
+        self._spare: list[torch.Tensor] | None = None  # buffers of a dropped version, for reuse
+        self._before: list[torch.Tensor] | None = None  # correction: the master before the step
+        #: (version, mini-batch) -> leaf aliases, shared by the mini-batch's microbatches
+        self.leaf_sets: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._grad_spare: list[torch.Tensor | None] | None = None  # last step's gradients
+        self._prepared: set[tuple[int, int]] = set()  # leaf sets offered gradient buffers
 
     def version_for(self, minibatch: int) -> int:
         """The version a forward of global mini-batch ``minibatch`` runs on."""
@@ -54,31 +143,124 @@ class WeightVersions:
             )
         return v
 
-    def acquire(self, microbatch: int, version: int) -> dict[str, torch.Tensor]:
-        """Leaf aliases of ``version`` for one microbatch's forward.
+    def acquire(self, microbatch: int, minibatch: int) -> tuple[LeafKey, list[torch.Tensor]]:
+        """The leaf set microbatch ``microbatch`` of ``minibatch`` runs on, and its key.
 
-        Gradients land in their ``.grad``.
+        Its weight gradients land in the leaves' ``.grad``, shared with the mini-batch's other
+        microbatches on the same version.
         """
+        version = self.version_for(minibatch)
         self.uses[microbatch] = version
-        return {n: t.detach().requires_grad_() for n, t in self.store[version].items()}
+        key = (version, minibatch)
+        leaves = self.leaf_sets.get(key)
+        if leaves is None:
+            leaves = [t.detach().requires_grad_() for t in self.store[version]]
+            self.leaf_sets[key] = leaves
+        return key, leaves
+
+    def prepare_grads(self, key: tuple[int, int]) -> None:
+        """Before the first backward pass on leaf set ``key``: offer its leaves the gradient
+        buffers of the last step (the deferred engine writes a weight's first product into its
+        buffer, as sync's first product goes into a fresh allocation, then adds the next ones
+        inside the GEMM; :data:`zbpipe.engines.accumulate.GRAD_BUFFER`).
+
+        Offered at the first B, not at F: by then the previous mini-batch's gradients have been
+        stepped and handed back, so no more gradient buffers are alive than in sync. A buffer
+        nothing takes (a parameter the mini-batch did not use, a bias, the graph engine) leaves
+        the leaf's gradient as it would be without the offer.
+        """
+        if key in self._prepared:
+            return
+        self._prepared.add(key)
+        leaves = self.leaf_sets[key]
+        for other, done in self.leaf_sets.items():
+            if other[1] == key[1] and other in self._prepared and other != key:
+                # stash: the mini-batch's microbatches on an earlier version ran their passes
+                # (in microbatch order): this set adds into the same buffers, no second sum
+                for leaf, mine in zip(leaves, done):
+                    if leaf.grad is None and mine.grad is not None:
+                        leaf.grad = mine.grad
+        spare, self._grad_spare = self._grad_spare, None
+        for leaf, buf in zip(leaves, spare or ()):
+            if buf is not None and leaf.grad is None:
+                setattr(leaf, GRAD_BUFFER, buf)
+
+    def recycle_grads(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """The gradients the optimizer just used (aligned with :attr:`params`), for reuse."""
+        self._grad_spare = list(grads)
+
+    def drop_spare_grads(self) -> None:
+        """Let go of the last step's gradient buffers (a stream ended: between streams a stale
+        mode holds no gradient memory, as sync holds none)."""
+        self._grad_spare = None
 
     def release(self, microbatch: int, next_minibatch: int) -> None:
         """The microbatch's last backward pass is done."""
         del self.uses[microbatch]
         self._prune(next_minibatch)
 
+    def take_grads(self, minibatch: int) -> list[torch.Tensor | None]:
+        """The summed gradient of ``minibatch``, per parameter (aligned with :attr:`params`).
+
+        Drops the mini-batch's leaf sets. One version (2bw, and most stash mini-batches): its
+        leaves' ``.grad`` as they are; several (a stash mini-batch whose forwards straddle a
+        step): summed in version order.
+        """
+        keys = sorted(key for key in self.leaf_sets if key[1] == minibatch)
+        out: list[torch.Tensor | None] = [None] * len(self._names)
+        for key in keys:
+            leaves = self.leaf_sets.pop(key)
+            self._prepared.discard(key)
+            for i, leaf in enumerate(leaves):
+                g = leaf.grad
+                if g is None:
+                    continue
+                current = out[i]
+                if current is None:
+                    out[i] = g
+                elif current is not g:  # (a shared buffer is counted once)
+                    current.add_(g)
+        return out
+
+    def before_step(self) -> None:
+        """The optimizer is about to step the master (a correction keeps what it was)."""
+        if self.correction is not None:
+            before = self._take_spare()
+            with torch.no_grad():
+                for b, t in zip(before, self._masters):
+                    b.copy_(t)
+            self._before = before
+
     def updated(self, next_minibatch: int) -> None:
         """The optimizer stepped the master weights: they become version ``latest + 1``."""
+        with torch.no_grad():
+            if self._before is not None:  # P = W + h (W - W_before), in W_before's buffer
+                new, self._before = self._before, None
+                weight = 1.0 + HORIZON[str(self.correction)]
+                for b, t in zip(new, self._masters):
+                    b.lerp_(t, weight)
+            else:
+                new = self._take_spare()
+                for b, t in zip(new, self._masters):
+                    b.copy_(t)
         self.latest += 1
-        self.store[self.latest] = self._snapshot()
+        self.store[self.latest] = new
         self._prune(next_minibatch)
+
+    def _take_spare(self) -> list[torch.Tensor]:
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            return spare
+        return [torch.empty_like(t) for t in self._masters]
 
     def _prune(self, next_minibatch: int) -> None:
         keep = set(self.uses.values()) | {self.latest}
         if self.mode == "2bw":
             keep.add(max(next_minibatch - 1, 0))
         for v in [v for v in self.store if v not in keep]:
-            del self.store[v]
+            dropped = self.store.pop(v)
+            if self._spare is None:
+                self._spare = dropped  # the next step's copy goes here
         self.peak = max(self.peak, len(self.store))
 
     # ------------------------------------------------------------------ checkpoint
@@ -87,17 +269,22 @@ class WeightVersions:
             raise RuntimeError("WeightVersions: microbatches in flight; call flush() first")
         return {
             "latest": self.latest,
-            "store": {v: {n: t.clone() for n, t in ts.items()} for v, ts in self.store.items()},
+            "store": {
+                v: {n: t.clone() for n, t in zip(self._names, ts)} for v, ts in self.store.items()
+            },
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.latest = int(state["latest"])
         self.store = {
-            int(v): {n: t.detach().clone() for n, t in ts.items()}
+            int(v): [ts[n].detach().clone() for n in self._names]
             for v, ts in state["store"].items()
         }
         self.uses = {}
+        self.leaf_sets = {}
+        self._prepared = set()
+        self._spare = self._before = self._grad_spare = None
         self.peak = max(self.peak, len(self.store))
 
 
-__all__ = ["WeightVersions"]
+__all__ = ["CORRECTIONS", "ModuleSlots", "WeightVersions"]

@@ -69,6 +69,12 @@ def weight_grad(g2d: Tensor, x2d: Tensor, dtype: torch.dtype | None, out: torch.
     return g2d.t().mm(x2d)
 
 
+#: attribute under which a runtime may offer a weight a buffer for its first gradient (the
+#: continuous schedule's stale modes hand back the last step's gradients): the first product is
+#: written into it, ``mm(out=)``, instead of into a fresh allocation
+GRAD_BUFFER = "_zbpipe_grad_buffer"
+
+
 def add_product(weight: Tensor, x: Tensor, g: Tensor, dtype: torch.dtype | None) -> Tensor | None:
     """Add ``weight``'s gradient ``g^T @ x`` to its ``.grad``: inside the GEMM where it can,
     else as ``AccumulateGrad`` would. A weight with post-accumulate hooks gets nothing: the
@@ -78,9 +84,28 @@ def add_product(weight: Tensor, x: Tensor, g: Tensor, dtype: torch.dtype | None)
     grad = weight.grad
     if grad is not None and _accumulates_in_gemm(grad, x, dtype):
         grad.addmm_(g.t(), x)
+    elif grad is None and (buf := _offered_buffer(weight, x, dtype)) is not None:
+        torch.mm(g.t(), x, out=buf)  # the product autograd would steal, in a recycled buffer
+        weight.grad = buf
     else:
         accumulate(weight, weight_grad(g, x, dtype, weight.dtype))
     return None
+
+
+def _offered_buffer(weight: Tensor, x: Tensor, dtype: torch.dtype | None) -> Tensor | None:
+    """The buffer offered under :data:`GRAD_BUFFER` (taken: it is used once), if it fits."""
+    buf = weight.__dict__.pop(GRAD_BUFFER, None)
+    if (
+        buf is None
+        or dtype is not None
+        or type(buf) is not Tensor
+        or type(x) is not Tensor
+        or buf.dtype != x.dtype
+        or buf.shape != weight.shape
+        or buf.stride() != weight.stride()
+    ):
+        return None
+    return buf
 
 
 def _accumulates_in_gemm(grad: Tensor, x: Tensor, dtype: torch.dtype | None) -> bool:
