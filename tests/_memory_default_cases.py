@@ -1,0 +1,135 @@
+"""Per-rank bodies of the memory-by-default tests (module level: spawned processes import them)."""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import torch
+import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+import zbpipe
+from zbpipe.memory import SavedActivationMeter
+from zbpipe.patching import undo_all
+from zbpipe.planning import loop_placement, v_placement
+from zbpipe.testing.models import TinyGPTConfig, build_stages, lm_loss, synthetic_batch
+
+#: a heavy head: the logits of one microbatch (4 x 16 x 1024 floats, 256 KiB) and the loss's
+#: log-softmax weigh several blocks' activations (hidden 32)
+HEAVY = dict(vocab=1024, hidden=32, seq=16, heads=2)
+ROWS = 4
+
+
+def _modules(world: int, v: bool) -> list[nn.Module]:
+    """The same model (2 x world blocks) in world stages, or in 2 x world chunks for V."""
+    n = 2 * world if v else world
+    cfg = TinyGPTConfig(**HEAVY, blocks_per_stage=2 * world // n)
+    return build_stages(cfg, n, seed=3)
+
+
+def _batch(m: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return synthetic_batch(TinyGPTConfig(**HEAVY), m * ROWS, step)
+
+
+def torch_1f1b_peak(rank: int, world: int, m: int, steps: int = 2) -> int:
+    """This rank's peak held for backward under torch's Schedule1F1B (the last of ``steps``)."""
+    mods = _modules(world, v=False)
+    stage = PipelineStage(mods[rank], rank, world, torch.device("cpu"))
+    meter = SavedActivationMeter()
+    sched = Schedule1F1B(stage, m, loss_fn=meter.watch_loss(lm_loss))
+    patches = meter.attach(stage)
+    try:
+        peak = 0
+        for step in range(steps):
+            ids, tgt = _batch(m, step)
+            stage.submod.zero_grad(set_to_none=True)
+            gc.collect()
+            meter.begin_step()
+            sched.step(*((ids,) if rank == 0 else ()), target=tgt if rank == world - 1 else None)
+            gc.collect()
+            peak = meter.end_step().peak_bytes
+        return peak
+    finally:
+        undo_all(patches)
+
+
+def default_peak_and_grads(
+    rank: int, world: int, name: str, split: str, m: int, steps: int = 3, **options
+) -> dict:
+    """One zbpipe schedule built with default arguments (plus ``options``): this rank's peak
+    held for backward in the last of ``steps`` steps (the first re-planned for the measured
+    bytes), the largest gradient difference from the unpipelined reference in that step, the
+    rank-0 log lines, and the plan's name."""
+    cls = zbpipe.get_schedule_class(name)
+    v = cls.layout == "v"
+    mods = _modules(world, v)
+    ref_mods = copy.deepcopy(mods)
+    n = len(mods)
+    placement = v_placement(world) if v else loop_placement(world, n)
+    mine = sorted(s for s, r in placement.items() if r == rank)
+    stages = [PipelineStage(mods[s], s, n, torch.device("cpu")) for s in mine]
+    sched = cls(stages, m, loss_fn=lm_loss, split=split, trace=False, **options)
+    meter = SavedActivationMeter()
+    sched.attach_meter(meter)
+    peak, diff = 0, float("inf")
+    for step in range(steps):
+        ids, tgt = _batch(m, step)
+        for st in stages:
+            st.submod.zero_grad(set_to_none=True)
+        gc.collect()
+        meter.begin_step()
+        sched.step(
+            arg_mbs=[(x,) for x in ids.chunk(m)] if 0 in mine else None,
+            target_mbs=list(tgt.chunk(m)) if n - 1 in mine else None,
+        )
+        gc.collect()
+        peak = meter.end_step().peak_bytes
+    ref = copy.deepcopy(nn.Sequential(*ref_mods))
+    losses = [lm_loss(ref(x), y) for x, y in zip(ids.chunk(m), tgt.chunk(m))]
+    (torch.stack(losses).sum() / m).backward()
+    diff = 0.0
+    for s in mine:
+        for p, q in zip(mods[s].parameters(), ref[s].parameters()):
+            diff = max(diff, (p.grad - q.grad).abs().max().item())
+    return {
+        "peak": peak,
+        "grad_diff": diff,
+        "plan": sched.plan.name,
+        "replanned": sched.memory_costs is not None,
+        "unit_bytes": sched.memory_unit_bytes,
+        "mem_f": None
+        if sched.memory_costs is None
+        else [f * sched.memory_unit_bytes for f in sched.memory_costs.mem_f],
+    }
+
+
+def heavy_head_rows(rank: int, world: int, m: int, runs: list[tuple[str, str]]) -> dict:
+    """torch 1F1B's peak, then every ``(schedule name, engine)`` of ``runs`` with defaults."""
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    out: dict = {"torch": torch_1f1b_peak(rank, world, m)}
+    for name, split in runs:
+        out[(name, split)] = default_peak_and_grads(rank, world, name, split, m)
+    return out
+
+
+def opted_out(rank: int, world: int, m: int) -> dict:
+    """``measure_memory=False``: no probe, no re-plan; the plan stays the equal-bytes one."""
+    mods = _modules(world, v=False)
+    stage = PipelineStage(mods[rank], rank, world, torch.device("cpu"))
+    sched = zbpipe.ScheduleZBH1([stage], m, loss_fn=lm_loss, measure_memory=False)
+    before = sched.plan
+    for step in range(2):
+        ids, tgt = _batch(m, step)
+        sched.step(*((ids,) if rank == 0 else ()), target=tgt if rank == world - 1 else None)
+    return {"replanned": sched.memory_costs is not None, "same_plan": sched.plan is before}
+
+
+def four_rank_grads(rank: int, world: int, m: int) -> dict:
+    """Largest gradient difference from the reference after the re-plan (correctness only)."""
+    return {
+        name: default_peak_and_grads(rank, world, name, "deferred", m, steps=2)["grad_diff"]
+        for name in ("ZBH1", "ZBV", "ZBVMin")
+    }
