@@ -133,3 +133,56 @@ def four_rank_grads(rank: int, world: int, m: int) -> dict:
         name: default_peak_and_grads(rank, world, name, "deferred", m, steps=2)["grad_diff"]
         for name in ("ZBH1", "ZBV", "ZBVMin")
     }
+
+
+def chooser_rows(rank: int, world: int, m: int, budgets: list[str]) -> dict:
+    """Per byte budget: the plan ScheduleAuto chose after its measuring step, this rank's peak
+    held in a later step, the costs it chose from (to compute the expected plan in the test),
+    or the error it raised."""
+    out: dict = {}
+    for budget in budgets:
+        mods = _modules(world, v=False)
+        stage = PipelineStage(mods[rank], rank, world, torch.device("cpu"))
+        try:
+            sched = zbpipe.choose_schedule([stage], m, lm_loss, memory_limit=budget, trace=False)
+        except ValueError as e:  # pragma: no cover - the budget is checked after the first step
+            out[budget] = {"error": f"construction: {e}"}
+            continue
+        meter = SavedActivationMeter()
+        sched.attach_meter(meter)
+        first_plan = sched.plan.name
+        row: dict = {"first_plan": first_plan}
+        try:
+            for step in range(3):
+                ids, tgt = _batch(m, step)
+                stage.submod.zero_grad(set_to_none=True)
+                gc.collect()
+                meter.begin_step()
+                sched.step(*((ids,) if rank == 0 else ()), target=tgt if rank == world - 1 else None)
+                gc.collect()
+                row.setdefault("peaks", []).append(meter.end_step().peak_bytes)
+        except ValueError as e:
+            row["error"] = str(e)
+            row["steps_done"] = len(row.get("peaks", []))
+        row["plan"] = sched.plan.name
+        row["unit_bytes"] = sched.memory_unit_bytes
+        costs = sched.memory_costs
+        row["costs"] = None if costs is None else {
+            f: getattr(costs, f) for f in ("f", "b", "w", "comm", "mem_f", "mem_b", "mem_w")
+        }
+        out[budget] = row
+    return out
+
+
+def chooser_from_given_bytes(rank: int, world: int, m: int, budget: str, costs: dict) -> str:
+    """``choose_schedule`` with bytes measured before (``costs=`` in bytes, ``unit_bytes=1``):
+    the error, raised at construction, before any step; or the chosen plan's name."""
+    mods = _modules(world, v=False)
+    stage = PipelineStage(mods[rank], rank, world, torch.device("cpu"))
+    try:
+        sched = zbpipe.choose_schedule(
+            [stage], m, lm_loss, memory_limit=budget, costs=zbpipe.Costs(**costs), unit_bytes=1.0
+        )
+    except ValueError as e:
+        return f"ValueError: {e}"
+    return str(sched.plan.name)
