@@ -158,7 +158,9 @@ def chooser_rows(rank: int, world: int, m: int, budgets: list[str]) -> dict:
                 stage.submod.zero_grad(set_to_none=True)
                 gc.collect()
                 meter.begin_step()
-                sched.step(*((ids,) if rank == 0 else ()), target=tgt if rank == world - 1 else None)
+                sched.step(
+                    *((ids,) if rank == 0 else ()), target=tgt if rank == world - 1 else None
+                )
                 gc.collect()
                 row.setdefault("peaks", []).append(meter.end_step().peak_bytes)
         except ValueError as e:
@@ -167,9 +169,11 @@ def chooser_rows(rank: int, world: int, m: int, budgets: list[str]) -> dict:
         row["plan"] = sched.plan.name
         row["unit_bytes"] = sched.memory_unit_bytes
         costs = sched.memory_costs
-        row["costs"] = None if costs is None else {
-            f: getattr(costs, f) for f in ("f", "b", "w", "comm", "mem_f", "mem_b", "mem_w")
-        }
+        row["costs"] = (
+            None
+            if costs is None
+            else {f: getattr(costs, f) for f in ("f", "b", "w", "comm", "mem_f", "mem_b", "mem_w")}
+        )
         out[budget] = row
     return out
 

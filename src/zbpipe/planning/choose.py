@@ -112,10 +112,11 @@ def evaluate_candidates(
     loop_costs = costs if costs is not None else (v_costs.joined(2) if v_costs else Costs())
     chunk_costs = v_costs if v_costs is not None else loop_costs.split(2)
     out: list[Candidate] = []
-    for layout, names, c in (
+    families: tuple[tuple[Layout, tuple[str, ...], Costs], ...] = (
         ("loop", LOOP_CANDIDATES, loop_costs),
         ("v", V_CANDIDATES, chunk_costs),
-    ):
+    )
+    for layout, names, c in families:
         if layout not in layouts:
             continue
         for name in names:
@@ -123,9 +124,7 @@ def evaluate_candidates(
     return out
 
 
-def _evaluate(
-    name: str, layout: Layout, p: int, m: int, costs: Costs, limit: float
-) -> Candidate:
+def _evaluate(name: str, layout: Layout, p: int, m: int, costs: Costs, limit: float) -> Candidate:
     try:
         planned = build(name, p, m, costs=costs)
     except ValueError as e:
