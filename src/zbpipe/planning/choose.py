@@ -68,11 +68,18 @@ def choose_plan(
     *,
     v_costs: Costs | None = None,
     layouts: Sequence[Layout] = ("loop", "v"),
+    unit_bytes: float | None = None,
 ) -> Choice:
     """The fastest plan whose simulated per-rank peak is within ``memory_limit``.
 
-    Raises ``ValueError`` when no candidate fits, naming the least peak any candidate needs.
+    Raises ``ValueError`` when no candidate fits, naming the least peak any candidate needs
+    (in bytes when ``unit_bytes``, the bytes of one memory unit, is given).
     """
+    from .budget import format_bytes
+
+    def mem(x: float) -> str:
+        return format_bytes(x * unit_bytes) if unit_bytes is not None else f"{x:.4g}"
+
     candidates = evaluate_candidates(
         num_ranks, n_microbatches, memory_limit, costs, v_costs=v_costs, layouts=layouts
     )
@@ -81,14 +88,14 @@ def choose_plan(
         planned = [c for c in candidates if c.plan is not None]
         least = min(planned, key=lambda c: c.peak) if planned else None
         hint = (
-            f"; the least any candidate needs is {least.peak:.4g} ({least.name})"
+            f"; the least any candidate needs is {mem(least.peak)} ({least.name})"
             if least is not None
             else ""
         )
         raise ValueError(
-            f"no schedule fits memory_limit {memory_limit:.4g} per rank{hint}; raise the "
+            f"no schedule fits memory_limit {mem(memory_limit)} per rank{hint}; raise the "
             "budget, use more pipeline ranks or smaller microbatches, or checkpoint "
-            "activations\n" + format_table(candidates, memory_limit, None, None)
+            "activations\n" + format_table(candidates, memory_limit, unit_bytes, None)
         )
     best = min(fitting, key=lambda c: round(c.makespan, 9))  # min keeps the first of ties
     return Choice(best=best, candidates=tuple(candidates), memory_limit=memory_limit)

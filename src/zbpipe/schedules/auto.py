@@ -115,6 +115,7 @@ class ScheduleAuto(PlannedSchedule):
                 costs=None if v else costs,
                 v_costs=costs if v else None,
                 layouts=(self.layout,),
+                unit_bytes=unit,
             )
         except ValueError as e:
             budget = (
