@@ -11,8 +11,8 @@ the chooser's code path.
 from __future__ import annotations
 
 import pytest
-from tests import _memory_default_cases as cases
 
+from tests.schedules import _memory_default_cases as cases
 from zbpipe.planning import Costs, plan, simulate
 from zbpipe.testing import run_ranks
 

@@ -11,8 +11,8 @@ gradients come from the unpipelined model in the same process.
 from __future__ import annotations
 
 import pytest
-from tests import _memory_default_cases as cases
 
+from tests.schedules import _memory_default_cases as cases
 from zbpipe.testing import run_ranks
 
 pytestmark = pytest.mark.dist
