@@ -216,17 +216,26 @@ def _resolve_budget(cls: type, text: str, args: tuple[Any, ...], kwargs: dict[st
 
 
 def _fixed(base: type, plan_name: str, option: str, value: Any, doc: str) -> type:
+    return with_fixed_option(base, f"Schedule{plan_name}", option, value, doc)
+
+
+def with_fixed_option(
+    base: type, class_name: str, option: str, value: Any, doc: str | None = None
+) -> type:
+    """A subclass of ``base`` named ``class_name`` that always runs ``option=value``."""
+
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         given = kwargs.pop(option, value)
         if given != value:
             raise ValueError(
-                f"Schedule{plan_name} runs {option}={value!r}; got {option}={given!r}: "
+                f"{class_name} runs {option}={value!r}; got {option}={given!r}: "
                 f"use {base.__name__}({option}={given!r}) instead"
             )
         base.__init__(self, *args, **{option: value}, **kwargs)
 
+    doc = doc or f"{base.__name__} with {option}={value!r}."
     return type(
-        f"Schedule{plan_name}",
+        class_name,
         (base,),
         # plan_name stays the base's: its build_plan turns the fixed option into this plan.
         {
