@@ -19,7 +19,7 @@ from zbpipe.testing import run_ranks
 pytestmark = pytest.mark.dist
 
 M = 4
-BUDGETS = ["64MiB", "620KiB", "1KiB"]
+BUDGETS = ["64MiB", "620KiB", "1KiB", "ZBAuto:620KiB", "ZBAuto:1KiB"]
 
 
 @pytest.fixture(scope="module")
@@ -73,3 +73,16 @@ def test_given_bytes_raise_at_construction_before_any_communication(rows):
     costs["mem_w"] = [f * row["unit_bytes"] for f in costs["mem_w"]]
     out = run_ranks(cases.chooser_from_given_bytes, 2, M, "1KiB", costs, timeout=120)
     assert all(o.startswith("ValueError: ScheduleAuto: no loop-placement") for o in out), out
+
+
+def test_zbauto_with_a_byte_budget_runs_its_plan_within_it(rows):
+    for out in rows:
+        row = out["ZBAuto:620KiB"]
+        assert "error" not in row, row.get("error")
+        assert row["first_plan"] == "OneInFlight" and row["plan"] == "ZB2P"
+        assert max(row["peaks"][1:]) <= 620 * 2**10, row["peaks"]
+
+
+def test_zbauto_with_an_unreachable_byte_budget_raises_on_every_rank(rows):
+    for out in rows:
+        assert "ScheduleZBAuto: memory_limit 1 KiB per rank is below" in out["ZBAuto:1KiB"]["error"]
