@@ -135,7 +135,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         #: bytes per memory unit of ``measured_costs`` (None until memory was measured)
         self.memory_unit_bytes: float | None = None
         #: the costs the plan was re-made for after the first step measured bytes: the given
-        #: times with the measured memory fields (None until then; see zbpipe.memory_replan)
+        #: times with the measured memory fields (None until then; see zbpipe.observe.memory_replan)
         self.memory_costs: Costs | None = None
         self.plan: Plan = self.build_plan(
             self.pp_group_size, n_microbatches, self.costs, **plan_options
@@ -167,7 +167,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
             CostProfiler(profile or ProfileConfig(), keep_tracing=trace) if profiling else None
         )
         # Memory promises by default: the first step measures bytes, the plan is re-made for
-        # them (zbpipe.memory_replan); costs="profile" measures them in its own steps.
+        # them (zbpipe.observe.memory_replan); costs="profile" measures them in its own steps.
         self._memory_replanner = (
             MemoryReplanner()
             if measure_memory and not profiling and type(self).memory_planned
