@@ -216,6 +216,9 @@ def _rank_main(rank: int, world: int, cfg: Config) -> dict | None:
     base = out[cfg.schedules[0]]["step_time_s"]
     for name in cfg.schedules:
         out[name]["ratio_to_first"] = paired_ratios(out[name]["step_time_s"], base)
+        if name + "+units" in out:  # the default (bytes measured) against measure_memory=False
+            units = out[name + "+units"]["step_time_s"]
+            out[name]["ratio_to_units"] = paired_ratios(out[name]["step_time_s"], units)
     return out
 
 
