@@ -192,3 +192,42 @@ def chooser_from_given_bytes(rank: int, world: int, m: int, budget: str, costs: 
     except ValueError as e:
         return f"ValueError: {e}"
     return str(sched.plan.name)
+
+
+def chooser_v_row(rank: int, world: int, m: int, budget: str) -> dict:
+    """``choose_schedule`` on V-placed stages (two per rank): ScheduleAutoV's choice after its
+    measuring step, the costs it chose from, this rank's peak in the next step and the largest
+    gradient difference from the unpipelined reference there."""
+    mods = _modules(world, v=True)
+    ref_mods = copy.deepcopy(mods)
+    n = len(mods)
+    mine = sorted(s for s, r in v_placement(world).items() if r == rank)
+    stages = [PipelineStage(mods[s], s, n, torch.device("cpu")) for s in mine]
+    sched = zbpipe.choose_schedule(stages, m, lm_loss, memory_limit=budget, trace=False)
+    meter = SavedActivationMeter()
+    sched.attach_meter(meter)
+    row: dict = {"cls": type(sched).__name__, "first_plan": sched.plan.name}
+    for step in range(2):
+        ids, tgt = _batch(m, step)
+        for st in stages:
+            st.submod.zero_grad(set_to_none=True)
+        gc.collect()
+        meter.begin_step()
+        sched.step(*((ids,) if 0 in mine else ()), target=tgt if n - 1 in mine else None)
+        gc.collect()
+        row["peak"] = meter.end_step().peak_bytes
+    ref = copy.deepcopy(nn.Sequential(*ref_mods))
+    losses = [lm_loss(ref(x), y) for x, y in zip(ids.chunk(m), tgt.chunk(m))]
+    (torch.stack(losses).sum() / m).backward()
+    row["grad_diff"] = max(
+        (p.grad - q.grad).abs().max().item()
+        for s in mine
+        for p, q in zip(mods[s].parameters(), ref[s].parameters())
+    )
+    row["plan"] = sched.plan.name
+    row["unit_bytes"] = sched.memory_unit_bytes
+    costs = sched.memory_costs
+    row["costs"] = {
+        f: getattr(costs, f) for f in ("f", "b", "w", "comm", "mem_f", "mem_b", "mem_w")
+    }
+    return row

@@ -86,3 +86,22 @@ def test_zbauto_with_a_byte_budget_runs_its_plan_within_it(rows):
 def test_zbauto_with_an_unreachable_byte_budget_raises_on_every_rank(rows):
     for out in rows:
         assert "ScheduleZBAuto: memory_limit 1 KiB per rank is below" in out["ZBAuto:1KiB"]["error"]
+
+
+def test_v_stages_get_the_v_chooser_and_its_fastest_plan_within_the_budget():
+    """Two stages per rank in V placement: ScheduleAutoV, choosing among ZB-V, V-Half and V-Min
+    for the bytes its first step measured; gradients still equal the unpipelined model's."""
+    budget = 64 * 2**20
+    out = run_ranks(cases.chooser_v_row, 2, M, "64MiB", timeout=300)
+    for row in out:
+        assert row["cls"] == "ScheduleAutoV" and row["first_plan"] == "OneInFlight"
+        assert row["grad_diff"] < 1e-5, row["grad_diff"]
+        assert row["peak"] <= budget
+    costs = Costs(**out[0]["costs"])
+    fastest = None
+    for name in ("ZBV", "ZBVHalf", "ZBVMin"):
+        r = simulate(plan(name, 2, M, costs=costs), costs)
+        if max(r.peak_memory.values()) * out[0]["unit_bytes"] <= budget:
+            if fastest is None or r.makespan < fastest[0] - 1e-9:
+                fastest = (r.makespan, name)
+    assert fastest is not None and out[0]["plan"] == fastest[1]
