@@ -49,14 +49,15 @@ class MemoryReplanner:
         self.done = False
 
     def before_step(self, sched: Any) -> None:
-        """Call on every rank before each step: the probe watches the first one.
+        """Call on every rank before each step: the probe watches the first one."""
+        from .. import _compat as C
 
-        Compiled stages are probed too, as ``costs="profile"`` does: a compiled region's autograd
-        node saves its tensors through the same saved-tensor hooks, which make dynamo trace
-        nothing again.
-        """
-        if not self.done:
-            sched.seam.probe = self.probe
+        if self.done:
+            return
+        # A compiled stage's regions and the probe's saved-tensor hooks do not mix: that rank
+        # records nothing, so every rank sees a stage without bytes and keeps the unit model.
+        compiled = any(C.is_compiled(st.submod) for st in sched._stages)
+        sched.seam.probe = None if compiled else self.probe
 
     def after_step(self, sched: Any) -> None:
         """Call on every rank after a step with a backward: re-plans once (a collective)."""
