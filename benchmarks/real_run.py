@@ -99,8 +99,11 @@ def _build(name: str, rank: int, world: int, cfg: Config) -> tuple[Any, list, An
     from zbpipe.schedules import ScheduleZBH1, ScheduleZBV
     from zbpipe.testing.models import TinyGPTConfig, build_stages, lm_loss
 
+    name, _, variant = name.partition("+")  # "ZBH1+units": measure_memory=False (issue 27)
     name, _, split = name.partition("@")  # "ZBV@graph": zbpipe's ZBV with the graph engine
-    options = {"split": split} if split else {}
+    options: dict[str, Any] = {"split": split} if split else {}
+    if variant == "units":  # the plan for equal bytes per stage, as before the first-step probe
+        options["measure_memory"] = False
     two_chunks = name not in ("torch:1F1B", "ZBH1")
     n_stages = 2 * world if two_chunks else world
     if cfg.blocks % n_stages:
@@ -213,6 +216,9 @@ def _rank_main(rank: int, world: int, cfg: Config) -> dict | None:
     base = out[cfg.schedules[0]]["step_time_s"]
     for name in cfg.schedules:
         out[name]["ratio_to_first"] = paired_ratios(out[name]["step_time_s"], base)
+        if name + "+units" in out:  # the default (bytes measured) against measure_memory=False
+            units = out[name + "+units"]["step_time_s"]
+            out[name]["ratio_to_units"] = paired_ratios(out[name]["step_time_s"], units)
     return out
 
 

@@ -77,3 +77,23 @@ def test_compare_says_what_2bw_would_save_over_sync(capsys):
     out = capsys.readouterr().out
     assert "continuous, p=4, m=4: sync leaves a bubble rate of 20.0%" in out
     assert "2bw would save" in out
+
+
+def test_choose_prints_every_candidate_and_the_fastest_within_the_budget(capsys):
+    from zbpipe.cli import main
+
+    assert main(["choose", "-p", "4", "-m", "16", "--budget", "80MiB", "--mem-f", "19MiB"]) == 0
+    out = capsys.readouterr().out
+    for name in ("1F1B", "ZBH1", "ZB1P", "ZB2P", "ZBV", "ZBVHalf", "ZBVMin"):
+        assert f"\n{name} " in out
+    # unit times: ZB-V (no bubble at m >= 2p) is the fastest that holds 1F1B's 4 x 19 MiB
+    assert "chosen: ZBV (peak 76 MiB per rank" in out
+
+
+def test_choose_with_an_unreachable_budget_exits_2_naming_the_least_need(capsys):
+    from zbpipe.cli import main
+
+    assert main(["choose", "-p", "4", "-m", "16", "--budget", "30MiB", "--mem-f", "19MiB"]) == 2
+    err = capsys.readouterr().err
+    assert "no schedule fits memory_limit 30 MiB per rank" in err
+    assert "(ZBVMin)" in err

@@ -34,6 +34,10 @@ _LAZY: dict[str, str] = {
     "ProfileConfig": "zbpipe.observe.profile",
     "SavedActivationMeter": "zbpipe.memory",
     "register": "zbpipe.integrations.names",
+    "ScheduleAuto": "zbpipe.schedules.auto",
+    "ScheduleAutoV": "zbpipe.schedules.auto",
+    "choose_schedule": "zbpipe.schedules.auto",
+    "choose_plan": "zbpipe.planning.choose",
 }
 
 __all__ = ["Action", "Costs", "Plan", "PlanError", "SimResult", "simulate", *_LAZY]

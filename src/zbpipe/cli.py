@@ -1,5 +1,5 @@
-"""``zbpipe`` command line: ``simulate`` one schedule, ``compare`` them all, ``draw`` a
-timeline, run the ``demo``.
+"""``zbpipe`` command line: ``simulate`` one schedule, ``compare`` them all, ``choose`` the
+fastest within a memory budget, ``draw`` a timeline, run the ``demo``.
 
 Each subcommand is a ``build_parser`` entry plus a ``_cmd_<name>(args) -> int`` handler, so new
 subcommands (``demo``, ``draw``) add one ``add_parser`` block and one handler.
@@ -57,6 +57,35 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--json", metavar="FILE", help="write the result (and timeline) as JSON")
     sim.add_argument("--csv", metavar="FILE", help="write the plan in torch's schedule CSV format")
     sim.set_defaults(handler=_cmd_simulate)
+
+    choose = sub.add_parser(
+        "choose",
+        help="the fastest schedule whose simulated per-rank peak fits a memory budget",
+    )
+    common(choose)
+    choose.set_defaults(memory_limit=None)
+    choose.add_argument(
+        "--budget",
+        required=True,
+        help="per-rank budget: bytes ('40GiB', '512MiB') or a number in the units of --mem-f",
+    )
+    choose.add_argument(
+        "--mem-f",
+        default=None,
+        help="what one microbatch of each of the p stages holds after F, comma-separated, in "
+        "bytes ('9.5MiB,9.5MiB,20MiB') or units (default: 1 unit each)",
+    )
+    choose.add_argument(
+        "--mem-b",
+        default=None,
+        help="the change at B per stage, same form (default 0: B frees nothing before W)",
+    )
+    choose.add_argument(
+        "--layouts",
+        default="loop,v",
+        help="placements the stages can take: loop (one stage per rank), v, or both",
+    )
+    choose.set_defaults(handler=_cmd_choose)
 
     cmp_ = sub.add_parser("compare", help="simulate every known schedule side by side")
     common(cmp_)
@@ -167,6 +196,69 @@ def _result_json(pl: Plan, res: SimResult) -> dict:
             for r, ivs in res.timeline.items()
         },
     }
+
+
+def _amounts(text: str | None, n: int, what: str) -> list[float] | None:
+    """``"9.5MiB,20MiB"`` as bytes (or plain numbers), one per stage; None when not given."""
+    from .planning.budget import parse_budget
+
+    if text is None:
+        return None
+    values = []
+    for part in text.split(","):
+        part = part.strip()
+        negative = part.startswith("-")
+        value, fraction = parse_budget(part.lstrip("-"))
+        if fraction:
+            raise ValueError(f"{what}: a percentage is not an amount, got {part!r}")
+        values.append(-value if negative else value)
+    if len(values) not in (1, n):
+        raise ValueError(f"{what}: give 1 or {n} values (one per stage), got {len(values)}")
+    return values * n if len(values) == 1 else values
+
+
+def _cmd_choose(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from .planning.budget import format_bytes, is_budget_string, parse_budget
+    from .planning.choose import choose_plan
+
+    p = args.num_ranks
+    in_bytes = is_budget_string(args.budget) and not args.budget.strip().replace(".", "").isdigit()
+    if in_bytes:
+        limit, fraction = parse_budget(args.budget)
+        if fraction:
+            raise ValueError("--budget: a share of a device needs a device; give bytes")
+    else:
+        limit = float(args.budget)
+    costs = args.costs
+    mem_f = _amounts(args.mem_f, p, "--mem-f")
+    if mem_f is not None:
+        mem_b = _amounts(args.mem_b, p, "--mem-b") or [0.0] * p
+        costs = dataclasses.replace(
+            costs, mem_f=mem_f, mem_b=mem_b, mem_w=[-(f + b) for f, b in zip(mem_f, mem_b)]
+        )
+    elif in_bytes:
+        raise ValueError("--budget in bytes needs --mem-f in bytes (what each stage holds)")
+    layouts = tuple(x.strip() for x in args.layouts.split(",") if x.strip())
+    choice = choose_plan(
+        p,
+        args.n_microbatches,
+        limit,
+        costs,
+        layouts=layouts,  # type: ignore[arg-type]
+        unit_bytes=1.0 if in_bytes else None,
+    )
+    print(choice.table(1.0 if in_bytes else None))
+    best = choice.best
+    how = (
+        f"{p} stages, one per rank"
+        if best.layout == "loop"
+        else f"{2 * p} chunks in V placement: rank r holds chunks r and {2 * p - 1} - r"
+    )
+    peak = format_bytes(best.peak) if in_bytes else f"{best.peak:.4g}"
+    print(f"chosen: {best.name} (peak {peak} per rank; build {how})")
+    return 0
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:

@@ -31,7 +31,8 @@ def swapped_after_construction(rank: int, world: int, m: int = 4) -> dict[str, o
         PipelineStage(compile_blocks(mods[s], "in-place", "aot_eager"), s, 2, torch.device("cpu"))
         for s in (0, 1)
     ]
-    sched = ScheduleZBV(stages, m, loss_fn=mse)
+    # the equal-bytes plan, kept: the test counts the W GEMMs its shape defers
+    sched = ScheduleZBV(stages, m, loss_fn=mse, measure_memory=False)
     gemms = _count_w_gemms(sched)
     swap = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)

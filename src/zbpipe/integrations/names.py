@@ -39,6 +39,7 @@ from types import ModuleType
 
 from ..continuous.schedule import ScheduleContinuous
 from ..patching import rebind
+from ..schedules import auto
 from ..schedules import classes as c
 from ..schedules.runtime import PlannedSchedule
 
@@ -55,8 +56,15 @@ SCHEDULE_CLASSES: dict[str, type] = {
     "ZBV": c.ScheduleZBV,
     "ZBVHalf": c.ScheduleZBVHalf,
     "ZBVMin": c.ScheduleZBVMin,
+    "Auto": auto.ScheduleAuto,
+    "AutoV": auto.ScheduleAutoV,
     "Continuous": ScheduleContinuous,
 }
+
+#: classes that take ``memory_limit=``: a name ``"<name>:<budget>"`` (``"Auto:40GiB"``,
+#: ``"ZBAuto:512MiB"``, ``"AutoV:80%"``) gives the budget where only a name can be configured
+#: (torchtitan's ``pipeline_parallel_schedule``)
+BUDGETED: tuple[type, ...] = (c.ScheduleZBAuto, auto.ScheduleAuto)
 
 
 def is_torch_shaped(cls: type) -> bool:
@@ -73,11 +81,38 @@ def find_schedule_class(name: str, *, torch_shaped_only: bool = False) -> type |
 
     Reads the table at call time, so a line added to it later is found.
     """
+    base, colon, budget = name.partition(":")
+    if colon:
+        found = find_schedule_class(base, torch_shaped_only=torch_shaped_only)
+        return None if found is None else with_budget(found, budget.strip())
     wanted = name.lower()
     for key, cls in SCHEDULE_CLASSES.items():
         if wanted in (key.lower(), cls.__name__.lower()):
             return None if torch_shaped_only and not is_torch_shaped(cls) else cls
     return None
+
+
+@functools.cache  # one class per (class, budget): torchtitan compares classes
+def with_budget(cls: type, budget: str) -> type:
+    """``cls`` with ``memory_limit=budget`` fixed: the class ``"Auto:40GiB"`` names.
+
+    Raises ``ValueError`` for a class without a memory budget or a budget it refuses (checked
+    when the class is built, before any stage exists: ``"1p"``, ``"2p"``, bytes, ``"80%"``).
+    """
+    from ..planning.budget import is_budget_string
+
+    if not issubclass(cls, BUDGETED):
+        raise ValueError(
+            f"schedule {cls.__name__} takes no memory budget; '<name>:<budget>' works for "
+            f"{sorted(k for k, v in SCHEDULE_CLASSES.items() if issubclass(v, BUDGETED))}"
+        )
+    if budget not in ("1p", "2p") and not is_budget_string(budget):
+        raise ValueError(
+            f"schedule {cls.__name__}:{budget}: the budget must be '1p', '2p', bytes like "
+            "'40GiB' or a share of the device like '80%'"
+        )
+    fixed = c.with_fixed_option(cls, f"{cls.__name__}:{budget}", "memory_limit", budget)
+    return fixed
 
 
 def get_schedule_class(name: str) -> type:

@@ -109,6 +109,7 @@ class CostProfiler:
         if measured is None:
             return costs
         fields, self.memory_unit_bytes = measured
+        sched.memory_unit_bytes = self.memory_unit_bytes  # a byte budget plans in these units
         return dataclasses.replace(costs, **fields)
 
     def replan(self, sched: Any) -> None:
@@ -181,8 +182,8 @@ class CostProfiler:
         try:
             return build(costs)
         except ValueError as e:
-            if self.memory_unit_bytes is None:
-                raise
+            if self.memory_unit_bytes is None or getattr(sched, "byte_budget", None) is not None:
+                raise  # (a byte budget the measured bytes cannot meet: on every rank)
             logger.warning(
                 "zbpipe profile: %s cannot be planned for the measured memory (%s); planning "
                 "for one memory unit per microbatch instead, as without the measurement: its "
@@ -190,7 +191,7 @@ class CostProfiler:
                 type(sched).__name__,
                 e,
             )
-            self.memory_unit_bytes = None
+            self.memory_unit_bytes = sched.memory_unit_bytes = None
             return build(dataclasses.replace(costs, mem_f=1.0, mem_b=0.0, mem_w=-1.0))
 
     def _predicted_memory(self, sched: Any, sim: SimResult, costs: Costs) -> str:

@@ -1,9 +1,10 @@
 """The torch-facing schedules: the public classes (``classes``), the planned runtime that runs a
 plan with torch's action runtime (``runtime``), the stage seam (``stage_seam``), sends
 (``sends``), a step's inputs (``inputs``), construction-time checks (``validation``) and the
-NaN/Inf loss report (``nonfinite``).
+NaN/Inf loss report (``nonfinite``); the schedule chooser (``auto``).
 """
 
+from .auto import ScheduleAuto, ScheduleAutoV, choose_schedule
 from .classes import (
     Schedule1F1BMulti,
     ScheduleZB1P,
@@ -19,6 +20,9 @@ from .runtime import PlannedSchedule
 
 __all__ = [
     "PlannedSchedule",
+    "ScheduleAuto",
+    "ScheduleAutoV",
+    "choose_schedule",
     "Schedule1F1BMulti",
     "ScheduleZB1P",
     "ScheduleZB2P",

@@ -19,7 +19,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import torch
+
 from ..planning import Costs, Plan
+from ..planning.budget import is_budget_string
 from .runtime import PlannedSchedule
 
 
@@ -30,6 +33,7 @@ class Schedule1F1BMulti(PlannedSchedule):
     """
 
     plan_name = "1F1B"
+    memory_planned = False
 
 
 class ScheduleZBH1(PlannedSchedule):
@@ -86,17 +90,40 @@ class ScheduleZBV(PlannedSchedule):
 class ScheduleZBAuto(PlannedSchedule):
     """The paper's automatic zero-bubble schedule (ZB-1p / ZB-2p), planned from the stage costs.
 
-    ``memory_limit``: ``"1p"`` (1F1B's peak activation memory), ``"2p"`` (twice that: the
-    paper's near-zero-bubble budget) or a number in the memory units of ``costs``. One stage
-    per rank. ``refine=True`` improves the plan with the exact MILP (needs scipy).
+    ``memory_limit`` is per rank:
+
+    * ``"1p"``: 1F1B's peak activation memory (or, where one split backward in flight on the
+      busiest stage holds more, that: a B that keeps more than its F did, such as the graph
+      engine's on a large LM head); ``"2p"``: twice 1F1B's (the paper's near-zero-bubble
+      budget);
+    * a byte budget, ``"40GiB"``, ``"512MiB"`` (see :mod:`zbpipe.planning.budget`), or a share
+      of the CUDA device's free memory at construction, ``"80%"``: the first step runs one
+      microbatch in flight (the least memory any plan holds) and measures the bytes each stage
+      holds; the fastest plan within the budget runs from the second step on. A budget below
+      what one microbatch in flight holds raises ``ValueError`` on every rank at the end of
+      that step;
+    * a number, in the memory units of ``costs`` (after the first step's measurement, one
+      unit is one microbatch of an average stage).
+
+    One stage per rank. ``refine=True`` improves the plan with the exact MILP (needs scipy).
     """
 
     def __init__(
         self, *args: Any, memory_limit: str | float = "2p", refine: bool = False, **kwargs: Any
     ) -> None:
-        if isinstance(memory_limit, str) and memory_limit not in ("1p", "2p"):
+        self.byte_budget: float | None = None
+        if is_budget_string(memory_limit):
+            assert isinstance(memory_limit, str)
+            self.byte_budget = _resolve_budget(type(self), memory_limit, args, kwargs)
+            if kwargs.get("measure_memory", True) is False:
+                raise ValueError(
+                    f"{type(self).__name__}: memory_limit={memory_limit!r} is a byte budget, "
+                    "which needs the first step's measurement: drop measure_memory=False"
+                )
+        elif isinstance(memory_limit, str) and memory_limit not in ("1p", "2p"):
             raise ValueError(
-                f"ScheduleZBAuto: memory_limit must be '1p', '2p' or a number, got {memory_limit!r}"
+                f"{type(self).__name__}: memory_limit must be '1p', '2p', a byte budget like "
+                f"'40GiB' or '80%', or a number, got {memory_limit!r}"
             )
         if not isinstance(memory_limit, str) and not (
             isinstance(memory_limit, (int, float)) and memory_limit > 0
@@ -110,9 +137,20 @@ class ScheduleZBAuto(PlannedSchedule):
 
     def build_plan(self, num_ranks: int, n_microbatches: int, costs: Costs, **options: Any) -> Plan:
         from ..planning import plan
+        from ..planning.auto import minimum_memory, onef1b_peak
 
+        if self.byte_budget is not None:
+            return plan_for_byte_budget(
+                self, "ZB2P", num_ranks, n_microbatches, costs, refine=self.refine, **options
+            )
         if isinstance(self.memory_limit, str):
-            name, limit = ("ZB1P" if self.memory_limit == "1p" else "ZB2P"), None
+            name = "ZB1P" if self.memory_limit == "1p" else "ZB2P"
+            factor = 1 if self.memory_limit == "1p" else 2
+            # 1F1B's peak, unless one split backward in flight needs more (measured bytes)
+            limit: float | None = max(
+                factor * onef1b_peak(num_ranks, n_microbatches, costs),
+                minimum_memory(costs, num_ranks),
+            )
         else:
             name, limit = "ZB2P", float(self.memory_limit)
         return plan(
@@ -126,18 +164,78 @@ class ScheduleZBAuto(PlannedSchedule):
         )
 
 
+def plan_for_byte_budget(
+    sched: Any, name: str, num_ranks: int, n_microbatches: int, costs: Costs, **options: Any
+) -> Plan:
+    """The plan ``name`` within ``sched.byte_budget``: one microbatch in flight until the bytes
+    are measured (``sched.memory_unit_bytes``), then the generator's plan at that budget."""
+    from ..planning import plan
+    from ..planning.auto import minimum_memory
+    from ..planning.budget import format_bytes
+    from ..planning.one_in_flight import plan_one_in_flight
+
+    if sched.memory_unit_bytes is None:
+        return plan_one_in_flight(num_ranks, n_microbatches, sched.layout)
+    unit = sched.memory_unit_bytes
+    limit = sched.byte_budget / unit
+    need = minimum_memory(costs, costs.num_stages or num_ranks * sched.stages_per_rank)
+    if limit < need * (1 - 1e-9):
+        raise ValueError(
+            f"{type(sched).__name__}: memory_limit {format_bytes(sched.byte_budget)} per rank is "
+            f"below {format_bytes(need * unit)}, what one microbatch in flight holds on the "
+            "busiest stage (measured in the first step); no plan fits: raise memory_limit, "
+            "use more pipeline ranks, or smaller microbatches"
+        )
+    try:
+        return plan(name, num_ranks, n_microbatches, costs=costs, memory_limit=limit, **options)
+    except ValueError as e:
+        raise ValueError(
+            f"{type(sched).__name__}: no {name} plan fits memory_limit "
+            f"{format_bytes(sched.byte_budget)} per rank ({limit:.4g} units of "
+            f"{format_bytes(unit)}): {e}"
+        ) from e
+
+
+def _resolve_budget(cls: type, text: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
+    """Bytes for ``"40GiB"``; for ``"80%"`` that share of the CUDA device's free memory now."""
+    from ..planning.budget import parse_budget
+
+    value, fraction = parse_budget(text)
+    if not fraction:
+        return value
+    stages = args[0] if args else kwargs.get("stages")
+    stage = stages[0] if isinstance(stages, (list, tuple)) else stages
+    device = getattr(stage, "device", None)
+    if device is None or torch.device(device).type != "cuda":
+        raise ValueError(
+            f"{cls.__name__}: memory_limit={text!r} is a share of the CUDA device's memory, but "
+            f"the stages run on {device}; give bytes instead, e.g. '40GiB'"
+        )
+    free, _total = torch.cuda.mem_get_info(torch.device(device))
+    return value * free
+
+
 def _fixed(base: type, plan_name: str, option: str, value: Any, doc: str) -> type:
+    return with_fixed_option(base, f"Schedule{plan_name}", option, value, doc)
+
+
+def with_fixed_option(
+    base: type, class_name: str, option: str, value: Any, doc: str | None = None
+) -> type:
+    """A subclass of ``base`` named ``class_name`` that always runs ``option=value``."""
+
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         given = kwargs.pop(option, value)
         if given != value:
             raise ValueError(
-                f"Schedule{plan_name} runs {option}={value!r}; got {option}={given!r}: "
+                f"{class_name} runs {option}={value!r}; got {option}={given!r}: "
                 f"use {base.__name__}({option}={given!r}) instead"
             )
         base.__init__(self, *args, **{option: value}, **kwargs)
 
+    doc = doc or f"{base.__name__} with {option}={value!r}."
     return type(
-        f"Schedule{plan_name}",
+        class_name,
         (base,),
         # plan_name stays the base's: its build_plan turns the fixed option into this plan.
         {

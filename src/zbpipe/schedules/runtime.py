@@ -31,6 +31,7 @@ from .. import _compat as C
 from ..engines import EngineName, Split, choose_engine
 from ..memory.meter import SavedActivationMeter
 from ..observe.agree import check_peers_agree, config_fingerprint
+from ..observe.memory_replan import MemoryReplanner
 from ..observe.profile import ProfileConfig
 from ..observe.replan import CostProfiler
 from ..observe.trace import Tracer
@@ -70,6 +71,9 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
     #: weight gradients bitwise equal to a fused backward's (the ``exact=`` option; set per
     #: instance in ``__init__``, before the plan is built)
     exact: bool = False
+    #: does the plan's order depend on the bytes a stage holds? (1F1B's does not: its first
+    #: step is not probed)
+    memory_planned: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -89,6 +93,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         check_peers: bool = True,
         split: Split = "auto",
         exact: bool = False,
+        measure_memory: bool = True,
         **plan_options: Any,
     ) -> None:
         """Check the arguments; build the plan, the engine, the stage seam and the tracer; check
@@ -101,8 +106,15 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         # costs="profile": plan for equal costs now, measure real ones on the first steps, re-plan
         # (zbpipe.observe.profile). Everything else about construction is unchanged.
         profiling = _check_profile_args(type(self), costs, profile)
+        if not isinstance(measure_memory, bool):
+            raise ValueError(
+                f"{type(self).__name__}: measure_memory must be True or False, "
+                f"got {measure_memory!r}"
+            )
         if profiling:
             costs = None
+            if not measure_memory:  # one switch for both ways of measuring bytes
+                profile = dataclasses.replace(profile or ProfileConfig(), memory=False)
         stages = check_schedule_args(type(self), stages, n_microbatches, costs)
         super().__init__(
             stages=stages,
@@ -122,6 +134,9 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         self.measured_costs: Costs | None = None
         #: bytes per memory unit of ``measured_costs`` (None until memory was measured)
         self.memory_unit_bytes: float | None = None
+        #: the costs the plan was re-made for after the first step measured bytes: the given
+        #: times with the measured memory fields (None until then; see zbpipe.observe.memory_replan)
+        self.memory_costs: Costs | None = None
         self.plan: Plan = self.build_plan(
             self.pp_group_size, n_microbatches, self.costs, **plan_options
         )
@@ -150,6 +165,13 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         self.tracer = Tracer(rank=self.rank, enabled=trace or profiling, device=stages[0].device)
         self._profiler = (
             CostProfiler(profile or ProfileConfig(), keep_tracing=trace) if profiling else None
+        )
+        # Memory promises by default: the first step measures bytes, the plan is re-made for
+        # them (zbpipe.observe.memory_replan); costs="profile" measures them in its own steps.
+        self._memory_replanner = (
+            MemoryReplanner()
+            if measure_memory and not profiling and type(self).memory_planned
+            else None
         )
         # dict/TensorDict batches reach stage 0 by keyword (torch stages take only tensors
         # positionally)
@@ -246,12 +268,16 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         self.tracer.clear()
         if self._profiler is not None:
             self._profiler.before_step(self)  # memory is probed during the profiled steps
+        if self._memory_replanner is not None:
+            self._memory_replanner.before_step(self)  # the first step's bytes are probed
         out = C.run_microbatches(
             self, mbs.arg_mbs, mbs.kwarg_mbs, mbs.target_mbs, losses, return_outputs, loss_kwargs
         )
         if self._profiler is not None and self._has_backward:
             # A forward-only step (eval()) is not what the plan runs: it is not profiled.
             self._profiler.after_step(self)  # collective on the profiling window's last step
+        if self._memory_replanner is not None and self._has_backward:
+            self._memory_replanner.after_step(self)  # collective after the first step
         return out
 
     def _update_losses(self, stages: Any, losses: list[Any] | None) -> None:

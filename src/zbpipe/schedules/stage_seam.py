@@ -301,6 +301,12 @@ class StageSeam:
     def _probe(self, kind: str, key: Key) -> None:
         """While probing: record what ``key`` holds now (after its F, or its B)."""
         observer = self._observers.get(key)
+        # A fused BW run as B then W (``store_bw_keys``) accumulates each weight GEMM inside its
+        # B: nothing waits for W there, so "after B" would read as if B freed everything, and a
+        # plan budgeting that would defer every W of the stage for free. Only a real B says
+        # what a split backward holds until its W.
+        if kind == "B" and key not in self.split_keys:
+            return
         if self.probe is not None and observer is not None:
             self.probe.record(kind, key[0], observer.live)
 

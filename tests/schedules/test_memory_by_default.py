@@ -1,0 +1,70 @@
+"""Memory promises by default: the first step measures what each stage holds, the plan is re-made
+for those bytes, and the measured peak stays at torch 1F1B's on a model with a heavy head.
+
+The model (``_memory_default_cases.HEAVY``): a tiny GPT whose LM head's logits and log-softmax
+weigh about twice a stage of blocks, the case where a plan counting one unit per microbatch of
+any stage let ZB-H1 hold 1.42x torch 1F1B's peak. Peaks are what ``SavedActivationMeter`` counts
+(the same rules for torch's schedule and zbpipe's), in a step after the re-plan; the reference
+gradients come from the unpipelined model in the same process.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.schedules import _memory_default_cases as cases
+from zbpipe.testing import run_ranks
+
+pytestmark = pytest.mark.dist
+
+RUNS = [("ZBH1", "deferred"), ("ZB1P", "deferred"), ("ZBV", "deferred"), ("ZBH1", "graph")]
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return run_ranks(cases.heavy_head_rows, 2, 4, RUNS, timeout=300)
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_default_schedule_re_plans_for_measured_bytes(two_ranks, run):
+    for out in two_ranks:
+        assert out[run]["replanned"], run
+    # every rank holds the same measured bytes (they were exchanged)
+    assert two_ranks[0][run]["mem_f"] == two_ranks[1][run]["mem_f"]
+    head, first = two_ranks[0][run]["mem_f"][-1], two_ranks[0][run]["mem_f"][0]
+    assert head > 1.5 * first, "the head stage is measured heavier"
+
+
+@pytest.mark.parametrize("run", [r for r in RUNS if r[1] == "deferred"])
+def test_default_peak_within_5_percent_of_torch_1f1b(two_ranks, run):
+    torch_peak = max(out["torch"] for out in two_ranks)
+    peaks = [out[run]["peak"] for out in two_ranks]
+    assert 0 < max(peaks) <= 1.05 * torch_peak, (run, peaks, torch_peak)
+
+
+def test_graph_engine_peak_within_its_split_backward_need(two_ranks):
+    """The graph engine's B keeps the head's recorded gradients until W: its last stage holds more
+    after B than after F, and one split backward in flight there is above torch 1F1B's peak on
+    this head (ZB-H1 plans for it). Measured 1.07x; the bound leaves the 5% for what no plan
+    models (a gradient alive inside B, an input gradient waiting for its send)."""
+    torch_peak = max(out["torch"] for out in two_ranks)
+    peaks = [out[("ZBH1", "graph")]["peak"] for out in two_ranks]
+    assert 0 < max(peaks) <= 1.10 * torch_peak, (peaks, torch_peak)
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_grads_after_the_re_plan_equal_the_unpipelined_reference(two_ranks, run):
+    for out in two_ranks:
+        assert out[run]["grad_diff"] < 1e-5, (run, out[run]["grad_diff"])
+
+
+def test_measure_memory_false_keeps_the_equal_bytes_plan():
+    (out, _) = run_ranks(cases.opted_out, 2, 4, timeout=120)
+    assert out == {"replanned": False, "same_plan": True}
+
+
+def test_grads_equal_reference_after_the_re_plan_on_4_ranks():
+    per_rank = run_ranks(cases.four_rank_grads, 4, 8, timeout=300)
+    for out in per_rank:
+        for name, diff in out.items():
+            assert diff < 1e-5, (name, diff)
