@@ -22,7 +22,7 @@ with the same weights (what torch's 1F1B runs) and B + W the deferred engine's o
 copy; for a step's first microbatch (no ``.grad`` yet) and for the others (``.grad`` exists),
 repetitions interleaved.
 
-Run:  flock /tmp/zb/bench.lock env PYTHONPATH=src python benchmarks/compile.py [--reps 10]
+Run:  PYTHONPATH=src python benchmarks/compile.py [--reps 10]
       [--part pipeline|split|all] [--ac 1 --out benchmarks/results/compile_ac.json]
 Writes benchmarks/results/compile.json; docs/benchmarks.md records what we saw.
 """
