@@ -19,7 +19,9 @@ from zbpipe import _compat as C
 
 
 class MLPBlock(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
+    """The issue's pre-norm MLP block: LayerNorm -> Linear -> GELU -> Linear, plus residual."""
+
+    def __init__(self, dim: int = 16, hidden: int = 32) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(dim)
         self.up = nn.Linear(dim, hidden)

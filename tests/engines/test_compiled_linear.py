@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from tests.engines._compile_cases import MLPBlock
 from zbpipe import _compat as C
 from zbpipe.engines.compiled_linear import route_compiled_linears, route_of
 from zbpipe.engines.deferred import WeightGradStore
@@ -30,19 +31,6 @@ from zbpipe.engines.linear_patch import (
     patched_linears,
     post_accumulate_hooks_parked,
 )
-
-
-class MLPBlock(nn.Module):
-    """The issue's pre-norm MLP block: LayerNorm -> Linear -> GELU -> Linear, plus residual."""
-
-    def __init__(self, dim: int = 16, hidden: int = 32) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.up = nn.Linear(dim, hidden)
-        self.down = nn.Linear(hidden, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(self.norm(x))))
 
 
 class Twice(nn.Module):
