@@ -29,7 +29,6 @@ from typing import Any
 SCHEDULES = ("ZBH1", "ZB1P", "ZBV", "ZBVHalf", "ZBVMin")
 ENGINES = ("deferred", "graph")
 MODES = ("default", "profile")
-V_FACTORS = {"ZBVHalf": lambda p: (p + 2) / 2, "ZBVMin": lambda p: (p + 4) / 3}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,7 +119,7 @@ def _measure(cfg: Config, rank: int, world: int, name: str, engine: str | None, 
     import torch
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-    from zbpipe.profile import ProfileConfig
+    from zbpipe import ProfileConfig
 
     from zbpipe import get_schedule_class
     from zbpipe.memory import SavedActivationMeter
@@ -193,25 +192,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = vars(ap.parse_args(argv))
     out_path = args.pop("out")
     cfg = Config(**args)
+    from memory_table import peak_table  # the same table as memory_table.py's
+
     from zbpipe.testing import run_ranks
 
     per_rank = run_ranks(_rank_main, cfg.ranks, cfg, timeout=6000, pg_timeout=900)
-    base = max(r[0]["peak"] for r in per_rank)
-    table = []
-    for i, row in enumerate(per_rank[0]):
-        peaks = [r[i]["peak"] for r in per_rank]
-        entry = {
-            "schedule": row["schedule"],
-            "engine": row["engine"],
-            "mode": row["mode"],
-            "peak_bytes_per_rank": peaks,
-            "vs_torch_1f1b": max(peaks) / base,
-        }
-        if row["schedule"] in V_FACTORS and "stage0_bytes" in row:
-            budget = V_FACTORS[row["schedule"]](cfg.ranks) * row["stage0_bytes"]
-            entry["formula_bytes"] = budget
-            entry["vs_formula"] = max(peaks) / budget
-        table.append(entry)
+    table = peak_table(per_rank, cfg.ranks, ("schedule", "engine", "mode"), "formula")
     from results_io import write_result
 
     result = {"config": asdict(cfg), "rows": table}

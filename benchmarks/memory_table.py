@@ -140,6 +140,26 @@ def _rank_main(rank: int, world: int, cfg: Config) -> list[dict]:
     return rows
 
 
+def peak_table(
+    per_rank: list[list[dict]], ranks: int, keys: tuple[str, ...], budget_name: str
+) -> list[dict]:
+    """One entry per measured run: its ``keys``, every rank's peak, the max over ranks against
+    the first run's (torch's 1F1B), and for V-Half / V-Min their formula's bytes
+    (``<budget_name>_bytes``) and the peak against it (``vs_<budget_name>``)."""
+    base = max(r[0]["peak"] for r in per_rank)
+    table = []
+    for i, row in enumerate(per_rank[0]):
+        peaks = [r[i]["peak"] for r in per_rank]
+        entry = {k: row[k] for k in keys}
+        entry |= {"peak_bytes_per_rank": peaks, "vs_torch_1f1b": max(peaks) / base}
+        if row["schedule"] in V_FACTORS and "stage0_bytes" in row:
+            budget = V_FACTORS[row["schedule"]](ranks) * row["stage0_bytes"]
+            entry[f"{budget_name}_bytes"] = budget
+            entry[f"vs_{budget_name}"] = max(peaks) / budget
+        table.append(entry)
+    return table
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for f, default in asdict(Config()).items():
@@ -151,21 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
     from zbpipe.testing import run_ranks
 
     per_rank = run_ranks(_rank_main, cfg.ranks, cfg, timeout=3000, pg_timeout=600)
-    base = max(r[0]["peak"] for r in per_rank)
-    table = []
-    for i, row in enumerate(per_rank[0]):
-        peaks = [r[i]["peak"] for r in per_rank]
-        entry = {
-            "schedule": row["schedule"],
-            "engine": row["engine"],
-            "peak_bytes_per_rank": peaks,
-            "vs_torch_1f1b": max(peaks) / base,
-        }
-        if row["schedule"] in V_FACTORS and "stage0_bytes" in row:
-            budget = V_FACTORS[row["schedule"]](cfg.ranks) * row["stage0_bytes"]
-            entry["stated_budget_bytes"] = budget
-            entry["vs_stated_budget"] = max(peaks) / budget
-        table.append(entry)
+    table = peak_table(per_rank, cfg.ranks, ("schedule", "engine"), "stated_budget")
     from results_io import write_result
 
     result = {"config": asdict(cfg), "rows": table}
