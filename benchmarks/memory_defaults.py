@@ -119,9 +119,8 @@ def _measure(cfg: Config, rank: int, world: int, name: str, engine: str | None, 
     import torch
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-    from zbpipe import ProfileConfig
 
-    from zbpipe import get_schedule_class
+    from zbpipe import ProfileConfig, get_schedule_class
     from zbpipe.memory import SavedActivationMeter
     from zbpipe.patching import undo_all
     from zbpipe.planning import loop_placement, v_placement

@@ -50,24 +50,14 @@ class ScheduleAuto(PlannedSchedule):
         unit_bytes: float | None = None,
         **kwargs: Any,
     ) -> None:
-        from .classes import _resolve_budget
+        from .classes import _resolve_budget, check_memory_limit
 
+        check_memory_limit(type(self), memory_limit)
         self.byte_budget: float | None = None
         self.memory_limit = memory_limit
         if is_budget_string(memory_limit):
             assert isinstance(memory_limit, str)
             self.byte_budget = _resolve_budget(type(self), memory_limit, args, kwargs)
-        elif isinstance(memory_limit, str) and memory_limit not in ("1p", "2p"):
-            raise ValueError(
-                f"{type(self).__name__}: memory_limit must be '1p', '2p', a byte budget like "
-                f"'40GiB' or '80%', or a number, got {memory_limit!r}"
-            )
-        elif not isinstance(memory_limit, str) and not (
-            isinstance(memory_limit, (int, float)) and memory_limit > 0
-        ):
-            raise ValueError(
-                f"{type(self).__name__}: a numeric memory_limit must be > 0, got {memory_limit!r}"
-            )
         if unit_bytes is not None and not isinstance(kwargs.get("costs"), Costs):
             raise ValueError(
                 f"{type(self).__name__}: unit_bytes says what one memory unit of costs= is; "

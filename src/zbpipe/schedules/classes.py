@@ -111,6 +111,7 @@ class ScheduleZBAuto(PlannedSchedule):
     def __init__(
         self, *args: Any, memory_limit: str | float = "2p", refine: bool = False, **kwargs: Any
     ) -> None:
+        check_memory_limit(type(self), memory_limit)
         self.byte_budget: float | None = None
         if is_budget_string(memory_limit):
             assert isinstance(memory_limit, str)
@@ -120,17 +121,6 @@ class ScheduleZBAuto(PlannedSchedule):
                     f"{type(self).__name__}: memory_limit={memory_limit!r} is a byte budget, "
                     "which needs the first step's measurement: drop measure_memory=False"
                 )
-        elif isinstance(memory_limit, str) and memory_limit not in ("1p", "2p"):
-            raise ValueError(
-                f"{type(self).__name__}: memory_limit must be '1p', '2p', a byte budget like "
-                f"'40GiB' or '80%', or a number, got {memory_limit!r}"
-            )
-        if not isinstance(memory_limit, str) and not (
-            isinstance(memory_limit, (int, float)) and memory_limit > 0
-        ):
-            raise ValueError(
-                f"ScheduleZBAuto: a numeric memory_limit must be > 0, got {memory_limit!r}"
-            )
         self.memory_limit = memory_limit
         self.refine = refine
         super().__init__(*args, **kwargs)
@@ -194,6 +184,21 @@ def plan_for_byte_budget(
             f"{format_bytes(sched.byte_budget)} per rank ({limit:.4g} units of "
             f"{format_bytes(unit)}): {e}"
         ) from e
+
+
+def check_memory_limit(cls: type, memory_limit: object) -> None:
+    """``memory_limit`` is ``"1p"``, ``"2p"``, a byte budget (``"40GiB"``, ``"80%"``) or a
+    number > 0 (``ScheduleZBAuto`` and ``ScheduleAuto``); else ``ValueError``."""
+    if isinstance(memory_limit, str):
+        if memory_limit not in ("1p", "2p") and not is_budget_string(memory_limit):
+            raise ValueError(
+                f"{cls.__name__}: memory_limit must be '1p', '2p', a byte budget like "
+                f"'40GiB' or '80%', or a number, got {memory_limit!r}"
+            )
+    elif not (isinstance(memory_limit, (int, float)) and memory_limit > 0):
+        raise ValueError(
+            f"{cls.__name__}: a numeric memory_limit must be > 0, got {memory_limit!r}"
+        )
 
 
 def _resolve_budget(cls: type, text: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
