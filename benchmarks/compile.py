@@ -37,8 +37,12 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import torch
-import torch.utils.checkpoint
+# Inductor's on-disk caches off: a graph compiled by an older zbpipe (whose Linears' operands were
+# copied) would otherwise be handed back, and the run would time that code, not this one's.
+os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
+
+import torch  # noqa: E402
+import torch.utils.checkpoint  # noqa: E402
 
 SCHEDULES = ("torch:1F1B", "ZBH1", "ZBV")
 MODES = ("eager", "compiled")
@@ -221,6 +225,7 @@ def split_cost(kind: str, reps: int, compiled: bool, cfg: Config) -> dict:
     from llama_blocks import build_chunks
     from torch import nn
 
+    from zbpipe.engines import compiled_linear
     from zbpipe.engines.compiled_linear import route_compiled_linears
     from zbpipe.engines.deferred import WeightGradStore
     from zbpipe.engines.linear_patch import StoreSlot, patch_linears, patched_linears
@@ -264,10 +269,15 @@ def split_cost(kind: str, reps: int, compiled: bool, cfg: Config) -> dict:
             out.backward(g)
             store.deferring = False
 
+        copies.clear()
         t_b = clock(b)
         slot.store = None
         gemms = store.num_gemms
-        return {"B": t_b, "W": clock(store.run), "gemms": gemms}
+        return {"B": t_b, "W": clock(store.run), "gemms": gemms, "copies": len(copies)}
+
+    copies: list[int] = []  # operands the compiled Linears copied in one B (none under inductor)
+    copy_operand = compiled_linear.operand_copy
+    compiled_linear.operand_copy = lambda t: copies.append(1) or copy_operand(t)  # type: ignore[assignment]
 
     for _ in range(3):  # compile, warm up
         fused(False), split(False), fused(True), split(True)
@@ -294,7 +304,9 @@ def split_cost(kind: str, reps: int, compiled: bool, cfg: Config) -> dict:
             "w_s": statistics.median(b["W"] for _, b in got),
             "w_share": statistics.median(b["W"] / (b["B"] + b["W"]) for _, b in got),
             "gemms_per_w": got[0][1]["gemms"],
+            "operand_copies_per_b": got[-1][1]["copies"],
         }
+    compiled_linear.operand_copy = copy_operand
     return out
 
 
@@ -331,7 +343,8 @@ def _print_split_cost(what: str, res: dict) -> None:
             f"{what} blocks, {key}: (B+W)/fused {q['median']:.3f} "
             f"({q['min']:.3f}-{q['max']:.3f}); fused {r['fused_s'] * 1e3:.2f} ms, "
             f"B {r['b_s'] * 1e3:.2f} ms, W {r['w_s'] * 1e3:.2f} ms "
-            f"(W share {r['w_share']:.1%}, {r['gemms_per_w']} GEMMs per W)"
+            f"(W share {r['w_share']:.1%}, {r['gemms_per_w']} GEMMs per W, "
+            f"{r['operand_copies_per_b']} operand copies per B)"
         )
 
 

@@ -21,6 +21,17 @@ the placeholder was zeros and the sum reaches ``.grad`` unchanged and correct: a
 placeholder is always zeros, and only a weight whose placeholder arrived alone gets cheaper
 uninitialized ones after that. One that then arrives summed (a different graph) raises.
 
+What W reads must still hold what B saw. Inductor reuses a buffer for a later kernel (or writes
+into it in place) once its last reader has run, and the op is such a reader. Inductor-compiled
+code therefore calls the op's twin ``zbpipe::linear_weight_grad_kept`` instead: a lowering,
+registered when the first compiled Linear is routed, marks the operands' buffers as never
+reused and emits that twin, which queues them as they are. Any other caller of the op (a graph
+compiled before that registration, or by another backend) gets the copy it queues: inductor's
+rows x (in + out) elements read and written again, against the GEMM's rows x in x out
+multiply-adds, which is a few percent of B on a CPU at hidden 256 and more where a device's
+arithmetic outpaces its memory. Both ops are tagged ``cudagraph_unsafe``: a CUDA graph would
+replay the GEMM's buffers but never the queuing.
+
 The routes live in a process-wide table keyed weakly by parameter: a ``torch.library`` op is
 process-wide itself, and it receives the parameter, not the module or the schedule.
 docs/backward.md says why this and not a partition of the compiled backward graph.
@@ -113,29 +124,36 @@ def route_of(weight: Tensor) -> LinearRoute | None:
     return route
 
 
-def linear_weight_grad(x: Tensor, grad_out: Tensor, weight: Tensor) -> Tensor:
+def linear_weight_grad(x: Tensor, grad_out: Tensor, weight: Tensor, kept: bool = False) -> Tensor:
     """``grad_out^T @ x`` (2-D operands), or, during a zbpipe B of the weight's stage, queue it
-    for W and return a placeholder that the weight's ``AccumulateGrad`` pre-hook drops."""
+    for W and return a placeholder that the weight's ``AccumulateGrad`` pre-hook drops.
+
+    ``kept``: the caller never reuses or overwrites ``x`` and ``grad_out`` (the twin op that
+    inductor-compiled code calls), so they are queued without a copy.
+    """
     dtype = None if grad_out.dtype == x.dtype == weight.dtype else grad_out.dtype
     route = route_of(weight)
     store = None if route is None else route.store()
     if route is None or store is None or not _deferrable(weight) or torch.is_grad_enabled():
         return weight_grad(grad_out, x, dtype, weight.dtype)
-    if store.keeps(weight):
-        # Compiled code owns its buffers: once this op has read them, inductor may reuse or add
-        # into them in place (the residual stream's gradient, say), so what W reads later must
-        # be a copy. Cheap next to the GEMM: rows x (in + out) elements against rows x in x out.
-        x, grad_out = x.clone(), grad_out.clone()
+    if store.keeps(weight) and not kept:
+        x, grad_out = operand_copy(x), operand_copy(grad_out)
     store.put(weight, x, grad_out, dtype)
     return route.make_placeholder(weight, store)
+
+
+def operand_copy(t: Tensor) -> Tensor:
+    """A copy of one queued operand, for a caller that may reuse its buffer once the op has
+    read it (the module docstring says which callers do)."""
+    return t.clone()
 
 
 def _linear_weight_grad_fake(x: Tensor, grad_out: Tensor, weight: Tensor) -> Tensor:
     return torch.empty_like(weight)
 
 
-def _dispatch(x: Tensor, grad_out: Tensor, weight: Tensor) -> Tensor:
-    """The op's kernel: :func:`linear_weight_grad` of this module as imported now.
+def _dispatch(x: Tensor, grad_out: Tensor, weight: Tensor, kept: bool = False) -> Tensor:
+    """The ops' kernel: :func:`linear_weight_grad` of this module as imported now.
 
     An op is registered once per process, but this module can be imported again (reloaded, or
     forgotten and re-imported as the torchtitan tests do between runs): the kernel registered
@@ -143,34 +161,44 @@ def _dispatch(x: Tensor, grad_out: Tensor, weight: Tensor) -> Tensor:
     """
     current = sys.modules.get(__name__)
     fn = getattr(current, "linear_weight_grad", linear_weight_grad)
-    result: Tensor = fn(x, grad_out, weight)
+    result: Tensor = fn(x, grad_out, weight, kept)
     return result
 
 
-def _register_op() -> Any:
-    """``zbpipe::linear_weight_grad``, registered on the first import of this module only.
+def _dispatch_kept(x: Tensor, grad_out: Tensor, weight: Tensor) -> Tensor:
+    return _dispatch(x, grad_out, weight, kept=True)
+
+
+_NAMES = ("linear_weight_grad", "linear_weight_grad_kept")
+
+
+def _register_ops() -> tuple[Any, Any]:
+    """``zbpipe::linear_weight_grad`` and its twin ``_kept``, registered on the first import of
+    this module only.
 
     Defined with the low-level registration API, not ``torch.library.custom_op``: the op runs
     once per Linear in every B, and custom_op's Python wrappers (its autograd layer, its run-time
-    aliasing check) cost about 10 us a call against about 2 us here. The op is only ever called
-    inside a backward, so it needs no autograd formula of its own. The kernel keeps its
-    ``Library`` alive (a ``Library`` that is garbage-collected takes its op with it).
+    aliasing check) cost about 10 us a call against about 2 us here. The ops are only ever called
+    inside a backward, so they need no autograd formula of their own. The kernel keeps its
+    ``Library`` alive (a ``Library`` that is garbage-collected takes its ops with it).
     """
-    try:
-        return torch.ops.zbpipe.linear_weight_grad.default  # an earlier import registered it
+    try:  # an earlier import registered them
+        return tuple(getattr(torch.ops.zbpipe, name).default for name in _NAMES)
     except (AttributeError, RuntimeError):
         pass
     lib = torch.library.Library("zbpipe", "FRAGMENT")  # type: ignore[no-untyped-call]
-    lib.define(  # type: ignore[no-untyped-call]  # torch's Library is untyped
-        "linear_weight_grad(Tensor x, Tensor grad_out, Tensor weight) -> Tensor"
-    )
-    lib.impl("linear_weight_grad", _dispatch, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
-    torch.library.register_fake("zbpipe::linear_weight_grad", _linear_weight_grad_fake, lib=lib)
+    for name, kernel in zip(_NAMES, (_dispatch, _dispatch_kept), strict=True):
+        lib.define(  # type: ignore[no-untyped-call]  # torch's Library is untyped
+            f"{name}(Tensor x, Tensor grad_out, Tensor weight) -> Tensor",
+            tags=(torch.Tag.cudagraph_unsafe,),
+        )
+        lib.impl(name, kernel, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+        torch.library.register_fake(f"zbpipe::{name}", _linear_weight_grad_fake, lib=lib)
     _dispatch.__dict__["library"] = lib
-    return torch.ops.zbpipe.linear_weight_grad.default
+    return tuple(getattr(torch.ops.zbpipe, name).default for name in _NAMES)
 
 
-_OP = _register_op()
+_OP, _OP_KEPT = _register_ops()
 
 
 def _deferrable(weight: Tensor) -> bool:
@@ -220,6 +248,8 @@ def route_compiled_linears(module: nn.Module, linears: list[nn.Module]) -> list[
     A Linear compiled after this call computes its weight gradient in B, correctly.
     """
     inside = {id(lin) for m in module.modules() if C.is_compiled(m) for lin in m.modules()}
+    if any(id(lin) in inside for lin in linears):
+        C.lower_with_operands_kept(_OP, _OP_KEPT)
     nodes = []
     for lin in linears:
         weight = C.own_parameter(lin, "weight")
