@@ -126,7 +126,10 @@ class ContinuousActions:
             args = C.received_activations(st, g)
             del C.activation_receives(st)[g]
         kwargs = self._kwargs.pop(g) or {}
-        with self.seam.forward(st, g):
+        given = (args, kwargs) if st.is_first else ()
+        if st.is_last:
+            given = (*given, self._targets.get(g))
+        with self.seam.forward(st, g, given):
             out = self._forward_compute(g, args, kwargs)
         out_tuple = tuple(out) if isinstance(out, (tuple, list)) else (out,)
         inputs = [*args, *kwargs.values()]

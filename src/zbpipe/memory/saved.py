@@ -84,11 +84,16 @@ class Holder:
     __slots__ = ("tensor", "nbytes", "storage", "unpacked_as", "_finalizer", "__weakref__")
 
     def __init__(
-        self, tensor: torch.Tensor, observer: Observer | None, *, hold: bool = True
+        self,
+        tensor: torch.Tensor,
+        observer: Observer | None,
+        *,
+        hold: bool = True,
+        as_view: bool = False,
     ) -> None:
         # The alias, not the tensor: see the module docstring (no cycle through the graph).
         self.tensor: torch.Tensor | None = tensor.detach() if hold else None
-        self.storage, self.nbytes = storage_and_bytes(tensor)
+        self.storage, self.nbytes = view_and_bytes(tensor) if as_view else storage_and_bytes(tensor)
         self.unpacked_as: str | None = None
         self._finalizer = None
         if observer is not None:
@@ -127,6 +132,13 @@ def count_all_until_freed(values: Any, observer: Observer) -> None:
     for t in values if isinstance(values, (tuple, list)) else (values,):
         if isinstance(t, torch.Tensor):
             count_until_freed(t, observer)
+
+
+def view_and_bytes(t: torch.Tensor) -> tuple[int, int]:
+    """A key for the view ``t`` itself (never a storage's data pointer: negative) and its own
+    bytes, for a view of a batch its caller holds: one microbatch of it counts as its slice."""
+    ptr = t.data_ptr()
+    return (~ptr if ptr else 0), t.numel() * t.element_size()
 
 
 def storage_and_bytes(t: torch.Tensor) -> tuple[int, int]:
@@ -172,15 +184,36 @@ def param_storages(params: Any) -> set[int]:
     return {ptr for p in params if (ptr := storage_ptr(p)) is not None}
 
 
+def input_storages(values: Any) -> set[int]:
+    """Storage pointers of the tensors in ``values`` (tuples, lists and dicts walked): the first
+    stage's microbatch inputs and the last stage's targets, views of the caller's batches.
+    Counting a saved view's storage would charge every microbatch the whole batch; it counts as
+    its own slice instead, as a received input counts on a later stage (:class:`SavedTensors`)."""
+    if isinstance(values, torch.Tensor):
+        ptr = storage_ptr(values)
+        return set() if ptr is None else {ptr}
+    items = values.values() if isinstance(values, dict) else values
+    if not isinstance(items, (tuple, list, type({}.values()))):
+        return set()
+    return set().union(*(input_storages(v) for v in items))
+
+
 class SavedTensors:
     """The saved tensors of one (stage, microbatch) forward."""
 
-    def __init__(self, observer: Observer | None = None, skip: set[int] | None = None) -> None:
+    def __init__(
+        self,
+        observer: Observer | None = None,
+        skip: set[int] | None = None,
+        views: set[int] | None = None,
+    ) -> None:
         # Weak: autograd owns the holders (the graph's saved-tensor slots); this only finds them.
         self._holders: list[weakref.ref[Holder]] = []
         self.observer = observer
         """Told about every tensor held for this microbatch's backward (B adds its own)."""
         self._skip = skip or set()  # storages never worth holding (the stage's parameters)
+        #: storages of the caller's batch (the first stage's inputs): their views count as views
+        self._views = views or set()
 
     @property
     def holders(self) -> list[Holder]:
@@ -191,9 +224,10 @@ class SavedTensors:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if storage_ptr(t) in self._skip:
+        ptr = storage_ptr(t)
+        if ptr in self._skip:
             return t  # a parameter (or a view of one): releasing it would free nothing
-        h = Holder(t, self.observer)
+        h = Holder(t, self.observer, as_view=ptr in self._views)
         self._holders.append(weakref.ref(h))
         return h
 

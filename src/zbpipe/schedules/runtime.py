@@ -383,7 +383,13 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         if not stage.is_first and (s - 1) not in self.seam.stages:
             self._wait_recv(s, mb, forward=True)
         return_outputs, loss_kwargs = self._step_opts
-        with self.tracer.span("F", s, mb), self.seam.forward(stage, mb):
+        # what the caller holds for the step (slices of its batch and targets, for the seam)
+        given = (
+            ctx.arg_mbs[mb] if stage.is_first else (),
+            ctx.kwarg_mbs[mb] if stage.is_first else {},
+            ctx.target_mbs[mb] if stage.is_last and ctx.target_mbs is not None else (),
+        )
+        with self.tracer.span("F", s, mb), self.seam.forward(stage, mb, given):
             output = stage.forward_one_chunk(
                 mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb], save_forward_output=return_outputs
             )

@@ -42,7 +42,13 @@ from torch.distributed.fsdp import FSDPModule
 from .. import _compat as C
 from ..engines import Key, SplitEngine
 from ..memory.probe import KeyBytes, MemoryProbe
-from ..memory.saved import Observer, SavedTensors, count_all_until_freed, param_storages
+from ..memory.saved import (
+    Observer,
+    SavedTensors,
+    count_all_until_freed,
+    input_storages,
+    param_storages,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -113,8 +119,13 @@ class StageSeam:
 
     # ------------------------------------------------------------------ F
     @contextlib.contextmanager
-    def forward(self, stage: Any, mb: int) -> Iterator[None]:
-        """Around the forward of ``stage`` on ``mb`` (and its loss, on the last stage)."""
+    def forward(self, stage: Any, mb: int, given: Any = ()) -> Iterator[None]:
+        """Around the forward of ``stage`` on ``mb`` (and its loss, on the last stage).
+
+        ``given``: what the caller handed in for this microbatch (the first stage's inputs, the
+        last stage's target): slices of batches the caller holds for the whole step, each
+        counted as its own slice (:func:`~zbpipe.memory.saved.input_storages`).
+        """
         key = (stage.stage_index, mb)
         split = (
             stage.has_backward
@@ -129,7 +140,8 @@ class StageSeam:
                 (split and self.engine.uses_saved_holders) or observer is not None
             ):
                 skip = param_storages(stage.submod.parameters())
-                saved = self._saved[key] = SavedTensors(observer=observer, skip=skip)
+                views = input_storages(given)
+                saved = self._saved[key] = SavedTensors(observer, skip, views)
                 scope.enter_context(saved.hooks())
             if split:
                 fused = key in self.store_bw_keys
