@@ -245,3 +245,28 @@ def test_bad_arguments():
         plan_continuous(2, 2, mode="async")
     with pytest.raises(ValueError, match="n_minibatches"):
         plan_continuous(2, 2, n_minibatches=0)
+
+
+@settings(max_examples=25, deadline=None)
+@given(p=st.integers(1, 6), m=st.integers(1, 10), costs=costs_st)
+def test_stale_plans_are_never_behind_sync_on_four_minibatches(p, m, costs):
+    """Every sync order is a valid 2bw / stash order and is among their candidates, so over the
+    4 joined mini-batches the planner compares on, a stale plan is never slower than sync's."""
+    sync = simulate(plan_continuous(p, m, costs, n_minibatches=4), costs).makespan
+    for mode in ("2bw", "stash"):
+        stale = simulate(plan_continuous(p, m, costs, n_minibatches=4, mode=mode), costs)
+        assert stale.makespan <= sync + 1e-9
+
+
+@pytest.mark.parametrize("mode", ["2bw", "stash"])
+def test_deferred_w_on_the_last_rank_shortens_the_stream(mode):
+    """p = 2, m = 2, unit costs, by hand: rank 1 runs F0 B0 F1 B1 W0 W1 per mini-batch, so its
+    last B ends at 6N - 1 (with W after each B, at 6N), rank 0's last B and W follow: 6N + 1,
+    against sync's 7 per mini-batch (its stage 0 waits for the round trip every mini-batch)."""
+    for n in (1, 3, 6):
+        pl = plan_continuous(2, 2, n_minibatches=n, mode=mode)
+        assert pl.order[1][:6] == tuple(
+            Action(1, k, g) for k, g in (("F", 0), ("B", 0), ("F", 1), ("B", 1), ("W", 0), ("W", 1))
+        )
+        assert simulate(pl).makespan == pytest.approx(6 * n + 1)
+    assert simulate(plan_continuous(2, 2, n_minibatches=6)).makespan == pytest.approx(42)

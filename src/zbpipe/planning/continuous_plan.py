@@ -198,37 +198,39 @@ def continuous_parts(
             elif span > ref[0] + EPS or r.makespan > ref[1] + EPS:
                 continue
             parts = _split_segment(seg, m)
-            scored.append((round(probe(parts), 9), 0.0, i, name, parts))
+            scored.append((round(probe(parts), 9), i, name, parts))
     else:
         # any sync order is also a stale order (its forwards of k + 1 wait for more than needed)
         cands = stream_candidates(p, m) + [
             (f"sync-{name}", _split_segment(seg, m))
             for name, seg in _sync_segments(p, m, sc, limit)
         ]
-        slack = with_late_messages(costs, sc)
-        scored = []
-        for i, (name, parts) in enumerate(cands):
-            if not _stale_order_ok(parts, m, mode, sc, limit):
-                continue
-            # ties (common at comm = 0) go to the order that loses least when messages are late
-            scored.append((round(probe(parts), 9), round(probe(parts, slack), 9), i, name, parts))
+        scored = [
+            (round(probe(parts), 9), i, name, parts)
+            for i, (name, parts) in enumerate(cands)
+            if _stale_order_ok(parts, m, mode, sc, limit)
+        ]
+        if scored:  # ties (common at comm = 0) go to the order that loses least to late messages
+            top = min(c[0] for c in scored)
+            slack = with_late_messages(costs, sc)
+            scored = [(round(probe(c[3], slack), 9), *c[1:]) for c in scored if c[0] <= top + EPS]
     if not scored:
         raise ValueError(
             f"Continuous ({mode}): no plan fits memory_limit {limit:g}; raise it "
             f"(1F1B's peak is {base:g})"
         )
-    best = min(scored, key=lambda c: (c[0], c[1], c[2]))
+    best = min(scored, key=lambda c: (c[0], c[1]))
     log.debug(
-        "Continuous %s p=%d m=%d limit=%g: %s, probe makespan %g",
+        "Continuous %s p=%d m=%d limit=%g: %s, probe makespan %g (stale: with late messages)",
         mode,
         p,
         m,
         limit,
-        best[3],
+        best[2],
         best[0],
     )
     return ContinuousParts(
-        *best[4], minibatch_size=m, mode=mode, memory_limit=limit, source=best[3]
+        *best[3], minibatch_size=m, mode=mode, memory_limit=limit, source=best[2]
     )
 
 

@@ -1,0 +1,159 @@
+"""What ``continuous_speed.py`` could reach: the continuous plans replayed with measured costs.
+
+Measures, in this one process and one thread (no other rank running), the costs of one
+microbatch on one stage of ``continuous_speed.py``'s model (4 x Linear(1024)+ReLU, 32 rows): F,
+B (input gradient), W (weight gradient), the optimizer step (``div_`` by m and SGD, what every
+mode runs after a mini-batch's last W) and one copy of the stage's weights (2bw's price per step).
+Then replays each mode's plan (``plan_continuous``, p = 2, the benchmark's N mini-batches per
+round, warm-up and drain included) as soon as possible with those costs, charging the step (and
+2bw's copy) after each mini-batch's last W on each rank, where the runtime runs it; ``comm`` is
+added to every cross-rank dependency. The ratio 2bw / sync is the best the real run could show
+if the two ranks did not slow each other down (they share 2 cores and the memory bus, so sync's
+bubbles are partly paid back as a faster peer, which narrows the real gap).
+
+    PYTHONPATH=src python benchmarks/continuous_speed_model.py      # about 30 s
+
+Writes ``benchmarks/results/continuous_speed_model.json``. Not a test: nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from results_io import write_result
+
+from zbpipe.planning import Costs
+from zbpipe.planning.continuous_plan import plan_continuous
+from zbpipe.planning.core import Plan
+
+
+def _median_ms(fn: Any, n: int = 40) -> float:
+    fn()
+    fn()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def measure(hidden: int, layers: int, rows: int, m: int) -> dict[str, float]:
+    """Per-microbatch F, B, W and per-step step / copy times in ms (one thread)."""
+    import torch
+    from torch import nn
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    mod = nn.Sequential(*[x for _ in range(layers) for x in (nn.Linear(hidden, hidden), nn.ReLU())])
+    x = torch.randn(rows, hidden, requires_grad=True)
+    params = list(mod.parameters())
+
+    def forward() -> None:
+        with torch.no_grad():
+            mod(x)
+
+    def forward_b() -> None:
+        torch.autograd.grad(mod(x).sum(), [x])
+
+    def forward_bw() -> None:
+        torch.autograd.grad(mod(x).sum(), [x, *params])
+
+    grads = [torch.randn_like(p) for p in params]
+    opt = torch.optim.SGD(params, lr=1e-3)
+    bufs = [torch.empty_like(p) for p in params]
+
+    def step() -> None:
+        for p, g in zip(params, grads):
+            p.grad = g
+            g.div_(m)
+        opt.step()
+
+    def copy() -> None:
+        with torch.no_grad():
+            for b, p in zip(bufs, params):
+                b.copy_(p)
+
+    f, fb, fbw = _median_ms(forward), _median_ms(forward_b), _median_ms(forward_bw)
+    return {"f": f, "b": fb - f, "w": fbw - fb, "step": _median_ms(step), "copy": _median_ms(copy)}
+
+
+def replay(plan: Plan, cost: dict[str, float], after_step: float, comm: float) -> float:
+    """Makespan of ``plan`` run as soon as possible, ``after_step`` after each optimizer step."""
+    p = len(plan.order)
+    steps = {r: set(plan.meta["step_after"][r]) for r in plan.order}
+    end: dict[tuple[str, int, int], float] = {}
+    pos = dict.fromkeys(plan.order, 0)
+    free = dict.fromkeys(plan.order, 0.0)
+    left = sum(len(a) for a in plan.order.values())
+    while left:
+        moved = False
+        for r, acts in plan.order.items():
+            while pos[r] < len(acts):
+                a = acts[pos[r]]
+                s, g = a.stage, a.microbatch
+                dep = {
+                    "F": ("F", s - 1, g) if s > 0 else None,
+                    "B": ("B", s + 1, g) if s < p - 1 else None,
+                    "W": ("B", s, g),
+                }[a.kind]
+                if dep is not None and dep not in end:
+                    break
+                ready = 0.0 if dep is None else end[dep] + (comm if dep[1] != s else 0.0)
+                end[(a.kind, s, g)] = max(free[r], ready) + cost[a.kind.lower()]
+                free[r] = end[(a.kind, s, g)] + (after_step if pos[r] in steps[r] else 0.0)
+                pos[r] += 1
+                left -= 1
+                moved = True
+        if not moved:
+            raise RuntimeError("replay stuck: the plan is inconsistent")
+    return max(free.values())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--m", type=int, nargs="+", default=[4, 2])
+    ap.add_argument("--minibatches", type=int, default=6, help="mini-batches per round")
+    ap.add_argument("--comm", type=float, nargs="+", default=[0.0, 0.5], help="ms per message")
+    ap.add_argument("--rows", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=4)
+    a = ap.parse_args()
+    n = a.minibatches
+    results: dict[str, Any] = {}
+    for m in a.m:
+        cost = measure(a.hidden, a.layers, a.rows, m)
+        rows: dict[str, Any] = {"costs_ms": cost}
+        for comm in a.comm:
+            per = {}
+            for label, mode, extra in (
+                ("sync", "sync", 0.0),
+                ("2bw", "2bw", cost["copy"]),
+                ("2bw_no_copy", "2bw", 0.0),
+            ):
+                plan = plan_continuous(2, m, Costs(), n_minibatches=n, mode=mode)  # type: ignore[arg-type]
+                per[label] = replay(plan, cost, cost["step"] + extra, comm) / n
+            rows[f"comm={comm:g}"] = {
+                "ms_per_minibatch": per,
+                "ratio_2bw_to_sync": per["2bw"] / per["sync"],
+                "ratio_2bw_no_copy_to_sync": per["2bw_no_copy"] / per["sync"],
+            }
+            print(
+                f"m={m} comm={comm:g} ms: sync {per['sync']:.2f}, 2bw {per['2bw']:.2f} "
+                f"(ratio {per['2bw'] / per['sync']:.3f}; without the copy "
+                f"{per['2bw_no_copy'] / per['sync']:.3f}) ms per mini-batch"
+            )
+        print(f"m={m} costs ms: " + ", ".join(f"{k} {v:.2f}" for k, v in cost.items()))
+        results[f"m={m}"] = rows
+    write_result("continuous_speed_model", {"config": vars(a), "results": results})
+
+
+if __name__ == "__main__":
+    main()
