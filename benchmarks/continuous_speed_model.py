@@ -125,6 +125,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--out", default=None, help="default benchmarks/results/<script name>.json")
     a = ap.parse_args()
     n = a.minibatches
     results: dict[str, Any] = {}
@@ -152,7 +153,8 @@ def main() -> None:
             )
         print(f"m={m} costs ms: " + ", ".join(f"{k} {v:.2f}" for k, v in cost.items()))
         results[f"m={m}"] = rows
-    write_result("continuous_speed_model", {"config": vars(a), "results": results})
+    config = {k: v for k, v in vars(a).items() if k != "out"}
+    write_result("continuous_speed_model", {"config": config, "results": results}, path=a.out)
 
 
 if __name__ == "__main__":

@@ -79,7 +79,9 @@ def with_late_messages(costs: Costs, stage_costs: Sequence[StageCosts]) -> Costs
     orders equal at the given ``comm`` (the one with more slack wins a real run's jitter)."""
     extra = 0.25 * max(st.f for st in stage_costs)
     comm = costs.comm
-    late = tuple(c + extra for c in comm) if isinstance(comm, tuple) else comm + extra
+    late: float | tuple[float, ...] = (
+        comm + extra if isinstance(comm, (int, float)) else tuple(c + extra for c in comm)
+    )
     return dataclasses.replace(costs, comm=late)
 
 
