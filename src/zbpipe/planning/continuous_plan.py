@@ -30,8 +30,8 @@ Three semantics of the optimizer step (``mode``):
   its forward used (the version current at its F): at most ``p - s`` versions on stage ``s``.
 
 A stale order is a stream (:mod:`zbpipe.planning.continuous_stream`: 1F1B over all ``N * m``
-microbatches, ``w_r = min(m, d * (p - 1 - r))`` forwards ahead, W after each B or at the end of
-the mini-batch) or any sync order (valid in both stale modes); the simulated makespan of 4
+microbatches, ``w_r = min(m, d * (p - 1 - r))`` forwards ahead (stash: ``d = 1``), W after each B
+or at the end of the mini-batch) or any sync order (valid in both modes); the makespan of 4
 joined mini-batches picks, ties going to the order that loses least when messages arrive late.
 Candidates that break the memory limit or their mode's version bound are dropped. The warm-up
 is capped at ``m`` forwards: the parts must not depend on N, and 2BW needs it for its version
@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from .auto import STRATEGIES, AutoStrategy, list_schedule, onef1b_peak
-from .continuous_stream import stream_candidates, with_late_messages
+from .continuous_stream import WARMUP_FACTORS, stream_candidates, with_late_messages
 from .core import Action, Plan, PlanError, loop_placement, make_plan
 from .costs import Costs, StageCosts
 from .rules import EPS, check_sizes, fits
@@ -138,19 +138,14 @@ def _stale_order_ok(
 ) -> bool:
     """Does a stale candidate fit the memory limit and keep its mode's version rules?"""
     p = len(parts[0])
-    cp = ContinuousParts(*parts, minibatch_size=m, mode=mode, memory_limit=limit, source="")
-    joined = cp.join(3)
-    if not fits(joined, sc, limit):
-        return False
+    joined = ContinuousParts(*parts, m, mode, limit, "").join(3)
     try:
         check_continuous(
-            make_plan(
-                "candidate", p, 3 * m, loop_placement(p, p), joined, minibatch_size=m, mode=mode
-            )
+            make_plan("", p, 3 * m, loop_placement(p, p), joined, minibatch_size=m, mode=mode)
         )
     except PlanError:
         return False
-    return True
+    return fits(joined, sc, limit)
 
 
 def continuous_parts(
@@ -200,8 +195,8 @@ def continuous_parts(
             parts = _split_segment(seg, m)
             scored.append((round(probe(parts), 9), i, name, parts))
     else:
-        # any sync order is also a stale order (its forwards of k + 1 wait for more than needed)
-        cands = stream_candidates(p, m) + [
+        factors = WARMUP_FACTORS if mode == "2bw" else (1.0,)  # stash: PipeDream's staleness
+        cands = stream_candidates(p, m, factors) + [
             (f"sync-{name}", _split_segment(seg, m))
             for name, seg in _sync_segments(p, m, sc, limit)
         ]
@@ -211,9 +206,11 @@ def continuous_parts(
             if _stale_order_ok(parts, m, mode, sc, limit)
         ]
         if scored:  # ties (common at comm = 0) go to the order that loses least to late messages
-            top = min(c[0] for c in scored)
+            tied = [c for c in scored if c[0] <= min(c[0] for c in scored) + EPS]
+            if mode == "stash" and any(not c[2].startswith("sync") for c in tied):
+                tied = [c for c in tied if not c[2].startswith("sync")]  # on ties, a stream
             slack = with_late_messages(costs, sc)
-            scored = [(round(probe(c[3], slack), 9), *c[1:]) for c in scored if c[0] <= top + EPS]
+            scored = [(round(probe(c[3], slack), 9), *c[1:]) for c in tied]
     if not scored:
         raise ValueError(
             f"Continuous ({mode}): no plan fits memory_limit {limit:g}; raise it "

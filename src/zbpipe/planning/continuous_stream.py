@@ -6,8 +6,10 @@ warm-up / period / drain of :class:`~zbpipe.planning.continuous_plan.ContinuousP
 per rank, each candidate scored by the simulator in
 :func:`~zbpipe.planning.continuous_plan.continuous_parts`:
 
-* the **warm-up** ``w_r = min(m, floor(d * (p - 1 - r)))`` forwards with ``d`` in {1, 1.5, 2}: more
-  forwards ahead hide ``comm`` and jitter (the slack a real run needs), at more memory;
+* the **warm-up** ``w_r = min(m, floor(d * (p - 1 - r)))`` forwards with ``d`` in {1, 1.5, 2}
+  (2bw): more forwards ahead hide ``comm`` and jitter (the slack a real run needs), at more
+  memory. stash keeps ``d = 1``: its staleness depends on the order (a forward uses the version
+  current when it runs), and ``d = 1`` is PipeDream's (``p - 1 - s`` updates on stage ``s``);
 * **W at the end of the mini-batch** on the ranks ``>= first_deferred``: a period of
   ``F B F B ... W W`` instead of ``F B W F B W``. The B passes then reach the previous rank sooner,
   which shortens the stream's drain: with ``p = 2``, ``m = 2`` and unit costs the stream ends one
@@ -58,12 +60,14 @@ def stream_parts(
     return warmup, period, drain
 
 
-def stream_candidates(p: int, m: int) -> list[tuple[str, tuple[Orders, Orders, Orders]]]:
-    """The stream orders to score: every warm-up factor, with W after B everywhere, on the last
-    rank only deferred, or deferred on every rank. Deterministic, duplicates removed."""
+def stream_candidates(
+    p: int, m: int, factors: Sequence[float] = WARMUP_FACTORS
+) -> list[tuple[str, tuple[Orders, Orders, Orders]]]:
+    """The stream orders to score: each warm-up factor in ``factors``, with W after B everywhere,
+    deferred on the last rank only, or deferred on every rank. Deterministic, no duplicates."""
     out = []
     seen = set()
-    for d in WARMUP_FACTORS:
+    for d in factors:
         warmups = tuple(min(m, math.floor(d * (p - 1 - r))) for r in range(p))
         for name, first in (("", p), ("-lastW", p - 1), ("-allW", 0)):
             deferred = tuple(r >= first for r in range(p))
