@@ -182,7 +182,8 @@ def test_live_versions_within_bound(runs):
         assert [r["bound"] for r in res[case]] == [bound(s) for s in range(world)]
         assert all(lv <= bound(s) for s, lv in enumerate(lives)), f"{CASES[case][0]}: {lives}"
     assert all(r["max_live"] == 2 for r in res[3]), "2bw must actually keep two versions"
-    assert res[4][0]["max_live"] >= 2, "stash on stage 0 keeps more than one version"
+    if world == 4:  # (2 ranks, m = 3 >= 2p - 1: stash's plan is a sync order, one version)
+        assert res[4][0]["max_live"] >= 2, "stash on stage 0 keeps more than one version"
     assert all(r["max_live"] == 1 for r in res[0])
 
 

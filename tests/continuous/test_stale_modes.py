@@ -2,7 +2,8 @@
 
 * the prediction's update rule on a one-weight model, against numbers computed by hand;
 * the weight versions' bookkeeping: tied parameters swapped together, a recycled gradient
-  buffer no pass wrote handed back as None (an optimizer must skip that parameter, as before);
+  buffer no pass wrote handed back as None (an optimizer must skip that parameter, as before),
+  stash's copy made only for a forward a step overtakes (and autograd's refusal otherwise);
 * on 2 gloo ranks: 2bw with prediction equals its rule replayed on the unpipelined model,
   stash's default (in-GEMM) summation follows its version rule, and two same-seed runs of every
   stale mode are bitwise identical.
@@ -19,6 +20,9 @@ from zbpipe.continuous.versions import ModuleSlots, WeightVersions
 from zbpipe.testing import run_ranks
 
 N, M = 5, 3
+# stash at p = 2 streams (a mini-batch's forwards straddling a step) only with m < 2p - 1; with
+# more microbatches its plan is a sync order, faster there, and one version would be all it keeps
+M_STASH = 2
 
 
 def _two_bw_steps(correction: str | None, n: int) -> list[float]:
@@ -104,6 +108,46 @@ def test_a_recycled_gradient_buffer_nothing_took_leaves_the_gradient_none():
     assert torch.equal(g_used, torch.ones(2, 2))  # zeroed, then the one pass added into it
 
 
+def _stash_step(lin, opt, versions, k):
+    """The optimizer step of mini-batch k as the runtime runs it (gradient 1 everywhere)."""
+    lin.weight.grad = torch.ones_like(lin.weight)
+    opt.step()
+    lin.weight.grad = None
+    versions.updated(next_minibatch=k + 1)
+
+
+def test_stash_copies_the_weights_only_for_a_forward_a_step_overtakes():
+    """stash: a forward whose backward passes end before the next step runs on the master
+    itself (no copy); the first forward a step overtakes gets the latest version copied out, and
+    keeps its values through the step."""
+    lin = nn.Linear(2, 2, bias=False)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.5)
+    versions = WeightVersions(lin, "stash")
+    _key, (w0,) = versions.acquire(0, 0, overtaken=False)
+    assert w0.data_ptr() == lin.weight.data_ptr()
+    versions.release(0, next_minibatch=1)
+    _stash_step(lin, opt, versions, 0)
+    before = lin.weight.detach().clone()
+    _key, (w1,) = versions.acquire(1, 1, overtaken=True)  # a step comes before its backward
+    assert w1.data_ptr() != lin.weight.data_ptr() and torch.equal(w1, before)
+    _stash_step(lin, opt, versions, 1)
+    assert torch.equal(w1, before) and torch.equal(lin.weight.detach(), before - 0.5)
+    assert versions.peak == 2
+
+
+def test_stash_on_the_master_fails_loudly_if_a_step_overtakes_it():
+    """The safety net of running on the master: were a step to come before the backward of a
+    forward told it would not, autograd refuses the backward (no silently wrong gradient)."""
+    lin = nn.Linear(2, 2, bias=False)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.5)
+    versions = WeightVersions(lin, "stash")
+    _key, (w,) = versions.acquire(0, 0, overtaken=False)
+    loss = w.square().sum()  # saves w for its backward
+    _stash_step(lin, opt, versions, 0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_the_engine_writes_a_first_product_into_the_offered_buffer():
     """The deferred W's first product goes into the offered buffer (no fresh allocation), with
     the bits of the product it would otherwise have stolen; the next one adds inside the GEMM."""
@@ -126,9 +170,9 @@ def runs():
     cases = [
         (M, N, "2bw", "sgd", "predict"),
         (M, N, "2bw", "adamw", "predict"),
-        (M, N, "stash", "sgd", None),
+        (M_STASH, N, "stash", "sgd", None),
         (M, N, "2bw", "adamw", None),
-        (M, N, "stash", "adamw", None),
+        (M_STASH, N, "stash", "adamw", None),
         (M, N, "2bw", "adamw", "predict"),
         (M, N, "2bw", "sgd", "nesterov"),
     ]
@@ -165,8 +209,9 @@ def test_2bw_prediction_follows_its_rule(runs, case, opt):
 
 @pytest.mark.dist
 def test_stash_default_summation_follows_its_version_rule(runs):
-    ref, _ = cc.reference(2, M, N, "sgd", cc.stash_versions(2, M, N))
+    ref, _ = cc.reference(2, M_STASH, N, "sgd", cc.stash_versions(2, M_STASH, N))
     _assert_close(runs[2], ref, "sgd", 1e-6, "stash sgd")
+    assert runs[2][0]["max_live"] == 2, "stage 0 runs a mini-batch on two versions"
 
 
 @pytest.mark.dist

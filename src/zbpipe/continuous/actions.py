@@ -145,8 +145,12 @@ class ContinuousActions:
         if self._versions is not None:
             # The microbatch's version goes in the module's parameter slots; a run of forwards
             # on the same (version, mini-batch) swaps once (zbpipe.continuous.versions).
-            k = self._minibatches_before + self._minibatch(g)
-            key, leaves = self._versions.acquire(g, k)
+            k = self._minibatch(g)
+            # a step of this stage comes before g's backward passes end iff g's mini-batch is
+            # ahead of the next step (steps follow each mini-batch's last W, W's in order)
+            key, leaves = self._versions.acquire(
+                g, self._minibatches_before + k, overtaken=k > self._stepped
+            )
             self._versions.slots.install(key, leaves)
             self._leaves[g] = (key, leaves)
         out = st.submod(*args, **kwargs)

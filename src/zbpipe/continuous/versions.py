@@ -1,19 +1,24 @@
 """Weight versions of one stage for the ``2bw`` and ``stash`` continuous modes.
 
 The optimizer owns the stage module's parameters (the *master* weights, always the latest
-version) and updates them in place. A forward never reads them: it runs the stage on a version,
-a set of separate tensors copied from the master right after an update and never written while
-a microbatch uses them. So an update between a microbatch's forward and its backward cannot trip
-autograd's saved-tensor version check (the PipeDream trap), and the backward computes the
-gradient at exactly the weights the forward used.
+version) and updates them in place. A forward that an update will overtake (the update runs
+between its forward and its last backward pass) never reads them: it runs the stage on a
+version, a set of separate tensors copied from the master and never written while a microbatch
+uses them. So an update between a microbatch's forward and its backward cannot trip autograd's
+saved-tensor version check (the PipeDream trap), and the backward computes the gradient at
+exactly the weights the forward used. A stash forward that no update overtakes runs on (leaf
+aliases of) the master itself.
 
 What it costs, per stage (the stale modes' price over ``sync``, kept per mini-batch, not per
 microbatch):
 
-* **one copy of the weights per optimizer step**, into the buffers of a version no longer used
-  (recycled: no allocation, no page faults after the first steps). An in-place optimizer
-  destroys the values a microbatch in flight still reads, so one copy per step is the least any
-  optimizer-agnostic scheme can do;
+* **2bw: one copy of the weights per optimizer step**, into the buffers of a version no longer
+  used (recycled: no allocation, no page faults after the first steps). Mini-batch ``k + 1``
+  reads version ``k`` after the step has made the master ``k + 1``, and an in-place optimizer
+  destroys what it overwrites, so one copy per step is the least any optimizer-agnostic scheme
+  can do. **stash: a copy only for a step that overtakes a forward** (the first such forward
+  copies the latest version out of the master); on a stage whose forwards all finish their
+  backward passes before the next step (the last stage of the plans zbpipe makes), none;
 * **one set of leaf aliases per (version, mini-batch)** (``detach()``: same storage, new autograd
   leaf), shared by the mini-batch's microbatches on that version: the weight-gradient pass adds
   into their ``.grad`` as it adds into the module's in ``sync`` mode (inside the GEMM with the
@@ -122,7 +127,10 @@ class WeightVersions:
         self._masters = [p.detach() for p in self.params.values()]
         self.slots = ModuleSlots(module, list(self.params.values()))
         self.latest = 0
-        self.store: dict[int, list[torch.Tensor]] = {0: [t.clone() for t in self._masters]}
+        # stash: the latest version is the master itself until a forward that a step will
+        # overtake needs it (then it gets its own copy, see acquire)
+        first = self._masters if mode == "stash" else [t.clone() for t in self._masters]
+        self.store: dict[int, list[torch.Tensor]] = {0: first}
         self.uses: dict[int, int] = {}  # in-flight microbatch -> version
         self.peak = 1
         self._spare: list[torch.Tensor] | None = None  # buffers of a dropped version, for reuse
@@ -143,13 +151,27 @@ class WeightVersions:
             )
         return v
 
-    def acquire(self, microbatch: int, minibatch: int) -> tuple[LeafKey, list[torch.Tensor]]:
+    def acquire(
+        self, microbatch: int, minibatch: int, overtaken: bool = True
+    ) -> tuple[LeafKey, list[torch.Tensor]]:
         """The leaf set microbatch ``microbatch`` of ``minibatch`` runs on, and its key.
 
         Its weight gradients land in the leaves' ``.grad``, shared with the mini-batch's other
-        microbatches on the same version.
+        microbatches on the same version. ``overtaken``: an optimizer step of this stage runs
+        before the microbatch's last backward pass (the runtime knows: its mini-batch is ahead
+        of the stage's next step). stash: a microbatch that is not overtaken runs on the master
+        itself (no copy: its backward passes end before the step writes the master); the first
+        one that is gets the latest version copied out of the master. Were the runtime wrong, the
+        step would bump the master's version counter under a saved weight and autograd would
+        raise at the backward pass: never a silently wrong gradient.
         """
         version = self.version_for(minibatch)
+        if overtaken and self.store[version] is self._masters:
+            own = self._take_spare()
+            with torch.no_grad():
+                for b, t in zip(own, self._masters):
+                    b.copy_(t)
+            self.store[version] = own
         self.uses[microbatch] = version
         key = (version, minibatch)
         leaves = self.leaf_sets.get(key)
@@ -239,6 +261,8 @@ class WeightVersions:
                 weight = 1.0 + HORIZON[str(self.correction)]
                 for b, t in zip(new, self._masters):
                     b.lerp_(t, weight)
+            elif self.mode == "stash":  # a copy only if a forward the next step overtakes needs it
+                new = self._masters
             else:
                 new = self._take_spare()
                 for b, t in zip(new, self._masters):
@@ -259,7 +283,7 @@ class WeightVersions:
             keep.add(max(next_minibatch - 1, 0))
         for v in [v for v in self.store if v not in keep]:
             dropped = self.store.pop(v)
-            if self._spare is None:
+            if self._spare is None and dropped is not self._masters:
                 self._spare = dropped  # the next step's copy goes here
         self.peak = max(self.peak, len(self.store))
 
@@ -280,6 +304,8 @@ class WeightVersions:
             int(v): [ts[n].detach().clone() for n in self._names]
             for v, ts in state["store"].items()
         }
+        if self.mode == "stash":  # (the module loaded the master: the latest is the master)
+            self.store[self.latest] = self._masters
         self.uses = {}
         self.leaf_sets = {}
         self._prepared = set()

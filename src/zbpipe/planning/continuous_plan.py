@@ -25,19 +25,17 @@ Three semantics of the optimizer step (``mode``):
 * ``"2bw"``: PipeDream-2BW. Mini-batch ``k`` runs on weight version ``max(k - 1, 0)`` (version
   ``v`` = the weights after ``v`` updates), and update ``k`` (after ``k``'s last W on the stage)
   makes ``W(k + 1) = W(k) - step(grad at W(k - 1))``. So ``F`` of ``k + 2`` waits for the
-  update of ``k`` and at most 2 versions live per stage. The order is a stream: 1F1B with W
-  right after B over all ``N * m`` microbatches, warm-up ``w_r = min(m, d * (p - 1 - r))``
-  forwards with ``d`` in {1, 1.5, 2} chosen by simulation (more warm-up hides ``comm``).
+  update of ``k`` and at most 2 versions live per stage.
 * ``"stash"``: PipeDream weight stashing. A microbatch's backward on a stage uses the weights
-  its forward used (the version current at its F). The order is the 1F1B-with-W-after-B stream
-  with ``w_r = min(m, p - 1 - r)``: at most ``p - s`` microbatches in flight on stage ``s``, so
-  at most ``p - s`` versions (the latest and one per in-flight microbatch); with ``m = 1`` this
-  is PipeDream exactly (staleness ``p - 1 - s`` updates, ``p - s`` versions).
+  its forward used (the version current at its F): at most ``p - s`` versions on stage ``s``.
 
-In the stream modes the warm-up is capped at ``m`` forwards: the warm-up, period and drain
-must not depend on N (``3m`` actions per period leave ``m - w`` steady units for warm-up plus
-drain), and 2BW needs it for its version rule. With ``m < p - 1 - r`` the cap costs a bubble
-per microbatch on rank ``r``, and stash then keeps fewer versions than ``p - s``.
+A stale order is a stream (:mod:`zbpipe.planning.continuous_stream`: 1F1B over all ``N * m``
+microbatches, ``w_r = min(m, d * (p - 1 - r))`` forwards ahead (stash: ``d = 1``), W after each B
+or at the end of the mini-batch) or any sync order (valid in both modes); the makespan of 4
+joined mini-batches picks, ties going to the order that loses least when messages arrive late.
+Candidates that break the memory limit or their mode's version bound are dropped. The warm-up
+is capped at ``m`` forwards: the parts must not depend on N, and 2BW needs it for its version
+rule (with ``m < p - 1 - r`` the cap costs a bubble per microbatch on rank ``r``).
 
 ``check_continuous`` re-derives these rules from the order alone (the simulator does not know
 about mini-batches) and ``plan_continuous`` calls it. ``meta["step_after"][rank][k]`` is the
@@ -47,12 +45,12 @@ index in the rank's order of the action after which mini-batch ``k``'s optimizer
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from .auto import STRATEGIES, AutoStrategy, list_schedule, onef1b_peak
+from .continuous_stream import WARMUP_FACTORS, stream_candidates, with_late_messages
 from .core import Action, Plan, PlanError, loop_placement, make_plan
 from .costs import Costs, StageCosts
 from .rules import EPS, check_sizes, fits
@@ -115,25 +113,6 @@ def _split_segment(
     return warmup, period, drain
 
 
-def _one_f_b_w(rank: int, i: int, warmup: int) -> list[Action]:
-    """One steady-state unit: F of microbatch ``i + warmup``, then B and W of ``i``."""
-    return [Action(rank, "F", i + warmup), Action(rank, "B", i), Action(rank, "W", i)]
-
-
-def _stream_parts(p: int, m: int, warmups: Sequence[int]) -> tuple[Orders, Orders, Orders]:
-    """1F1B with W right after B over an endless stream of microbatches, cut every ``m``."""
-    warmup, period, drain = {}, {}, {}
-    for r in range(p):
-        w = warmups[r]
-        warmup[r] = tuple(Action(r, "F", j) for j in range(w))
-        period[r] = tuple(a for i in range(m) for a in _one_f_b_w(r, i, w))
-        drain[r] = tuple(
-            [a for i in range(m - w) for a in _one_f_b_w(r, i, w)]
-            + [a for i in range(m - w, m) for a in (Action(r, "B", i), Action(r, "W", i))]
-        )
-    return warmup, period, drain
-
-
 def _sync_segments(
     p: int, m: int, sc: list[StageCosts], limit: float
 ) -> list[tuple[str, dict[int, list[Action]]]]:
@@ -152,6 +131,21 @@ def _sync_segments(
         if res is not None:
             cands.append((f"heuristic{i}", res.orders))
     return [(name, o) for name, o in cands if fits(o, sc, limit)]
+
+
+def _stale_order_ok(
+    parts: tuple[Orders, Orders, Orders], m: int, mode: str, sc: list[StageCosts], limit: float
+) -> bool:
+    """Does a stale candidate fit the memory limit and keep its mode's version rules?"""
+    p = len(parts[0])
+    joined = ContinuousParts(*parts, m, mode, limit, "").join(3)
+    try:
+        check_continuous(
+            make_plan("", p, 3 * m, loop_placement(p, p), joined, minibatch_size=m, mode=mode)
+        )
+    except PlanError:
+        return False
+    return fits(joined, sc, limit)
 
 
 def continuous_parts(
@@ -183,9 +177,10 @@ def continuous_parts(
         )
     placement = loop_placement(p, p)
 
-    def probe(parts: tuple[Orders, Orders, Orders], n: int = _PROBE) -> float:
+    def probe(parts: tuple[Orders, Orders, Orders], c: Costs = costs) -> float:
         cp = ContinuousParts(*parts, minibatch_size=m, mode=mode, memory_limit=limit, source="")
-        return simulate_timing(make_plan("probe", p, n * m, placement, cp.join(n)), costs).makespan
+        joined = cp.join(_PROBE)
+        return simulate_timing(make_plan("probe", p, _PROBE * m, placement, joined), c).makespan
 
     if mode == "sync":
         ref = None
@@ -200,21 +195,22 @@ def continuous_parts(
             parts = _split_segment(seg, m)
             scored.append((round(probe(parts), 9), i, name, parts))
     else:
-        factors = (1.0, 1.5, 2.0) if mode == "2bw" else (1.0,)
-        scored = []
-        seen = set()
-        for i, d in enumerate(factors):
-            warmups = tuple(min(m, math.floor(d * (p - 1 - r))) for r in range(p))
-            if warmups in seen:
-                continue
-            seen.add(warmups)
-            parts = _stream_parts(p, m, warmups)
-            joined = ContinuousParts(
-                *parts, minibatch_size=m, mode=mode, memory_limit=limit, source=""
-            ).join(2)
-            if not fits(joined, sc, limit):
-                continue
-            scored.append((round(probe(parts), 9), i, f"stream-warmup-x{d:g}", parts))
+        factors = WARMUP_FACTORS if mode == "2bw" else (1.0,)  # stash: PipeDream's staleness
+        cands = stream_candidates(p, m, factors) + [
+            (f"sync-{name}", _split_segment(seg, m))
+            for name, seg in _sync_segments(p, m, sc, limit)
+        ]
+        scored = [
+            (round(probe(parts), 9), i, name, parts)
+            for i, (name, parts) in enumerate(cands)
+            if _stale_order_ok(parts, m, mode, sc, limit)
+        ]
+        if scored:  # ties (common at comm = 0) go to the order that loses least to late messages
+            tied = [c for c in scored if c[0] <= min(c[0] for c in scored) + EPS]
+            if mode == "stash" and any(not c[2].startswith("sync") for c in tied):
+                tied = [c for c in tied if not c[2].startswith("sync")]  # on ties, a stream
+            slack = with_late_messages(costs, sc)
+            scored = [(round(probe(c[3], slack), 9), *c[1:]) for c in tied]
     if not scored:
         raise ValueError(
             f"Continuous ({mode}): no plan fits memory_limit {limit:g}; raise it "
@@ -222,7 +218,7 @@ def continuous_parts(
         )
     best = min(scored, key=lambda c: (c[0], c[1]))
     log.debug(
-        "Continuous %s p=%d m=%d limit=%g: %s, probe makespan %g",
+        "Continuous %s p=%d m=%d limit=%g: %s, probe makespan %g (stale: with late messages)",
         mode,
         p,
         m,
