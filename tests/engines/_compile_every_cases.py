@@ -110,8 +110,9 @@ def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
 
 def continuous_case(rank: int, world: int, mode: str, how: str, backend: str) -> dict[str, Any]:
     """``ScheduleContinuous`` (``mode``) over compiled blocks, N_CONTINUOUS mini-batches then
-    flush; returns this rank's parameters (numpy), the graphs compiled in this process after
-    each mini-batch and after the flush, and the graph breaks so far."""
+    flush; returns this rank's parameters and those the compiled and the eager reference
+    (:func:`continuous_reference`) give its stage (numpy), the graphs compiled in this process
+    after each mini-batch and after the flush, and the graph breaks so far."""
     mods = mlp_stages(world)
     counters = C.dynamo_counters()
     stage = PipelineStage(
@@ -125,9 +126,14 @@ def continuous_case(rank: int, world: int, mode: str, how: str, backend: str) ->
         graphs.append(counters["stats"]["unique_graphs"])
     sched.flush()
     graphs.append(counters["stats"]["unique_graphs"])
+    # The references here, where the blocks' graphs are compiled already (numpy: torch tensors
+    # would travel back through shared memory the exiting rank tears down).
+    refs = {
+        ref_how: continuous_reference(world, mode, ref_how, backend) for ref_how in (how, "eager")
+    }
     return {
-        # numpy: torch tensors would travel back through shared memory the exiting rank tears down
         "params": [p.detach().numpy().copy() for p in mods[rank].parameters()],
+        "references": {k: [t.detach().numpy().copy() for t in v[rank]] for k, v in refs.items()},
         "graphs": graphs,
         "graph_breaks": sum(counters["graph_break"].values()),
     }

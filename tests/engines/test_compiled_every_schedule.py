@@ -7,8 +7,9 @@ compile + AC). Every class of ``zbpipe.integrations.names.SCHEDULE_CLASSES`` in 
 (loop: one stage per rank; V: two) runs two steps with its defaults (the first step compiles,
 probes memory and re-plans): its gradients after each step equal a compiled unpipelined
 reference (the same blocks, a separate copy compiled the same way) and an eager one, to fp32
-rounding; the second step compiles nothing; nothing breaks the graph. ``ScheduleContinuous``
-(sync, 2bw, stash) ends with the parameters its version rule gives on the unpipelined model.
+rounding; the second step compiles nothing; nothing breaks the graph (most cases compile with
+aot_eager; inductor runs ZBH1 and ZBV). ``ScheduleContinuous`` (sync, 2bw, stash) ends with the
+parameters its version rule gives on the unpipelined model.
 
 One process group per module fixture: starting ranks and importing torch is the slow part.
 """
@@ -77,13 +78,13 @@ def test_every_planned_class_gets_the_compiled_reference_gradients(runs, name):
 @pytest.mark.parametrize("mode", MODES)
 def test_continuous_over_compiled_blocks_follows_its_version_rule(runs, mode):
     how, results = runs
-    for ref_how in (how, "eager"):
-        want = cases.continuous_reference(2, mode, ref_how, "aot_eager")
-        for rank, got in enumerate(results[mode]):
-            for i, (a, b) in enumerate(zip(got["params"], want[rank])):
+    for rank, got in enumerate(results[mode]):
+        assert set(got["references"]) == {how, "eager"}
+        for ref_how, want in got["references"].items():
+            for i, (a, b) in enumerate(zip(got["params"], want, strict=True)):
                 # SGD with momentum over 3 mini-batches: fp32 rounding of the gradients only
                 np.testing.assert_allclose(
-                    a, b.detach().numpy(), rtol=1e-5, atol=1e-6, err_msg=f"{mode} {rank} {i}"
+                    a, b, rtol=1e-5, atol=1e-6, err_msg=f"{mode} {ref_how} {rank} {i}"
                 )
     for got in results[mode]:
         assert got["graphs"][0] == got["graphs"][-1], got["graphs"]
@@ -91,24 +92,24 @@ def test_continuous_over_compiled_blocks_follows_its_version_rule(runs, mode):
 
 
 def test_inductor_in_both_placements_and_graph_engine_under_compile():
-    # inductor: ZBH1 (loop) and ZBV (V) compiled in place (ZBV reuses ZBH1's graphs), ZBV
-    # checkpointed then compiled; the graph engine runs 1F1BMulti's fused backward over
-    # compiled blocks (a plan that splits refuses them under split="graph": the test below).
+    # inductor: ZBH1 (loop) and ZBV (V) compiled in place (ZBV reuses ZBH1's graphs; AC is
+    # checked under aot_eager above: an inductor compile of it costs this file's budget); the
+    # graph engine runs 1F1BMulti's fused backward over compiled blocks (a plan that splits
+    # refuses them under split="graph": the test below).
     todo = [
         ("planned", "ZBH1", "in-place", "inductor", {}),
         ("planned", "ZBV", "in-place", "inductor", {}),
-        ("planned", "ZBV", "ac-in-place", "inductor", {}),
         ("planned", "1F1BMulti", "in-place", "aot_eager", {"split": "graph"}),
         ("planned", "ZBV", "eager", "", {}),
     ]
     per_rank = run_ranks(cases.run_cases, 2, todo, timeout=500)
     for i in range(len(todo) - 1):
         _check_planned([rank[i] for rank in per_rank])
-    assert all(rank[3]["split"] == "graph" for rank in per_rank)
+    assert all(rank[2]["split"] == "graph" for rank in per_rank)
     assert sum(rank[0]["w_gemms"] for rank in per_rank) > 0  # ZBH1 splits somewhere
     # ZBV splits on both ranks; compiled by inductor, its W runs the GEMMs the eager one runs
-    assert all(rank[1]["w_gemms"] > 0 and rank[2]["w_gemms"] > 0 for rank in per_rank)
-    assert [rank[1]["w_gemms"] for rank in per_rank] == [rank[4]["w_gemms"] for rank in per_rank]
+    assert all(rank[1]["w_gemms"] > 0 for rank in per_rank)
+    assert [rank[1]["w_gemms"] for rank in per_rank] == [rank[3]["w_gemms"] for rank in per_rank]
 
 
 def test_graph_engine_refuses_compiled_blocks_in_a_split_plan():

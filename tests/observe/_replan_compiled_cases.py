@@ -28,11 +28,11 @@ def default_run(
     rank: int, world: int, name: str, how: str, measure_memory: bool = True
 ) -> dict[str, Any]:
     """Three steps of ``name`` with default arguments over blocks compiled as ``how`` says
-    ("eager": not compiled; "whole": each stage module compiled whole), from an empty compile
-    cache. Returns the plan after the re-plan
-    (name and order), the memory costs and bytes per unit it was made for, the graphs dynamo
-    compiled after each step, the graph breaks and the largest gradient difference from an eager
-    unpipelined reference over the steps."""
+    ("eager": not compiled; "whole": each stage module compiled whole). Returns the plan after
+    the re-plan (name and order), the memory costs and bytes per unit it was made for, the graphs
+    dynamo compiled in this run after each step (the process's cache may hold some already), the
+    graph breaks so far and the largest gradient difference from an eager unpipelined reference
+    over the steps."""
     cls = SCHEDULE_CLASSES[name]
     num_stages = world * cls.stages_per_rank
     mods = mlp_stages(num_stages)
@@ -41,9 +41,8 @@ def default_run(
     ref = copy.deepcopy(nn.Sequential(*mods))
     losses = [mse(ref(a), b) for a, b in zip(x.chunk(M), tgt.chunk(M))]
     (torch.stack(losses).sum() / M).backward()
-    torch.compiler.reset()
     counters = C.dynamo_counters()
-    counters.clear()
+    start = counters["stats"]["unique_graphs"]
     mine = sorted(s for s, r in cls.stage_index_to_rank(world).items() if r == rank)
     stages = [
         PipelineStage(_compiled(mods[s], how), s, num_stages, torch.device("cpu")) for s in mine
@@ -55,7 +54,7 @@ def default_run(
         for s in mine:
             mods[s].zero_grad(set_to_none=True)
         sched.step(*((x,) if 0 in mine else ()), target=tgt if num_stages - 1 in mine else None)
-        graphs.append(counters["stats"]["unique_graphs"])
+        graphs.append(counters["stats"]["unique_graphs"] - start)
         for s in mine:
             for p, q in zip(mods[s].parameters(), ref[s].parameters()):
                 worst = max(worst, (p.grad - q.grad).abs().max().item())
@@ -72,5 +71,8 @@ def default_run(
 
 
 def runs(rank: int, world: int, todo: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
-    """Several ``default_run``s in one process group (starting processes is the slow part)."""
+    """Several ``default_run``s in one process group (starting processes is the slow part),
+    sharing one compile cache, emptied here first."""
+    torch.compiler.reset()
+    C.dynamo_counters().clear()
     return [default_run(rank, world, *case) for case in todo]

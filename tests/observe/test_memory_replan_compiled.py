@@ -4,9 +4,8 @@ pipeline gets eager.
 
 Two gloo ranks; each pre-norm MLP block compiled in place with ``fullgraph=True`` (aot_eager,
 which keeps the eager block's saved tensors, so the bytes must be the eager ones exactly).
-The probe's saved-tensor hooks must cost no recompile and no graph break: the compiled
-pipeline compiles as many graphs as the same one built with ``measure_memory=False``, all in
-its first step.
+The probe's saved-tensor hooks must cost no recompile and no graph break: once a pipeline built
+with ``measure_memory=False`` has compiled the blocks, the probed pipelines compile nothing more.
 """
 
 from __future__ import annotations
@@ -23,11 +22,12 @@ NAMES = ["ZBV", "ZBH1"]
 
 @pytest.fixture(scope="module")
 def results() -> dict[tuple[str, str, bool], list[dict]]:
-    todo = [
-        (name, how, measure)
-        for name in NAMES
-        for how, measure in (("eager", True), ("in-place", True), ("in-place", False))
-    ] + [("ZBV", "whole", True)]
+    # One compile cache for the launch. ZBV first built with measure_memory=False compiles the
+    # blocks' graphs; every probed pipeline after it must compile nothing more.
+    todo = [("ZBV", "in-place", False)] + [
+        (name, how, True) for name in NAMES for how in ("eager", "in-place")
+    ]
+    todo += [("ZBV", "whole", True)]
     per_rank = run_ranks(cases.runs, 2, todo, timeout=300)
     return {case: [rank[i] for rank in per_rank] for i, case in enumerate(todo)}
 
@@ -47,14 +47,15 @@ def test_compiled_stages_get_the_plan_their_eager_pipeline_gets(results, name, h
         assert any(e["replanned_order_differs"] for e in eager)
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_probing_the_compiling_step_costs_no_recompile_and_no_graph_break(results, name):
-    probed, unprobed = results[name, "in-place", True], results[name, "in-place", False]
-    for p, u in zip(probed, unprobed):
-        assert p["graphs"] == u["graphs"], (p["graphs"], u["graphs"])
-        first, *later = p["graphs"]
-        assert first > 0 and all(n == first for n in later), p["graphs"]
-        assert p["graph_breaks"] == 0
+def test_probing_costs_no_recompile_and_no_graph_break(results):
+    unprobed = results["ZBV", "in-place", False]
+    for got in unprobed:  # its first step compiled the blocks' graphs, later steps nothing
+        first, *later = got["graphs"]
+        assert first > 0 and all(n == first for n in later), got["graphs"]
+    for name in NAMES:  # the same graphs served the probed steps: not one more was compiled
+        for got in results[name, "in-place", True]:
+            assert got["graphs"] == [0, 0, 0], (name, got["graphs"])
+            assert got["graph_breaks"] == 0
 
 
 @pytest.mark.parametrize("name", NAMES)
