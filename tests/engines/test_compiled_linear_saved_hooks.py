@@ -58,3 +58,30 @@ def test_compiled_linears_defer_their_gemms_under_saved_tensor_hooks(hooks: Call
     store.run()
     for (name, p), q in zip(block.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_leaf_on_a_parameters_memory_keeps_its_own_gradient():
+    # A weight version's leaf (ScheduleContinuous's 2bw/stash) may share a parameter's memory
+    # but is not that parameter: its gradient must reach the leaf, never the parameter.
+    torch.manual_seed(0)
+    block = MLPBlock()
+    ref = copy.deepcopy(block)
+    x, g = torch.randn(2, 4, 16), torch.randn(2, 4, 16)
+    ref(x).backward(g)
+
+    slot = StoreSlot()
+    patch_linears(block, slot)
+    block.compile(fullgraph=True, backend="aot_eager")
+    nodes = route_compiled_linears(block, patched_linears(block))  # noqa: F841 (kept alive)
+    leaf = block.up.weight.detach().requires_grad_()  # same memory, its own .grad
+    store = WeightGradStore()
+    slot.store = store
+    try:
+        out = torch.func.functional_call(block, {"up.weight": leaf}, (x,))
+        store.deferring = True
+        out.backward(g)
+    finally:
+        slot.store, store.deferring = None, False
+    store.run()
+    assert block.up.weight.grad is None
+    torch.testing.assert_close(leaf.grad, ref.up.weight.grad, rtol=1e-5, atol=1e-6)

@@ -130,7 +130,7 @@ def route_of(weight: Tensor) -> LinearRoute | None:
 # identity misses (and W must add into the parameter's .grad, not the alias's). Such an alias is
 # found by its address: (data pointer, shape) -> the routed parameter, rebuilt when a lookup
 # misses (parameters swapped or moved since), not again for an address known to be unrouted
-# until routes change.
+# until routes change; and it must share the parameter's AccumulateGrad node (_same_leaf).
 _BY_ADDRESS: dict[tuple[int, tuple[int, ...]], weakref.ref[Tensor]] = {}
 _UNROUTED: set[tuple[int, tuple[int, ...]]] = set()
 
@@ -149,14 +149,26 @@ def _route_and_weight(weight: Tensor) -> tuple[LinearRoute | None, Tensor]:
         param = None if ref is None else ref()
         if param is not None and (param.data_ptr(), tuple(param.shape)) == key:
             route = route_of(param)
-            if route is not None:
-                return route, param
+            if route is None:
+                break
+            # a routed parameter's memory: its alias, or another leaf on the same memory
+            return (route, param) if _same_leaf(weight, param) else (None, weight)
         if not rebuilt:
             _BY_ADDRESS.clear()
             for p in list(_ROUTES.keys()):  # type: ignore[no-untyped-call]
                 _BY_ADDRESS[(p.data_ptr(), tuple(p.shape))] = weakref.ref(p)
     _UNROUTED.add(key)
     return None, weight
+
+
+def _same_leaf(alias: Tensor, param: Tensor) -> bool:
+    """Whether ``alias`` is autograd's unpacked copy of the saved ``param``: it keeps the
+    parameter's ``AccumulateGrad`` node, where a tensor that merely shares the memory (a weight
+    version's leaf, ``param.detach().requires_grad_()``) has its own and its own ``.grad``."""
+    if not alias.requires_grad:
+        return False
+    with torch.enable_grad():
+        return bool(C.grad_accumulator(alias) is C.grad_accumulator(param))
 
 
 def linear_weight_grad(x: Tensor, grad_out: Tensor, weight: Tensor, kept: bool = False) -> Tensor:
