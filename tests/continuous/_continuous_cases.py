@@ -152,7 +152,15 @@ def checkpoint_resume(rank: int, world: int, m: int, mode: str, opt: str) -> dic
 
 
 def reference(
-    world: int, m: int, n: int, opt: str, version_of: Callable[[int, int], int]
+    world: int,
+    m: int,
+    n: int,
+    opt: str,
+    version_of: Callable[[int, int], int],
+    *,
+    mods: list[nn.Module] | None = None,
+    batches: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] = batch,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss,
 ) -> tuple[list, list]:
     """Replay a weight-version rule on the unpipelined model, one stage's module at a time.
 
@@ -160,15 +168,16 @@ def reference(
     forward (and so the backward) of global microbatch ``g`` uses. Mini-batch k's gradient on
     each stage is the sum of its microbatches' gradients at those weights, divided by m; each
     stage's optimizer then steps once per mini-batch, in order. Returns (per stage parameters,
-    per mini-batch losses).
+    per mini-batch losses). ``mods``, ``batches(k, m)``, ``loss_fn``: another model (this
+    module's TinyGPT stages by default), its mini-batches and its loss.
     """
-    mods = build_stages(CFG, world, seed=SEED)
+    mods = build_stages(CFG, world, seed=SEED) if mods is None else mods
     master = [dict(mod.named_parameters()) for mod in mods]
     opts = [make_optimizer(opt, list(mod.parameters())) for mod in mods]
     snaps = [{0: {k: v.detach().clone() for k, v in ps.items()}} for ps in master]
     losses = []
     for k in range(n):
-        ids, tgt = batch(k, m)
+        ids, tgt = batches(k, m)
         acc = [dict() for _ in mods]
         mb_losses = []
         for j, (x, y) in enumerate(zip(ids.tensor_split(m), tgt.tensor_split(m))):
@@ -180,7 +189,7 @@ def reference(
             h = x
             for s, mod in enumerate(mods):
                 h = torch.func.functional_call(mod, leaves[s], (h,))
-            loss = lm_loss(h, y)
+            loss = loss_fn(h, y)
             loss.backward()
             mb_losses.append(loss.item())
             for s in range(world):

@@ -124,6 +124,53 @@ def route_of(weight: Tensor) -> LinearRoute | None:
     return route
 
 
+# Saved-tensor hooks around a compiled region's forward (zbpipe's memory probe and meter,
+# torch's save_on_cpu) make autograd hand the compiled backward a new tensor object for each
+# saved weight: it shares the parameter's memory but is not the parameter, so the lookup by
+# identity misses (and W must add into the parameter's .grad, not the alias's). Such an alias is
+# found by its address: (data pointer, shape) -> the routed parameter, rebuilt when a lookup
+# misses (parameters swapped or moved since), not again for an address known to be unrouted
+# until routes change; and it must share the parameter's AccumulateGrad node (_same_leaf).
+_BY_ADDRESS: dict[tuple[int, tuple[int, ...]], weakref.ref[Tensor]] = {}
+_UNROUTED: set[tuple[int, tuple[int, ...]]] = set()
+
+
+def _route_and_weight(weight: Tensor) -> tuple[LinearRoute | None, Tensor]:
+    """The route of ``weight`` and the routed parameter itself (``weight``, or the parameter an
+    alias made by saved-tensor hooks shares its memory with); ``(None, weight)`` if unrouted."""
+    route = route_of(weight)
+    if route is not None or isinstance(weight, nn.Parameter):
+        return route, weight
+    key = (weight.data_ptr(), tuple(weight.shape))
+    if key in _UNROUTED:
+        return None, weight
+    for rebuilt in (False, True):
+        ref = _BY_ADDRESS.get(key)
+        param = None if ref is None else ref()
+        if param is not None and (param.data_ptr(), tuple(param.shape)) == key:
+            route = route_of(param)
+            if route is None:
+                break
+            # a routed parameter's memory: its alias, or another leaf on the same memory
+            return (route, param) if _same_leaf(weight, param) else (None, weight)
+        if not rebuilt:
+            _BY_ADDRESS.clear()
+            for p in list(_ROUTES.keys()):  # type: ignore[no-untyped-call]
+                _BY_ADDRESS[(p.data_ptr(), tuple(p.shape))] = weakref.ref(p)
+    _UNROUTED.add(key)
+    return None, weight
+
+
+def _same_leaf(alias: Tensor, param: Tensor) -> bool:
+    """Whether ``alias`` is autograd's unpacked copy of the saved ``param``: it keeps the
+    parameter's ``AccumulateGrad`` node, where a tensor that merely shares the memory (a weight
+    version's leaf, ``param.detach().requires_grad_()``) has its own and its own ``.grad``."""
+    if not alias.requires_grad:
+        return False
+    with torch.enable_grad():
+        return bool(C.grad_accumulator(alias) is C.grad_accumulator(param))
+
+
 def linear_weight_grad(x: Tensor, grad_out: Tensor, weight: Tensor, kept: bool = False) -> Tensor:
     """``grad_out^T @ x`` (2-D operands), or, during a zbpipe B of the weight's stage, queue it
     for W and return a placeholder that the weight's ``AccumulateGrad`` pre-hook drops.
@@ -132,7 +179,7 @@ def linear_weight_grad(x: Tensor, grad_out: Tensor, weight: Tensor, kept: bool =
     inductor-compiled code calls), so they are queued without a copy.
     """
     dtype = None if grad_out.dtype == x.dtype == weight.dtype else grad_out.dtype
-    route = route_of(weight)
+    route, weight = _route_and_weight(weight)
     store = None if route is None else route.store()
     if route is None or store is None or not _deferrable(weight) or torch.is_grad_enabled():
         return weight_grad(grad_out, x, dtype, weight.dtype)
@@ -257,6 +304,7 @@ def route_compiled_linears(module: nn.Module, linears: list[nn.Module]) -> list[
             continue
         # A fresh route: whether placeholders arrive alone is learnt again (one zeros placeholder)
         _ROUTES[weight] = LinearRoute(lin)
+        _UNROUTED.clear()
         node = C.grad_accumulator(weight)
         # A second schedule on the same modules adds a second hook: harmless, the first one
         # to see a placeholder consumes it and the next sees an ordinary gradient.

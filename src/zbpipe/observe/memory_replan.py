@@ -49,15 +49,15 @@ class MemoryReplanner:
         self.done = False
 
     def before_step(self, sched: Any) -> None:
-        """Call on every rank before each step: the probe watches the first one."""
-        from .. import _compat as C
+        """Call on every rank before each step: the probe watches the first one.
 
-        if self.done:
-            return
-        # A compiled stage's regions and the probe's saved-tensor hooks do not mix: that rank
-        # records nothing, so every rank sees a stage without bytes and keeps the unit model.
-        compiled = any(C.is_compiled(st.submod) for st in sched._stages)
-        sched.seam.probe = None if compiled else self.probe
+        Compiled stages too, in the step that compiles them: a compiled region's autograd node
+        saves its tensors through the probe's saved-tensor hooks, what dynamo traces is not
+        counted (the compiling step measures what later steps hold), and the hooks make dynamo
+        compile nothing more (tests/observe/test_memory_replan_compiled.py).
+        """
+        if not self.done:
+            sched.seam.probe = self.probe
 
     def after_step(self, sched: Any) -> None:
         """Call on every rank after a step with a backward: re-plans once (a collective)."""
