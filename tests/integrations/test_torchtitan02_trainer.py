@@ -9,9 +9,11 @@ over a local dataset and tokenizer (tests/integrations/_torchtitan_assets.py), 3
 sequences of 32 tokens. Every run loads one seed checkpoint
 (``--checkpoint.create_seed_checkpoint``), so V and loop placements start from the same weights.
 The references are the same files with torch's ``Interleaved1F1B`` (for ZBV) and ``1F1B`` (for
-ZBH1) named on the command line. The four 2-rank runs share one torchrun launch, one after another
-in each rank's process (tests/integrations/_torchtitan_runs.py: each is what ``python -m
-torchtitan.train`` runs).
+ZBH1) named on the command line. With torchtitan's compile on (``--compile.enable``: each
+TransformerBlock and the loss), ZBV with full activation checkpointing and ZBH1 with the file's
+selective one, each against the same torchtitan run with torch's schedule. The eight 2-rank runs
+share one torchrun launch, one after another in each rank's process
+(tests/integrations/_torchtitan_runs.py: each is what ``python -m torchtitan.train`` runs).
 
 Needs torchtitan 0.2.x and its training dependencies (CI: the torch 2.11.0 venv,
 ``bash .ci/torchtitan-trainer .venv-2.11.0 0.2``). Deselected by default (marker
@@ -45,12 +47,22 @@ ZBV_TOML = RECIPE / "llama3_debug_cpu_zbv.toml"
 ZBH1_TOML = RECIPE / "llama3_debug_cpu_zbh1.toml"
 
 
-#: run name: (TOML file, --parallelism.pipeline_parallel_schedule or None for the file's own)
+#: torchtitan 0.2.2's compile (each TransformerBlock wrapped by ``torch.compile(block,
+#: fullgraph=True)``, and the loss) with the aot_eager backend (why aot_eager:
+#: tests/integrations/test_torchtitan_trainer.py's COMPILE)
+COMPILE = ("--compile.enable", "--compile.backend", "aot_eager")
+#: run name: (TOML file, --parallelism.pipeline_parallel_schedule or None for the file's own,
+#: None for the file's settings (eager, selective AC every 2nd block) or, compiled, the
+#: --activation_checkpoint.mode)
 RUNS = {
-    "zbpipe ZBV (llama3_debug_cpu_zbv.toml)": (ZBV_TOML, None),
-    "torchtitan Interleaved1F1B (llama3_debug_cpu_zbv.toml)": (ZBV_TOML, "Interleaved1F1B"),
-    "zbpipe ZBH1 (llama3_debug_cpu_zbh1.toml)": (ZBH1_TOML, None),
-    "torchtitan 1F1B (llama3_debug_cpu_zbh1.toml)": (ZBH1_TOML, "1F1B"),
+    "zbpipe ZBV (llama3_debug_cpu_zbv.toml)": (ZBV_TOML, None, None),
+    "torchtitan Interleaved1F1B (llama3_debug_cpu_zbv.toml)": (ZBV_TOML, "Interleaved1F1B", None),
+    "zbpipe ZBH1 (llama3_debug_cpu_zbh1.toml)": (ZBH1_TOML, None, None),
+    "torchtitan 1F1B (llama3_debug_cpu_zbh1.toml)": (ZBH1_TOML, "1F1B", None),
+    "zbpipe ZBV, compiled, full AC": (ZBV_TOML, None, "full"),
+    "torchtitan Interleaved1F1B, compiled, full AC": (ZBV_TOML, "Interleaved1F1B", "full"),
+    "zbpipe ZBH1, compiled, selective AC": (ZBH1_TOML, None, "selective"),
+    "torchtitan 1F1B, compiled, selective AC": (ZBH1_TOML, "1F1B", "selective"),
 }
 
 
@@ -87,23 +99,30 @@ def trained(tmp_path_factory) -> dict[str, dict[int, float]]:
         f"--checkpoint.initial_load_path={tmp / 'seed' / 'checkpoint' / 'step-0'}",
         "--checkpoint.interval=1000",
     ]
+    # Compiled runs share the launch too: unlike torchtitan 0.3.0's (whose second compiled
+    # Trainer in a process fails building a dynamo guard), 0.2.2's Trainers compile again after
+    # torch.compiler.reset() (tests/integrations/_torchtitan_runs.py).
     logs = torchrun_runs(
         2,
         {
             name: _args(
                 toml,
-                schedule or toml.stem,
+                f"{schedule or toml.stem}-{ac or 'eager'}",
                 *([f"--parallelism.pipeline_parallel_schedule={schedule}"] if schedule else []),
+                *((*COMPILE, f"--activation_checkpoint.mode={ac}") if ac else ()),
                 *from_seed,
             )
-            for name, (toml, schedule) in RUNS.items()
+            for name, (toml, schedule, ac) in RUNS.items()
         },
         tmp / "logs",
     )
-    for name, (toml, schedule) in RUNS.items():
+    for name, (toml, schedule, ac) in RUNS.items():
         if schedule is None:  # custom_import ran: zbpipe patched torchtitan 0.2.x's functions
             assert "integration installed (0.2.x targets)" in logs[name], logs[name][-4000:]
-            assert name.startswith(f"zbpipe {_schedule_in(toml)} "), (name, toml)
+            assert re.match(rf"zbpipe {_schedule_in(toml)}\b", name), (name, toml)
+        if ac:  # torchtitan compiled the blocks and the loss
+            assert "Compiling each TransformerBlock with torch.compile" in logs[name], name
+            assert "Compiling the loss function with torch.compile" in logs[name], name
     found = {name: losses(log, STEPS) for name, log in logs.items()}
     write_losses("torchtitan02_trainer_losses", found, STEPS)
     return found
@@ -126,4 +145,18 @@ def test_zbh1_toml_trains_like_torchtitans_1f1b(trained):
     assert_same_losses(
         trained["zbpipe ZBH1 (llama3_debug_cpu_zbh1.toml)"],
         trained["torchtitan 1F1B (llama3_debug_cpu_zbh1.toml)"],
+    )
+
+
+def test_compiled_zbv_with_full_ac_trains_like_torchtitans_compiled_interleaved_1f1b(trained):
+    assert_same_losses(
+        trained["zbpipe ZBV, compiled, full AC"],
+        trained["torchtitan Interleaved1F1B, compiled, full AC"],
+    )
+
+
+def test_compiled_zbh1_with_selective_ac_trains_like_torchtitans_compiled_1f1b(trained):
+    assert_same_losses(
+        trained["zbpipe ZBH1, compiled, selective AC"],
+        trained["torchtitan 1F1B, compiled, selective AC"],
     )

@@ -8,6 +8,12 @@ own ``get_schedule_class`` once :func:`zbpipe.register` ran
 matches a key of :data:`SCHEDULE_CLASSES` or a class's own name (``"ZBVHalf"``,
 ``"ScheduleZBVHalf"``), in any case. To add a schedule class, add a line to the table.
 
+Options a config can only give in the name (torchtitan passes none to the constructor) follow
+it after colons, ``"<name>[:<budget>][:profile]"``: ``":profile"`` fixes ``costs="profile"``
+(``"ZBV:profile"``, ``"ZBVHalf:profile"``: :func:`with_profile`), a budget fixes
+``memory_limit=`` (``"Auto:40GiB"``, ``"AutoV:80%:profile"``: :func:`with_budget`). Each name
+with options is one class, made once, whatever the options' order.
+
 Plan names (``plan("ZBVHalf", ...)``) are a different table, :data:`zbpipe.planning.GENERATORS`:
 a name there maps to a plan generator, here to a class that runs a plan. The fixed-option classes
 (:mod:`zbpipe.schedules.classes`) make every zbpipe plan name a class name too.
@@ -66,6 +72,10 @@ SCHEDULE_CLASSES: dict[str, type] = {
 #: (torchtitan's ``pipeline_parallel_schedule``)
 BUDGETED: tuple[type, ...] = (c.ScheduleZBAuto, auto.ScheduleAuto)
 
+#: the name option that fixes ``costs="profile"`` (``"ZBV:profile"``): the first steps measure
+#: the stages' costs and bytes and the plan is re-made for them (:mod:`zbpipe.observe.profile`)
+PROFILE = "profile"
+
 
 def is_torch_shaped(cls: type) -> bool:
     """Whether torch's and torchtitan's builders can drive ``cls``: torch's constructor
@@ -79,40 +89,109 @@ def find_schedule_class(name: str, *, torch_shaped_only: bool = False) -> type |
     """zbpipe's class for ``name`` (a :data:`SCHEDULE_CLASSES` key or a class name, any case),
     else None. ``torch_shaped_only``: None for a class :func:`is_torch_shaped` refuses.
 
+    A name may carry options after colons, ``"<name>[:<budget>][:profile]"`` in any order, each
+    at most once (:func:`with_options`): ``"ZBV:profile"``, ``"Auto:40GiB"``,
+    ``"AutoV:80%:profile"``. A zbpipe name with an option it cannot take raises ``ValueError``.
+
     Reads the table at call time, so a line added to it later is found.
     """
-    base, colon, budget = name.partition(":")
-    if colon:
+    base, *options = name.split(":")
+    if options:
         found = find_schedule_class(base, torch_shaped_only=torch_shaped_only)
-        return None if found is None else with_budget(found, budget.strip())
-    wanted = name.lower()
+        return None if found is None else with_options(found, name, options)
+    wanted = name.strip().lower()
     for key, cls in SCHEDULE_CLASSES.items():
         if wanted in (key.lower(), cls.__name__.lower()):
             return None if torch_shaped_only and not is_torch_shaped(cls) else cls
     return None
 
 
+def with_options(cls: type, name: str, options: list[str]) -> type:
+    """``cls`` with the options of the name ``name`` fixed: at most one memory budget (classes in
+    :data:`BUDGETED`) and at most one ``profile``, in either order; the same class for either
+    order. Anything else raises ``ValueError`` saying what a name can carry."""
+    budget: str | None = None
+    profile = False
+    for raw in options:
+        option = raw.strip()
+        if option.lower() in ("1p", "2p"):
+            option = option.lower()
+        if option.lower() == PROFILE:
+            if profile:
+                raise ValueError(f"schedule name {name!r}: ':profile' given twice")
+            profile = True
+        elif _is_budget(option):
+            if budget is not None:
+                raise ValueError(
+                    f"schedule name {name!r}: two memory budgets ({budget!r}, {option!r}); give one"
+                )
+            budget = option
+        else:
+            raise ValueError(
+                f"schedule name {name!r}: unknown option {option!r}. A name takes "
+                f"':{PROFILE}' (costs measured on the first steps, every schedule but "
+                f"Continuous) and, for {_budgeted_names()}, a memory budget per rank: '1p', "
+                "'2p', bytes like '40GiB' or a share of the device like '80%'; e.g. "
+                "'ZBV:profile', 'Auto:40GiB', 'AutoV:40GiB:profile'"
+            )
+    if budget is not None:
+        cls = with_budget(cls, budget)
+    return with_profile(cls) if profile else cls
+
+
+def _is_budget(option: str) -> bool:
+    from ..planning.budget import is_budget_string
+
+    return option.lower() in ("1p", "2p") or is_budget_string(option)
+
+
+def _budgeted_names() -> list[str]:
+    return sorted(
+        k
+        for k, v in SCHEDULE_CLASSES.items()
+        if issubclass(v, BUDGETED) and "memory_limit" not in getattr(v, "fixed_options", {})
+    )
+
+
 @functools.cache  # one class per (class, budget): torchtitan compares classes
 def with_budget(cls: type, budget: str) -> type:
     """``cls`` with ``memory_limit=budget`` fixed: the class ``"Auto:40GiB"`` names.
 
-    Raises ``ValueError`` for a class without a memory budget or a budget it refuses (checked
-    when the class is built, before any stage exists: ``"1p"``, ``"2p"``, bytes, ``"80%"``).
+    Raises ``ValueError`` for a class without a memory budget (or with one fixed already:
+    ``ZB1P``) or a budget it refuses (checked when the class is built, before any stage exists:
+    ``"1p"``, ``"2p"``, bytes, ``"80%"``).
     """
-    from ..planning.budget import is_budget_string
-
-    if not issubclass(cls, BUDGETED):
+    if not issubclass(cls, BUDGETED) or "memory_limit" in getattr(cls, "fixed_options", {}):
         raise ValueError(
             f"schedule {cls.__name__} takes no memory budget; '<name>:<budget>' works for "
-            f"{sorted(k for k, v in SCHEDULE_CLASSES.items() if issubclass(v, BUDGETED))}"
+            f"{_budgeted_names()}"
         )
-    if budget not in ("1p", "2p") and not is_budget_string(budget):
+    if not _is_budget(budget):
         raise ValueError(
             f"schedule {cls.__name__}:{budget}: the budget must be '1p', '2p', bytes like "
             "'40GiB' or a share of the device like '80%'"
         )
     fixed = c.with_fixed_option(cls, f"{cls.__name__}:{budget}", "memory_limit", budget)
     return fixed
+
+
+@functools.cache  # one class per class: torchtitan compares classes
+def with_profile(cls: type) -> type:
+    """``cls`` with ``costs="profile"`` fixed: the class ``"ZBV:profile"`` names. Its first
+    steps run the equal-cost plan while measuring each stage's F, B, W times and bytes; the plan
+    is then re-made for them on every rank alike (:class:`zbpipe.ProfileConfig`'s defaults: one
+    warm-up step, two measured steps, the re-plan at the end of the third).
+
+    Raises ``ValueError`` for a class that takes no ``costs="profile"`` (``Continuous``) or has
+    its costs fixed already.
+    """
+    if not is_torch_shaped(cls) or "costs" in getattr(cls, "fixed_options", {}):
+        works = sorted(k for k, v in SCHEDULE_CLASSES.items() if is_torch_shaped(v))
+        raise ValueError(
+            f"schedule {cls.__name__} takes no ':{PROFILE}': it works for every zbpipe schedule "
+            f"torch's builders drive, {works}"
+        )
+    return c.with_fixed_option(cls, f"{cls.__name__}:{PROFILE}", "costs", PROFILE)
 
 
 def get_schedule_class(name: str) -> type:

@@ -227,7 +227,11 @@ def _fixed(base: type, plan_name: str, option: str, value: Any, doc: str) -> typ
 def with_fixed_option(
     base: type, class_name: str, option: str, value: Any, doc: str | None = None
 ) -> type:
-    """A subclass of ``base`` named ``class_name`` that always runs ``option=value``."""
+    """A subclass of ``base`` named ``class_name`` that always runs ``option=value``.
+
+    Its ``fixed_option`` is ``(option, value)``; ``fixed_options`` holds every option fixed
+    along its bases (``"AutoV:40GiB:profile"``: the budget and the costs).
+    """
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         given = kwargs.pop(option, value)
@@ -248,6 +252,7 @@ def with_fixed_option(
             "__doc__": doc,
             "__module__": __name__,
             "fixed_option": (option, value),
+            "fixed_options": {**getattr(base, "fixed_options", {}), option: value},
         },
     )
 
