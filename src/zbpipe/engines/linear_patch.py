@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
+import types
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
@@ -26,6 +28,8 @@ from torch import Tensor, nn
 from .._compat import has_grad_hooks, is_compiled, own_parameter, post_accumulate_grad_hooks
 from .accumulate import weight_grad
 from .compiled_linear import compiled_linear
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "DeferredLinear",
@@ -191,8 +195,57 @@ def patch_linears(module: nn.Module, slot: StoreSlot) -> int:
             cls: type = type(lin)
             lin._zbpipe_unpatched = cls  # type: ignore[assignment]
             lin.__class__ = _deferred_class(cls)
+            if "forward" in lin.__dict__:
+                rebind_instance_forward(lin)
         lin._zbpipe_slot = slot  # type: ignore[assignment]
     return len(found)
+
+
+def rebind_instance_forward(lin: nn.Module) -> None:
+    """Make a Linear's instance-level ``forward`` run the deferred one.
+
+    An instance attribute hides the class's ``forward``, so the class swap alone changes
+    nothing: torchtitan's ``Module.parallelize()`` stores such a closure, which redistributes
+    the inputs, calls the Linear's bound ``forward`` it captured, and redistributes the outputs.
+    The closures reachable from it (their cells, ``__wrapped__``, a partial's function) are
+    searched for that bound ``nn.Linear.forward`` of this Linear, and each cell holding one is
+    pointed at the deferred ``forward`` (:func:`unpatch_linears` puts it back). Where none is
+    found the Linear computes its weight gradient in B, correctly but without the split: logged.
+    """
+    cells = _cells_holding_bound_forward(lin.__dict__["forward"], lin)
+    for cell in cells:
+        cell.cell_contents = types.MethodType(type(lin).forward, lin)
+    if cells:
+        lin.__dict__["_zbpipe_rebound"] = cells
+        return
+    logger.warning(
+        "zbpipe: a %s has an instance-level forward that does not reach nn.Linear.forward "
+        "through a bound method zbpipe can see; its weight gradient is computed in B (correct, "
+        "but W has nothing of it to fill the bubble with)",
+        type(lin).__mro__[1].__name__,
+    )
+
+
+def _cells_holding_bound_forward(fn: Any, lin: nn.Module, depth: int = 4) -> list[Any]:
+    found, seen, todo = [], set(), [(fn, 0)]
+    while todo:
+        f, level = todo.pop()
+        if id(f) in seen or level > depth:
+            continue
+        seen.add(id(f))
+        inner = [getattr(f, "__wrapped__", None), getattr(f, "func", None)]
+        todo += [(g, level + 1) for g in inner if g is not None]
+        for cell in getattr(f, "__closure__", None) or ():
+            try:
+                held = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if isinstance(held, types.MethodType) and held.__self__ is lin:
+                if held.__func__ is nn.Linear.forward:
+                    found.append(cell)
+            elif isinstance(held, types.FunctionType | functools.partial):
+                todo.append((held, level + 1))
+    return found
 
 
 def patched_linears(module: nn.Module) -> list[nn.Module]:
@@ -234,6 +287,8 @@ def unpatch_linears(module: nn.Module) -> int:
         original = sub.__dict__.pop("_zbpipe_unpatched", None)
         if original is not None:
             sub.__class__ = original
+            for cell in sub.__dict__.pop("_zbpipe_rebound", ()):
+                cell.cell_contents = types.MethodType(nn.Linear.forward, sub)
             sub.__dict__.pop("_zbpipe_slot", None)
             n += 1
     return n
