@@ -242,6 +242,11 @@ def is_compiled(module: Any) -> bool:
     )
 
 
+def is_plain_tensor(t: Any) -> bool:
+    """``t`` is a plain tensor or a Parameter holding one, not a tensor subclass (a DTensor)."""
+    return type(t) in (torch.Tensor, torch.nn.Parameter)
+
+
 def grad_accumulator(leaf: Any) -> Any:
     """The ``AccumulateGrad`` node of the leaf tensor ``leaf`` (autograd keeps it only while a
     graph or the caller holds it, so hooks on it last as long as the caller keeps it)."""
@@ -252,7 +257,8 @@ def lower_with_operands_kept(op: Any, kept_op: Any) -> None:
     """Have inductor lower calls of the custom op ``op`` to calls of ``kept_op`` (same schema)
     whose first two tensor operands' buffers it never reuses nor writes in place afterwards
     (``GraphLowering.never_reuse_buffers``, as its own lowerings of ``resize_storage_bytes_``
-    and ``set_`` do). Once per process; a no-op without inductor. Graphs compiled earlier keep
+    and ``set_`` do). Once per process; a no-op without inductor. Graphs compiled earlier, and
+    graphs compiled for CUDA graphs (whose static buffers a later replay overwrites), keep
     calling ``op``."""
     try:
         from torch._inductor import ir
@@ -263,8 +269,15 @@ def lower_with_operands_kept(op: Any, kept_op: Any) -> None:
     if op in lowerings:
         return
     emit = fallback_handler(kept_op, add_to_fallback_set=False)  # type: ignore[no-untyped-call]
+    emit_copying = fallback_handler(op, add_to_fallback_set=False)  # type: ignore[no-untyped-call]
 
     def lower(x: Any, grad_out: Any, weight: Any) -> Any:
+        from torch._inductor import config
+
+        if config.triton.cudagraphs:
+            # CUDA graphs (mode="reduce-overhead") replay their partitions into static buffers,
+            # which the next replay overwrites whatever inductor's allocator was told
+            return emit_copying(x, grad_out, weight)
         x, grad_out = (ir.ExternKernel.realize_input(t) for t in (x, grad_out))
         V.graph.never_reuse_buffers.update((x.get_name(), grad_out.get_name()))
         return emit(x, grad_out, weight)

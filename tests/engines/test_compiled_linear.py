@@ -303,3 +303,39 @@ def test_w_long_after_b_reads_what_b_queued(monkeypatch, backend, copies):
         store.run()
     _assert_close(block, ref)
     assert bool(made) == copies, made
+
+
+def _dtensor_weights_case(rank: int, world: int) -> list[float]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    block, ref = _pair()
+    for sub in block.modules():
+        for name, p in list(sub._parameters.items()):
+            dt = distribute_tensor(p.detach(), mesh, [Replicate()])
+            sub._parameters[name] = nn.Parameter(dt)
+    driven = Driven(_compiled(block, "in-place"))
+    queued = []
+    for mb in range(2):
+        torch.manual_seed(mb)
+        x, g = torch.randn(2, 4, 16), torch.randn(2, 4, 16)
+        store = driven.step(*(distribute_tensor(t, mesh, [Replicate()]) for t in (x, g)))
+        queued.append(store.num_gemms)
+        store.run()
+        ref(x).backward(g)
+    diffs = [
+        (p.grad.full_tensor() - q.grad).abs().max().item()
+        for p, q in zip(block.parameters(), ref.parameters(), strict=True)
+    ]
+    return [*queued, max(diffs)]
+
+
+def test_compiled_linears_with_dtensor_weights_compute_their_gradients_in_b():
+    # A DTensor weight (torchtitan's, tensor parallelism's) reaches the op with no sharding rule:
+    # the patched Linear runs F.linear inside compiled code, its weight gradient in B, correct.
+    from zbpipe.testing import run_ranks
+
+    for queued_1, queued_2, worst in run_ranks(_dtensor_weights_case, 1, timeout=300):
+        assert queued_1 == queued_2 == 0
+        assert worst < 1e-5

@@ -10,8 +10,10 @@ were right, the split was gone). ``Wrapped`` below builds such a closure the sam
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 
+import pytest
 import torch
 from torch import nn
 
@@ -19,8 +21,15 @@ from zbpipe.engines.deferred import WeightGradStore
 from zbpipe.engines.linear_patch import StoreSlot, patch_linears, unpatch_linears
 
 
-def _wrap_like_parallelize(lin: nn.Linear, calls: list[str]) -> None:
+def _local_region(func, *args, **kwargs):
+    """What ``local_map`` wraps a function with: a partial of a module-level function."""
+    return func(*args, **kwargs)
+
+
+def _wrap_like_parallelize(lin: nn.Linear, calls: list[str], local_map: bool = False) -> None:
     fn = lin.forward  # the bound method, captured before anyone patches the class
+    if local_map:  # torchtitan's _maybe_wrap_with_local_region with a local_map config
+        fn = functools.partial(_local_region, fn)
 
     def forward_with_redistribution(*args, **kwargs):
         calls.append("in")
@@ -45,15 +54,17 @@ def _b_then_w(model: nn.Module, slot: StoreSlot, x: torch.Tensor) -> int:
     return queued
 
 
-def test_an_instance_level_forward_defers_and_unpatching_restores_it():
+@pytest.mark.parametrize("local_map", [False, True])
+def test_an_instance_level_forward_defers_and_unpatching_restores_it(local_map):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
     ref = copy.deepcopy(model)
     calls: list[str] = []
     for lin in (model[0], model[2]):
-        _wrap_like_parallelize(lin, calls)
+        _wrap_like_parallelize(lin, calls, local_map)
     slot = StoreSlot()
     assert patch_linears(model, slot) == 2
+    copy.deepcopy(model)  # a patched module stays copyable (nothing unpicklable stored on it)
     x = torch.randn(5, 8)
     assert _b_then_w(model, slot, x) == 2  # both weight GEMMs waited for W
     assert calls == ["in", "out"] * 2  # the wrapper still runs around the deferred forward

@@ -14,6 +14,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from tests.engines._compile_cases import MLPBlock, mse
 from zbpipe import ScheduleZBV
+from zbpipe.memory.probe import KeyBytes
 from zbpipe.memory.saved import SavedTensors, input_storages
 from zbpipe.planning import v_placement
 from zbpipe.testing import run_ranks
@@ -36,15 +37,34 @@ def test_a_saved_slice_of_the_callers_batch_counts_its_own_bytes():
     counted = {}
     for views in (None, input_storages(((batch[1:2],), {}))):
         rec = Recorder()
-        saved = SavedTensors(rec, views=views)
+        saved = SavedTensors(rec, given=views)
         with saved.hooks():
             out = batch[1:2] @ weight  # saves its input, the slice (mm's weight gradient needs it)
         counted[views is not None] = rec.live
         out.sum().backward()
     assert counted == {False: 4 * 8 * 4, True: 1 * 8 * 4}
+    start = batch.data_ptr()
     assert input_storages((batch[1:2], {"mask": batch}, [3, "x"])) == {
-        batch.untyped_storage().data_ptr()
+        batch.untyped_storage().data_ptr(): [(start + 32, 32), (start, 128)]
     }
+
+
+def test_every_view_of_one_slice_counts_as_that_slice():
+    # Views of a slice that start where it starts but are smaller (a column, a reshape) count
+    # under the slice's key with the slice's bytes: added once, taken back once, whichever
+    # backward frees its holder last (counted by their own sizes, the live bytes drifted).
+    batch = torch.randn(4, 8)
+    mb = batch[1:2]
+    weight = torch.randn(8, 8, requires_grad=True)
+    rec = KeyBytes(None)  # the probe's observer: a key counts once while any holder has it
+    saved = SavedTensors(rec, given=input_storages((mb,)))
+    with saved.hooks():
+        out = mb @ weight
+        col = mb[:, 0:1] * weight[0:1, 0:1]  # saves a view of the slice: its first column
+    assert rec.live == 32
+    out.sum().backward()
+    col.sum().backward()
+    assert rec.live == 0
 
 
 def _zbv_bytes(rank: int, world: int, m: int) -> list[float]:

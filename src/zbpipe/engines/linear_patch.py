@@ -18,6 +18,7 @@ import contextlib
 import functools
 import logging
 import types
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
@@ -25,7 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._compat import has_grad_hooks, is_compiled, own_parameter, post_accumulate_grad_hooks
+from .._compat import (
+    has_grad_hooks,
+    is_compiled,
+    is_plain_tensor,
+    own_parameter,
+    post_accumulate_grad_hooks,
+)
 from .accumulate import weight_grad
 from .compiled_linear import compiled_linear
 
@@ -143,7 +150,9 @@ class DeferredLinear(nn.Linear):
         if torch.compiler.is_compiling():
             # Traced once for every microbatch and outside zbpipe alike: the weight GEMM's
             # routing is decided at run time by an opaque op (zbpipe.engines.compiled_linear).
-            if self.weight.is_complex():
+            # A tensor subclass weight (a DTensor: torchtitan's, tensor parallelism's) reaches
+            # that op with no sharding rule: such a Linear computes its weight gradient in B.
+            if self.weight.is_complex() or not is_plain_tensor(self.weight):
                 return F.linear(input, self.weight, self.bias)
             return compiled_linear(input, self.weight, self.bias)
         store = self._zbpipe_slot.store
@@ -206,27 +215,53 @@ def rebind_instance_forward(lin: nn.Module) -> None:
 
     An instance attribute hides the class's ``forward``, so the class swap alone changes
     nothing: torchtitan's ``Module.parallelize()`` stores such a closure, which redistributes
-    the inputs, calls the Linear's bound ``forward`` it captured, and redistributes the outputs.
-    The closures reachable from it (their cells, ``__wrapped__``, a partial's function) are
-    searched for that bound ``nn.Linear.forward`` of this Linear, and each cell holding one is
-    pointed at the deferred ``forward`` (:func:`unpatch_linears` puts it back). Where none is
-    found the Linear computes its weight gradient in B, correctly but without the split: logged.
+    the inputs, calls the Linear's bound ``forward`` it captured (or a ``local_map`` partial
+    holding it), and redistributes the outputs. The closures reachable from it (their cells,
+    ``__wrapped__``, a partial's function) are searched for that bound ``nn.Linear.forward`` of
+    this Linear, in a cell or in a partial's arguments, and each is pointed at the deferred
+    ``forward`` (:func:`unpatch_linears` puts the old contents back; they are kept outside the
+    module, which stays copyable). Where none is found the Linear computes its weight gradient
+    in B, correctly but without the split: logged once per class.
     """
-    cells = _cells_holding_bound_forward(lin.__dict__["forward"], lin)
-    for cell in cells:
-        cell.cell_contents = types.MethodType(type(lin).forward, lin)
-    if cells:
-        lin.__dict__["_zbpipe_rebound"] = cells
+    deferred = types.MethodType(type(lin).forward, lin)
+    changed = []
+    for cell, old in _cells_reaching_bound_forward(lin.__dict__["forward"], lin):
+        if isinstance(old, functools.partial):
+            args = tuple(deferred if _is_bound_forward(a, lin) else a for a in old.args)
+            cell.cell_contents = functools.partial(old.func, *args, **old.keywords)
+        else:
+            cell.cell_contents = deferred
+        changed.append((cell, old))
+    if changed:
+        _REBOUND[lin] = changed
         return
-    logger.warning(
-        "zbpipe: a %s has an instance-level forward that does not reach nn.Linear.forward "
-        "through a bound method zbpipe can see; its weight gradient is computed in B (correct, "
-        "but W has nothing of it to fill the bubble with)",
-        type(lin).__mro__[1].__name__,
+    name = type(lin).__mro__[1].__name__
+    if name not in _WARNED:
+        _WARNED.add(name)
+        logger.warning(
+            "zbpipe: a %s has an instance-level forward that does not reach nn.Linear.forward "
+            "through a bound method zbpipe can see; its weight gradient is computed in B "
+            "(correct, but W has nothing of it to fill the bubble with)",
+            name,
+        )
+
+
+#: Linear -> [(closure cell, what it held before rebind_instance_forward)]
+_REBOUND: weakref.WeakKeyDictionary[nn.Module, list[tuple[Any, Any]]] = weakref.WeakKeyDictionary()
+_WARNED: set[str] = set()
+
+
+def _is_bound_forward(obj: Any, lin: nn.Module) -> bool:
+    return (
+        isinstance(obj, types.MethodType)
+        and obj.__self__ is lin
+        and obj.__func__ is nn.Linear.forward
     )
 
 
-def _cells_holding_bound_forward(fn: Any, lin: nn.Module, depth: int = 4) -> list[Any]:
+def _cells_reaching_bound_forward(fn: Any, lin: nn.Module, depth: int = 4) -> list[Any]:
+    """``(cell, contents)`` of the closure cells under ``fn`` holding ``lin``'s bound
+    ``nn.Linear.forward``, or a partial with it among its arguments."""
     found, seen, todo = [], set(), [(fn, 0)]
     while todo:
         f, level = todo.pop()
@@ -240,9 +275,11 @@ def _cells_holding_bound_forward(fn: Any, lin: nn.Module, depth: int = 4) -> lis
                 held = cell.cell_contents
             except ValueError:  # an empty cell
                 continue
-            if isinstance(held, types.MethodType) and held.__self__ is lin:
-                if held.__func__ is nn.Linear.forward:
-                    found.append(cell)
+            if _is_bound_forward(held, lin) or (
+                isinstance(held, functools.partial)
+                and any(_is_bound_forward(a, lin) for a in held.args)
+            ):
+                found.append((cell, held))
             elif isinstance(held, types.FunctionType | functools.partial):
                 todo.append((held, level + 1))
     return found
@@ -287,8 +324,8 @@ def unpatch_linears(module: nn.Module) -> int:
         original = sub.__dict__.pop("_zbpipe_unpatched", None)
         if original is not None:
             sub.__class__ = original
-            for cell in sub.__dict__.pop("_zbpipe_rebound", ()):
-                cell.cell_contents = types.MethodType(nn.Linear.forward, sub)
+            for cell, held in _REBOUND.pop(sub, ()):
+                cell.cell_contents = held
             sub.__dict__.pop("_zbpipe_slot", None)
             n += 1
     return n

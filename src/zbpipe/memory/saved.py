@@ -89,11 +89,12 @@ class Holder:
         observer: Observer | None,
         *,
         hold: bool = True,
-        as_view: bool = False,
+        counted: tuple[int, int] | None = None,
     ) -> None:
         # The alias, not the tensor: see the module docstring (no cycle through the graph).
         self.tensor: torch.Tensor | None = tensor.detach() if hold else None
-        self.storage, self.nbytes = view_and_bytes(tensor) if as_view else storage_and_bytes(tensor)
+        #: (key, bytes) the observer is told: the tensor's storage, unless ``counted`` says
+        self.storage, self.nbytes = counted or storage_and_bytes(tensor)
         self.unpacked_as: str | None = None
         self._finalizer = None
         if observer is not None:
@@ -134,11 +135,19 @@ def count_all_until_freed(values: Any, observer: Observer) -> None:
             count_until_freed(t, observer)
 
 
-def view_and_bytes(t: torch.Tensor) -> tuple[int, int]:
-    """A key for the view ``t`` itself (never a storage's data pointer: negative) and its own
-    bytes, for a view of a batch its caller holds: one microbatch of it counts as its slice."""
-    ptr = t.data_ptr()
-    return (~ptr if ptr else 0), t.numel() * t.element_size()
+def slice_counted(t: torch.Tensor, given: list[tuple[int, int]]) -> tuple[int, int] | None:
+    """``(key, bytes)`` to count ``t`` by when it lies in one of the caller's slices ``given``
+    (``(start address, bytes)`` of each, on ``t``'s storage): that slice's, whatever part of it
+    ``t`` views, so every tensor saved from one slice counts under one key with one size (a
+    storage's data pointer is never a key here: the key is negative). None: in none of them."""
+    try:
+        ptr = _local(t).data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+    for start, nbytes in given:
+        if start <= ptr < start + nbytes:
+            return ~start, nbytes
+    return None
 
 
 def storage_and_bytes(t: torch.Tensor) -> tuple[int, int]:
@@ -184,18 +193,30 @@ def param_storages(params: Any) -> set[int]:
     return {ptr for p in params if (ptr := storage_ptr(p)) is not None}
 
 
-def input_storages(values: Any) -> set[int]:
-    """Storage pointers of the tensors in ``values`` (tuples, lists and dicts walked): the first
-    stage's microbatch inputs and the last stage's targets, views of the caller's batches.
-    Counting a saved view's storage would charge every microbatch the whole batch; it counts as
-    its own slice instead, as a received input counts on a later stage (:class:`SavedTensors`)."""
+def input_storages(values: Any) -> dict[int, list[tuple[int, int]]]:
+    """The tensors in ``values`` (tuples, lists and dicts walked) by storage pointer, as
+    ``(start address, bytes)``: the first stage's microbatch inputs and the last stage's
+    targets, slices of the caller's batches. Counting a saved view's storage would charge every
+    microbatch the whole batch; it counts as its slice instead (:func:`slice_counted`), as a
+    received input counts on a later stage (:class:`SavedTensors`)."""
+    found: dict[int, list[tuple[int, int]]] = {}
+    _walk_given(values, found)
+    return found
+
+
+def _walk_given(values: Any, found: dict[int, list[tuple[int, int]]]) -> None:
     if isinstance(values, torch.Tensor):
         ptr = storage_ptr(values)
-        return set() if ptr is None else {ptr}
+        if ptr is not None:
+            local = _local(values)
+            found.setdefault(ptr, []).append(
+                (local.data_ptr(), local.numel() * local.element_size())
+            )
+        return
     items = values.values() if isinstance(values, dict) else values
-    if not isinstance(items, (tuple, list, type({}.values()))):
-        return set()
-    return set().union(*(input_storages(v) for v in items))
+    if isinstance(items, (tuple, list, type({}.values()))):
+        for v in items:
+            _walk_given(v, found)
 
 
 class SavedTensors:
@@ -205,15 +226,15 @@ class SavedTensors:
         self,
         observer: Observer | None = None,
         skip: set[int] | None = None,
-        views: set[int] | None = None,
+        given: dict[int, list[tuple[int, int]]] | None = None,
     ) -> None:
         # Weak: autograd owns the holders (the graph's saved-tensor slots); this only finds them.
         self._holders: list[weakref.ref[Holder]] = []
         self.observer = observer
         """Told about every tensor held for this microbatch's backward (B adds its own)."""
         self._skip = skip or set()  # storages never worth holding (the stage's parameters)
-        #: storages of the caller's batch (the first stage's inputs): their views count as views
-        self._views = views or set()
+        #: the caller's slices by storage (:func:`input_storages`): saved views count as those
+        self._given = given or {}
 
     @property
     def holders(self) -> list[Holder]:
@@ -227,7 +248,8 @@ class SavedTensors:
         ptr = storage_ptr(t)
         if ptr in self._skip:
             return t  # a parameter (or a view of one): releasing it would free nothing
-        h = Holder(t, self.observer, as_view=ptr in self._views)
+        given = None if ptr is None else self._given.get(ptr)
+        h = Holder(t, self.observer, counted=None if given is None else slice_counted(t, given))
         self._holders.append(weakref.ref(h))
         return h
 

@@ -140,8 +140,7 @@ class StageSeam:
                 (split and self.engine.uses_saved_holders) or observer is not None
             ):
                 skip = param_storages(stage.submod.parameters())
-                views = input_storages(given)
-                saved = self._saved[key] = SavedTensors(observer, skip, views)
+                saved = self._saved[key] = SavedTensors(observer, skip, input_storages(given))
                 scope.enter_context(saved.hooks())
             if split:
                 fused = key in self.store_bw_keys
