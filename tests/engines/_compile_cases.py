@@ -86,6 +86,21 @@ def _count_w_gemms(sched: Any) -> list[int]:
     return counts
 
 
+def stages_and_reference(
+    num_stages: int, m: int
+) -> tuple[list[nn.Sequential], torch.Tensor, torch.Tensor, nn.Sequential]:
+    """The stage modules, a batch and its targets (4 rows per microbatch), and an eager
+    unpipelined copy after the step's backward (microbatch losses averaged, as
+    ``scale_grads=True``)."""
+    mods = mlp_stages(num_stages)
+    torch.manual_seed(100)
+    x, tgt = torch.randn(4 * m, 3, 16), torch.randn(4 * m, 3, 16)
+    ref = copy.deepcopy(nn.Sequential(*mods))
+    losses = [mse(ref(a), b) for a, b in zip(x.chunk(m), tgt.chunk(m))]
+    (torch.stack(losses).sum() / m).backward()
+    return mods, x, tgt, ref
+
+
 def compiled_step_grads(
     rank: int, world: int, schedule: str, how: str, backend: str = "aot_eager", m: int = 4
 ) -> dict[str, Any]:
@@ -95,12 +110,7 @@ def compiled_step_grads(
     in the first step and after it, and the graph breaks."""
     cls = getattr(zbpipe, schedule)
     num_stages = world * cls.stages_per_rank
-    mods = mlp_stages(num_stages)
-    torch.manual_seed(100)
-    x, tgt = torch.randn(4 * m, 3, 16), torch.randn(4 * m, 3, 16)
-    ref = copy.deepcopy(nn.Sequential(*mods))
-    losses = [mse(ref(a), b) for a, b in zip(x.chunk(m), tgt.chunk(m))]
-    (torch.stack(losses).sum() / m).backward()
+    mods, x, tgt, ref = stages_and_reference(num_stages, m)
 
     mine = sorted(s for s, r in cls.stage_index_to_rank(world).items() if r == rank)
     torch.compiler.reset()

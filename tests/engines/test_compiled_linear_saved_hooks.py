@@ -32,18 +32,24 @@ def _cpu_hooks() -> Any:
     return torch.autograd.graph.save_on_cpu()
 
 
-@pytest.mark.parametrize("hooks", [_identity_hooks, _cpu_hooks], ids=["identity", "save_on_cpu"])
-def test_compiled_linears_defer_their_gemms_under_saved_tensor_hooks(hooks: Callable[[], Any]):
+def _compiled_block_and_reference() -> tuple[Any, ...]:
+    """A patched MLP block compiled (aot_eager) with its Linears routed, an eager reference
+    copy after one backward, the input and output gradient, the slot, the routes' nodes."""
     torch.manual_seed(0)
     block = MLPBlock()
     ref = copy.deepcopy(block)
     x, g = torch.randn(2, 4, 16), torch.randn(2, 4, 16)
     ref(x).backward(g)
-
     slot = StoreSlot()
     patch_linears(block, slot)
     block.compile(fullgraph=True, backend="aot_eager")
-    nodes = route_compiled_linears(block, patched_linears(block))  # noqa: F841 (kept alive)
+    nodes = route_compiled_linears(block, patched_linears(block))
+    return block, ref, x, g, slot, nodes
+
+
+@pytest.mark.parametrize("hooks", [_identity_hooks, _cpu_hooks], ids=["identity", "save_on_cpu"])
+def test_compiled_linears_defer_their_gemms_under_saved_tensor_hooks(hooks: Callable[[], Any]):
+    block, ref, x, g, slot, nodes = _compiled_block_and_reference()  # noqa: F841 (nodes kept)
     store = WeightGradStore()
     slot.store = store
     try:
@@ -63,16 +69,7 @@ def test_compiled_linears_defer_their_gemms_under_saved_tensor_hooks(hooks: Call
 def test_a_leaf_on_a_parameters_memory_keeps_its_own_gradient():
     # A weight version's leaf (ScheduleContinuous's 2bw/stash) may share a parameter's memory
     # but is not that parameter: its gradient must reach the leaf, never the parameter.
-    torch.manual_seed(0)
-    block = MLPBlock()
-    ref = copy.deepcopy(block)
-    x, g = torch.randn(2, 4, 16), torch.randn(2, 4, 16)
-    ref(x).backward(g)
-
-    slot = StoreSlot()
-    patch_linears(block, slot)
-    block.compile(fullgraph=True, backend="aot_eager")
-    nodes = route_compiled_linears(block, patched_linears(block))  # noqa: F841 (kept alive)
+    block, ref, x, g, slot, nodes = _compiled_block_and_reference()  # noqa: F841 (nodes kept)
     leaf = block.up.weight.detach().requires_grad_()  # same memory, its own .grad
     store = WeightGradStore()
     slot.store = store

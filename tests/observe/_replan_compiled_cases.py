@@ -3,14 +3,13 @@ them)."""
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 
-from tests.engines._compile_cases import compile_blocks, mlp_stages, mse
+from tests.engines._compile_cases import compile_blocks, mse, stages_and_reference
 from zbpipe import _compat as C
 from zbpipe.integrations.names import SCHEDULE_CLASSES
 
@@ -35,12 +34,7 @@ def default_run(
     over the steps."""
     cls = SCHEDULE_CLASSES[name]
     num_stages = world * cls.stages_per_rank
-    mods = mlp_stages(num_stages)
-    torch.manual_seed(100)
-    x, tgt = torch.randn(4 * M, 3, 16), torch.randn(4 * M, 3, 16)
-    ref = copy.deepcopy(nn.Sequential(*mods))
-    losses = [mse(ref(a), b) for a, b in zip(x.chunk(M), tgt.chunk(M))]
-    (torch.stack(losses).sum() / M).backward()
+    mods, x, tgt, ref = stages_and_reference(num_stages, M)
     counters = C.dynamo_counters()
     start = counters["stats"]["unique_graphs"]
     mine = sorted(s for s, r in cls.stage_index_to_rank(world).items() if r == rank)
