@@ -175,12 +175,7 @@ def checkpointed_v_forwards(rank: int, world: int, split: str, m: int = 4) -> di
     an uncheckpointed unpipelined reference."""
     from torch.distributed.pipelining import ScheduleZBVZeroBubble
 
-    mods = mlp_stages(2)
-    torch.manual_seed(100)
-    x, tgt = torch.randn(4 * m, 3, 16), torch.randn(4 * m, 3, 16)
-    ref = copy.deepcopy(nn.Sequential(*mods))
-    losses = [mse(ref(a), b) for a, b in zip(x.chunk(m), tgt.chunk(m))]
-    (torch.stack(losses).sum() / m).backward()
+    mods, x, tgt, ref = stages_and_reference(2, m)
     calls = [0]
     for mod in mods:
         for i, block in enumerate(mod):

@@ -4,14 +4,11 @@ torch refuses to swap a tensor something holds a weak reference to)."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 
-from tests.engines._compile_cases import _count_w_gemms, compile_blocks, mlp_stages, mse
+from tests.engines._compile_cases import _count_w_gemms, compile_blocks, mse, stages_and_reference
 from zbpipe import ScheduleZBV
 from zbpipe.testing import run_ranks
 
@@ -21,12 +18,7 @@ pytestmark = pytest.mark.dist
 def swapped_after_construction(rank: int, world: int, m: int = 4) -> dict[str, object]:
     """One rank holding both V stages of compiled blocks; every parameter swapped
     (``torch.utils.swap_tensors``, through ``Module._apply``) between construction and step."""
-    mods = mlp_stages(2)
-    torch.manual_seed(100)
-    x, tgt = torch.randn(4 * m, 3, 16), torch.randn(4 * m, 3, 16)
-    ref = copy.deepcopy(nn.Sequential(*mods))
-    losses = [mse(ref(a), b) for a, b in zip(x.chunk(m), tgt.chunk(m))]
-    (torch.stack(losses).sum() / m).backward()
+    mods, x, tgt, ref = stages_and_reference(2, m)
     stages = [
         PipelineStage(compile_blocks(mods[s], "in-place", "aot_eager"), s, 2, torch.device("cpu"))
         for s in (0, 1)
