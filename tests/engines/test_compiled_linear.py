@@ -275,14 +275,18 @@ class LlamaLike(nn.Module):
         return x + self.down(F.silu(self.gate(z)) * self.up(z))
 
 
-@pytest.mark.parametrize("backend, copies", [("inductor", False), ("aot_eager", True)])
-def test_w_long_after_b_reads_what_b_queued(monkeypatch, backend, copies):
+@pytest.mark.parametrize(
+    "backend, checkpointed, copies",
+    [("inductor", False, False), ("inductor", True, False), ("aot_eager", False, True)],
+)
+def test_w_long_after_b_reads_what_b_queued(monkeypatch, backend, checkpointed, copies):
     # B of three microbatches, then their W: the queued operands must outlive the compiled
     # backward that made them (inductor reuses its buffers once their last reader has run).
     # Inductor-compiled code calls the op's twin, whose operands inductor never reuses, and W
     # reads them uncopied; another backend's graph gets copies. Caches off and dynamo reset: a
     # graph compiled before the lowering existed (on disk, or by an earlier test for the same
-    # forward) calls the copying op.
+    # forward) calls the copying op. Checkpointed then compiled (torchtitan's order), the
+    # operands W reads are the recompute's, made inside inductor's backward: the same holds.
     from zbpipe.engines import compiled_linear
 
     torch._dynamo.reset()
@@ -292,13 +296,16 @@ def test_w_long_after_b_reads_what_b_queued(monkeypatch, backend, copies):
     )
     block, ref = _pair(LlamaLike)
     with torch._inductor.config.patch(force_disable_caches=True):
-        driven = Driven(_compiled(block, "in-place", backend=backend))
+        driven = Driven(
+            _compiled(Checkpointed(block) if checkpointed else block, "in-place", backend=backend)
+        )
         stores = []
         for mb in range(3):
             torch.manual_seed(mb)
             x, g = torch.randn(2, 8, 32), torch.randn(2, 8, 32)
             ref(x).backward(g)
             stores.append(driven.step(x, g))
+    assert [store.num_gemms for store in stores] == [5, 5, 5]  # every Linear's GEMM waits for W
     for store in stores:
         store.run()
     _assert_close(block, ref)
