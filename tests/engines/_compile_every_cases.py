@@ -112,13 +112,15 @@ def continuous_case(rank: int, world: int, mode: str, how: str, backend: str) ->
     """``ScheduleContinuous`` (``mode``) over compiled blocks, N_CONTINUOUS mini-batches then
     flush; returns this rank's parameters and those the compiled and the eager reference
     (:func:`continuous_reference`) give its stage (numpy), the graphs compiled in this process
-    after each mini-batch and after the flush, and the graph breaks so far."""
+    after each mini-batch and after the flush, the graph breaks so far, and the GEMMs its W
+    passes ran."""
     mods = mlp_stages(world)
     counters = C.dynamo_counters()
     stage = PipelineStage(
         compile_blocks(mods[rank], how, backend), rank, world, torch.device("cpu")
     )
     sched = zbpipe.ScheduleContinuous([stage], M, loss_fn=mse, mode=mode, optimizer=_sgd)
+    gemms = _count_w_gemms(sched)
     graphs = []
     for k in range(N_CONTINUOUS):
         x, tgt = batch(k)
@@ -136,6 +138,7 @@ def continuous_case(rank: int, world: int, mode: str, how: str, backend: str) ->
         "references": {k: [t.detach().numpy().copy() for t in v[rank]] for k, v in refs.items()},
         "graphs": graphs,
         "graph_breaks": sum(counters["graph_break"].values()),
+        "w_gemms": sum(gemms),
     }
 
 

@@ -9,7 +9,7 @@ probes memory and re-plans): its gradients after each step equal a compiled unpi
 reference (the same blocks, a separate copy compiled the same way) and an eager one, to fp32
 rounding; the second step compiles nothing; nothing breaks the graph (most cases compile with
 aot_eager; inductor runs ZBH1 and ZBV). ``ScheduleContinuous`` (sync, 2bw, stash) ends with the
-parameters its version rule gives on the unpipelined model.
+parameters its version rule gives on the unpipelined model, its W running deferred GEMMs.
 
 One process group per module fixture: starting ranks and importing torch is the slow part.
 """
@@ -89,6 +89,9 @@ def test_continuous_over_compiled_blocks_follows_its_version_rule(runs, mode):
     for got in results[mode]:
         assert got["graphs"][0] == got["graphs"][-1], got["graphs"]
         assert got["graph_breaks"] == 0
+    # the split survives compilation in every mode: on the weight versions' leaves too (2bw,
+    # stash), whose W adds into the leaves' .grad
+    assert sum(got["w_gemms"] for got in results[mode]) > 0, (how, mode)
 
 
 # inductor compiles C++ kernels: about 10 s with its on-disk caches warm (the default), 125 s

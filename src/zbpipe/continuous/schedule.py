@@ -433,7 +433,7 @@ class ScheduleContinuous(ContinuousActions, C.PipelineScheduleMultiBase):
         #: 2bw/stash: each microbatch's leaf set and its key (zbpipe.continuous.versions)
         self._leaves: dict[int, tuple[tuple[int, int], list[torch.Tensor]]] = {}
         if self._versions is not None:
-            self._versions.leaf_sets.clear()
+            self._versions.forget_leaf_sets()
             self._versions.drop_spare_grads()
         self._sends = PendingSends(consume_proofs=True)
         self._proofs = ChainProofs(self.stage.stage_index)

@@ -61,6 +61,7 @@ from torch import nn
 
 from .. import _compat as C
 from ..engines.accumulate import GRAD_BUFFER
+from ..engines.compiled_linear import route_leaves
 
 CORRECTIONS = (None, "predict", "nesterov")
 #: how many steps each correction extrapolates the last one
@@ -139,6 +140,9 @@ class WeightVersions:
         self.leaf_sets: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._grad_spare: list[torch.Tensor | None] | None = None  # last step's gradients
         self._prepared: set[tuple[int, int]] = set()  # leaf sets offered gradient buffers
+        self._params = list(self.params.values())
+        #: leaf set -> the AccumulateGrad nodes of its routed leaves (kept while the set lives)
+        self._leaf_nodes: dict[tuple[int, int], list[object]] = {}
 
     def version_for(self, minibatch: int) -> int:
         """The version a forward of global mini-batch ``minibatch`` runs on."""
@@ -178,7 +182,14 @@ class WeightVersions:
         if leaves is None:
             leaves = [t.detach().requires_grad_() for t in self.store[version]]
             self.leaf_sets[key] = leaves
+            # compiled Linears' GEMMs on these leaves wait for W, as on the parameters
+            self._leaf_nodes[key] = route_leaves(self._params, leaves)
         return key, leaves
+
+    def forget_leaf_sets(self) -> None:
+        """Drop every leaf set (a stream ended or was reset)."""
+        self.leaf_sets = {}
+        self._leaf_nodes = {}
 
     def prepare_grads(self, key: tuple[int, int]) -> None:
         """Before the first backward pass on leaf set ``key``: offer its leaves the gradient
@@ -232,6 +243,7 @@ class WeightVersions:
         out: list[torch.Tensor | None] = [None] * len(self._names)
         for key in keys:
             leaves = self.leaf_sets.pop(key)
+            self._leaf_nodes.pop(key, None)
             self._prepared.discard(key)
             for i, leaf in enumerate(leaves):
                 g = leaf.grad
@@ -307,7 +319,7 @@ class WeightVersions:
         if self.mode == "stash":  # (the module loaded the master: the latest is the master)
             self.store[self.latest] = self._masters
         self.uses = {}
-        self.leaf_sets = {}
+        self.forget_leaf_sets()
         self._prepared = set()
         self._spare = self._before = self._grad_spare = None
         self.peak = max(self.peak, len(self.store))

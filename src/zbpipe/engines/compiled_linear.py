@@ -60,6 +60,7 @@ __all__ = [
     "LinearRoute",
     "compiled_linear",
     "route_compiled_linears",
+    "route_leaves",
     "route_of",
 ]
 
@@ -311,6 +312,30 @@ def route_compiled_linears(module: nn.Module, linears: list[nn.Module]) -> list[
         node.register_prehook(_hook_for(weight))
         nodes.append(node)
     logger.debug("zbpipe: %d compiled Linears defer their W", len(nodes))
+    return nodes
+
+
+def route_leaves(params: list[Tensor], leaves: list[Tensor]) -> list[Any]:
+    """Route each of ``leaves`` as its parameter in ``params`` (aligned) is routed: leaf aliases
+    a continuous stale mode puts in a module's parameter slots (its weight versions,
+    zbpipe.continuous.versions). A compiled Linear then queues the GEMM for W, which adds it into
+    the leaf's ``.grad``, as with the parameter itself.
+
+    Returns the leaves' ``AccumulateGrad`` nodes, which carry the pre-hooks: the caller keeps
+    them while it keeps the leaves (:func:`route_compiled_linears` says why).
+    """
+    nodes = []
+    for param, leaf in zip(params, leaves, strict=True):
+        route = route_of(param)
+        module = None if route is None else route.module()
+        if module is None or not leaf.requires_grad:
+            continue
+        _ROUTES[leaf] = LinearRoute(module)
+        node = C.grad_accumulator(leaf)
+        node.register_prehook(_hook_for(leaf))
+        nodes.append(node)
+    if nodes:
+        _UNROUTED.clear()  # a recycled version buffer's address may have been seen unrouted
     return nodes
 
 
