@@ -90,3 +90,32 @@ def test_identical_stages_measure_alike_whatever_the_caller_holds():
         assert first == second == third, mem_f
         # measured bytes are rounded to 3 significant digits (so every rank plans the same)
         assert abs(last - third - slice_bytes) < 0.01 * last, mem_f
+
+
+def _torch_1f1b_peak(rank: int, world: int, m: int) -> int:
+    from torch.distributed.pipelining import Schedule1F1B
+
+    from zbpipe.memory.meter import SavedActivationMeter
+    from zbpipe.patching import undo_all
+
+    stage_mod = nn.Linear(8, 8, bias=False)  # saves its input (a slice of the batch)
+    stage = PipelineStage(stage_mod, 0, 1, torch.device("cpu"))
+    meter = SavedActivationMeter()
+    # the loss saves the target slice (the output's gradient needs it; the target needs none)
+    sched = Schedule1F1B(stage, m, loss_fn=meter.watch_loss(lambda out, tgt: (out * tgt).sum()))
+    patches = meter.attach(stage)
+    x, tgt = torch.randn(m * 2, 8), torch.randn(m * 2, 8)
+    sched.step(x, target=tgt)  # the first step also infers shapes
+    meter.begin_step()
+    sched.step(x, target=tgt)
+    undo_all(patches)
+    return meter.end_step().peak_bytes
+
+
+def test_torch_schedules_under_the_meter_count_a_slice_per_microbatch():
+    # torch's Schedule1F1B on one stage runs F0 B0 F1 B1 ...: at most one microbatch's input
+    # slice (2 rows x 8 float32, 64 bytes) and target slice are held at once. Counted by
+    # storage, the input and the target were each charged the whole batch (m slices: 512).
+    m, slice_bytes = 4, 2 * 8 * 4
+    (peak,) = run_ranks(_torch_1f1b_peak, 1, m, timeout=120)
+    assert peak == 2 * slice_bytes

@@ -52,7 +52,13 @@ from typing import Any
 
 from .. import _compat as C
 from ..patching import Patch, patch
-from .saved import SavedTensors, StorageRefs, count_all_until_freed, param_storages
+from .saved import (
+    SavedTensors,
+    StorageRefs,
+    count_all_until_freed,
+    input_storages,
+    param_storages,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,7 +142,8 @@ class SavedActivationMeter:
         """
 
         def counted(*args: Any, **kwargs: Any) -> Any:
-            with SavedTensors(observer=self).hooks():
+            # the target (everything after the output) is a slice of the caller's targets
+            with SavedTensors(observer=self, given=input_storages((args[1:], kwargs))).hooks():
                 return loss_fn(*args, **kwargs)
 
         return counted
@@ -144,7 +151,8 @@ class SavedActivationMeter:
     def attach(self, stage: Any) -> list[Patch]:
         """Count what a torch ``PipelineStage`` holds for backward, for torch's own schedules:
         what its forwards save, its outputs (not the last stage's) and its input gradients, each
-        until freed, as zbpipe's schedules count them.
+        until freed, as zbpipe's schedules count them (a saved slice of the caller's batch, the
+        first stage's input or, through :meth:`watch_loss`, a target, counts as its own bytes).
 
         Wraps this stage object's ``forward_one_chunk`` and ``backward_one_chunk``
         (:func:`zbpipe.patching.undo_all` the result to detach). zbpipe schedules: use
@@ -154,7 +162,9 @@ class SavedActivationMeter:
         forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
 
         def forward_one_chunk(*args: Any, **kwargs: Any) -> Any:
-            with SavedTensors(observer=self, skip=params).hooks():
+            # (chunk id, args, kwargs, ...): the first stage's are slices of the caller's batch
+            given = input_storages((args[1:], kwargs)) if stage.is_first else None
+            with SavedTensors(observer=self, skip=params, given=given).hooks():
                 output = forward(*args, **kwargs)
             if not stage.is_last:
                 count_all_until_freed(output, self)
