@@ -112,8 +112,8 @@ def continuous_case(rank: int, world: int, mode: str, how: str, backend: str) ->
     """``ScheduleContinuous`` (``mode``) over compiled blocks, N_CONTINUOUS mini-batches then
     flush; returns this rank's parameters and those the compiled and the eager reference
     (:func:`continuous_reference`) give its stage (numpy), the graphs compiled in this process
-    after each mini-batch and after the flush, the graph breaks so far, and the GEMMs its W
-    passes ran."""
+    after each mini-batch and after the flush, the graph breaks so far, the GEMMs each of its
+    W passes ran, and the stage's Linears."""
     mods = mlp_stages(world)
     counters = C.dynamo_counters()
     stage = PipelineStage(
@@ -138,7 +138,8 @@ def continuous_case(rank: int, world: int, mode: str, how: str, backend: str) ->
         "references": {k: [t.detach().numpy().copy() for t in v[rank]] for k, v in refs.items()},
         "graphs": graphs,
         "graph_breaks": sum(counters["graph_break"].values()),
-        "w_gemms": sum(gemms),
+        "w_gemms": list(gemms),
+        "linears": sum(isinstance(m, nn.Linear) for m in mods[rank].modules()),
     }
 
 

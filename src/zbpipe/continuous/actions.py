@@ -172,6 +172,10 @@ class ContinuousActions:
         params = None
         if self._versions is not None:  # W computes the gradients of this microbatch's version
             key, leaves = self._leaves[g]
+            # ... and B runs on it: a checkpointed block recomputes its forward here, reading the
+            # parameter slots (another microbatch's version, or the master after a step(), sat
+            # there: a wrong gradient that no check catches). One comparison when installed.
+            self._versions.slots.install(key, leaves)
             self._versions.prepare_grads(key)
             params = lambda: leaves  # noqa: E731
         self.seam.backward_input(st, g, self._losses.pop(g) if st.is_last else None, params)
@@ -181,6 +185,8 @@ class ContinuousActions:
             self._sends.post(st, g, forward=False)
 
     def _backward_weight(self, g: int) -> None:
+        if self._versions is not None:  # the graph engine's W re-enters (and recomputes) too
+            self._versions.slots.install(*self._leaves[g])
         self.seam.backward_weight(self.stage, g)
         k = self._minibatch(g)
         if self._versions is not None:  # its gradients are in its leaf set's .grad already

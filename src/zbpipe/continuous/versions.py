@@ -190,6 +190,7 @@ class WeightVersions:
         """Drop every leaf set (a stream ended or was reset)."""
         self.leaf_sets = {}
         self._leaf_nodes = {}
+        self._prepared = set()
 
     def prepare_grads(self, key: tuple[int, int]) -> None:
         """Before the first backward pass on leaf set ``key``: offer its leaves the gradient

@@ -330,7 +330,10 @@ def route_leaves(params: list[Tensor], leaves: list[Tensor]) -> list[Any]:
         module = None if route is None else route.module()
         if module is None or not leaf.requires_grad:
             continue
-        _ROUTES[leaf] = LinearRoute(module)
+        leaf_route = _ROUTES[leaf] = LinearRoute(module)
+        # the same compiled graph: whether its placeholders arrive alone is known already (no
+        # zeros placeholder per leaf set once it is)
+        leaf_route.alone = route.alone  # type: ignore[union-attr]
         node = C.grad_accumulator(leaf)
         node.register_prehook(_hook_for(leaf))
         nodes.append(node)
