@@ -1,0 +1,191 @@
+"""Where ``continuous_speed.py``'s time goes: per-action timestamps of sync and 2bw, per rank.
+
+Runs the benchmark's setup (2 gloo ranks, one thread each, 4 x Linear(1024)+ReLU per rank, 32
+rows per microbatch, SGD, rounds of 6 mini-batches ending in ``flush()``), rounds of the chosen
+modes interleaved, with a timer around each piece of the continuous runtime (installed on the
+schedule's classes in the rank processes, so it costs two clock reads per piece):
+
+* ``F`` / ``B`` / ``W``: an action's own time, without what is listed below;
+* ``recv``: waiting for a receive (the peer has not sent yet: idle);
+* ``send``: posting a send; ``step``: the optimizer step (gradients handed over, ``div_``,
+  ``optimizer.step()``), ``copy``: the weight versions' update after it (2bw: one copy of the
+  weights); ``prep``: the versions' per-microbatch work (acquire + install at F, the gradient
+  buffers at B, release at W);
+* ``other``: the rest of the round (``step()``'s input split and bookkeeping, the stream
+  frontier, ``flush()``'s waits, Python between actions).
+
+For each mode and rank it prints the median over rounds of each piece, per mini-batch, and the
+round's wall time per mini-batch. ``--dump`` keeps every round's events (per mode and rank).
+
+    PYTHONPATH=src python benchmarks/continuous_speed_trace.py --m 2 --reps 8
+
+Writes ``benchmarks/results/continuous_speed_trace.json``. Not a test: nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+PIECES = ("F", "B", "W", "recv", "send", "prep", "step", "copy", "other")
+
+
+class _Clock:
+    """Nested timers: each piece's time excludes the pieces timed inside it."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+        self.events: list[tuple[str, float, float]] = []
+        self._stack: list[list[Any]] = []  # [name, start, time of children]
+        self.record = False
+
+    def wrap(self, name: str, fn: Any) -> Any:
+        clock = self
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            frame = [name, time.perf_counter(), 0.0]
+            clock._stack.append(frame)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                end = time.perf_counter()
+                clock._stack.pop()
+                spent = end - frame[1]
+                clock.totals[name] = clock.totals.get(name, 0.0) + spent - frame[2]
+                if clock._stack:
+                    clock._stack[-1][2] += spent
+                if clock.record:
+                    clock.events.append((name, frame[1], end))
+
+        return timed
+
+
+def _instrument(clock: _Clock) -> None:
+    """Timers on the continuous runtime's pieces (in this rank process only)."""
+    from zbpipe.continuous import actions
+    from zbpipe.continuous.versions import WeightVersions
+    from zbpipe.schedules.sends import PendingSends
+
+    class _TimedWork:
+        def __init__(self, work: Any) -> None:
+            self._work = work
+
+        def wait(self) -> Any:
+            return clock.wrap("recv", self._work.wait)()
+
+    post = actions._post
+    actions._post = lambda op: _TimedWork(post(op))  # type: ignore[assignment]
+    cls = actions.ContinuousActions
+    for attr, name in (
+        ("_forward", "F"),
+        ("_backward_input", "B"),
+        ("_backward_weight", "W"),
+        ("_optimizer_step", "step"),
+    ):
+        setattr(cls, attr, clock.wrap(name, getattr(cls, attr)))
+    PendingSends.post = clock.wrap("send", PendingSends.post)  # type: ignore[method-assign]
+    WeightVersions.updated = clock.wrap("copy", WeightVersions.updated)  # type: ignore[method-assign]
+    WeightVersions.before_step = clock.wrap("copy", WeightVersions.before_step)  # type: ignore[method-assign]
+    for attr in ("acquire", "prepare_grads", "release"):
+        setattr(WeightVersions, attr, clock.wrap("prep", getattr(WeightVersions, attr)))
+
+
+def _rank_main(rank: int, world: int, m: int, a: argparse.Namespace) -> dict | None:
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from continuous_speed import _build
+
+    clock = _Clock()
+    _instrument(clock)
+    names = a.modes
+    runs = {name: _build(name, rank, world, m, a)["sched"] for name in names}
+    torch.manual_seed(7)
+    data = [
+        (torch.randn(m * a.rows, a.hidden), torch.randn(m * a.rows, a.hidden))
+        for _ in range(a.minibatches)
+    ]
+
+    def one_round(name: str, record: bool) -> dict[str, Any]:
+        sched = runs[name]
+        dist.barrier()
+        clock.totals = {}
+        clock.events = []
+        clock.record = record
+        t0 = time.perf_counter()
+        for x, y in data:
+            sched.step(*((x,) if rank == 0 else ()), target=y if rank == world - 1 else None)
+        sched.flush()
+        wall = time.perf_counter() - t0
+        n = len(data)
+        out = {k: clock.totals.get(k, 0.0) / n for k in PIECES if k != "other"}
+        out["other"] = wall / n - sum(out.values())
+        out["wall"] = wall / n
+        return {
+            "pieces": out,
+            "events": [(e, s - t0, t - t0) for e, s, t in clock.events] if record else [],
+        }
+
+    for name in names:
+        one_round(name, False)
+    per: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    for rep in range(a.reps):
+        k = rep % len(names)
+        for name in names[k:] + names[:k]:
+            per[name].append(one_round(name, a.dump))
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, per)
+    return gathered if rank == 0 else None
+
+
+def main() -> None:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from results_io import write_result
+
+    from zbpipe.testing import run_ranks
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--m", type=int, nargs="+", default=[2])
+    ap.add_argument("--reps", type=int, default=8, help="interleaved rounds per mode")
+    ap.add_argument("--minibatches", type=int, default=6, help="mini-batches per round")
+    ap.add_argument("--rows", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--modes", default="sync,2bw")
+    ap.add_argument("--dump", action="store_true", help="keep every round's events")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    a.modes = tuple(a.modes.split(","))
+    results: dict[str, Any] = {"loadavg_start": open("/proc/loadavg").read().split()[:3]}
+    for m in a.m:
+        gathered = run_ranks(_rank_main, 2, m, a, timeout=1800, pg_timeout=600)[0]
+        rows: dict[str, Any] = {}
+        print(f"\nm={m}, {a.reps} interleaved rounds, ms per mini-batch (median over rounds)")
+        print(f"{'mode':>8} {'rank':>4} " + " ".join(f"{k:>7}" for k in (*PIECES, "wall")))
+        for name in a.modes:
+            for r, per in enumerate(gathered):
+                rounds = per[name]
+                med = {
+                    k: statistics.median(x["pieces"][k] for x in rounds) * 1e3
+                    for k in (*PIECES, "wall")
+                }
+                rows[f"{name}/rank{r}"] = {
+                    "median_ms": med,
+                    "rounds_ms": [{k: v * 1e3 for k, v in x["pieces"].items()} for x in rounds],
+                    "events": [x["events"] for x in rounds],
+                }
+                print(f"{name:>8} {r:>4} " + " ".join(f"{med[k]:7.2f}" for k in (*PIECES, "wall")))
+        results[f"m={m}"] = rows
+    results["loadavg_end"] = open("/proc/loadavg").read().split()[:3]
+    config = {k: v for k, v in vars(a).items() if k != "out"}
+    write_result("continuous_speed_trace", {"config": config, "results": results}, path=a.out)
+
+
+if __name__ == "__main__":
+    main()
