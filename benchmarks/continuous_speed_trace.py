@@ -39,27 +39,30 @@ class _Clock:
 
     def __init__(self) -> None:
         self.totals: dict[str, float] = {}
-        self.events: list[tuple[str, float, float]] = []
-        self._stack: list[list[Any]] = []  # [name, start, time of children]
+        self.cpu: dict[str, float] = {}  # the same, in this thread's CPU time
+        self.events: list[tuple[str, float, float, float]] = []  # name, start, end, own CPU
+        self._stack: list[list[Any]] = []  # [name, start, children's time, start CPU, theirs]
         self.record = False
 
     def wrap(self, name: str, fn: Any) -> Any:
         clock = self
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            frame = [name, time.perf_counter(), 0.0]
+            frame = [name, time.perf_counter(), 0.0, time.thread_time(), 0.0]
             clock._stack.append(frame)
             try:
                 return fn(*args, **kwargs)
             finally:
-                end = time.perf_counter()
+                end, cpu_end = time.perf_counter(), time.thread_time()
                 clock._stack.pop()
-                spent = end - frame[1]
+                spent, cpu = end - frame[1], cpu_end - frame[3]
                 clock.totals[name] = clock.totals.get(name, 0.0) + spent - frame[2]
+                clock.cpu[name] = clock.cpu.get(name, 0.0) + cpu - frame[4]
                 if clock._stack:
                     clock._stack[-1][2] += spent
+                    clock._stack[-1][4] += cpu
                 if clock.record:
-                    clock.events.append((name, frame[1], end))
+                    clock.events.append((name, frame[1], end, cpu - frame[4]))
 
         return timed
 
@@ -114,21 +117,25 @@ def _rank_main(rank: int, world: int, m: int, a: argparse.Namespace) -> dict | N
     def one_round(name: str, record: bool) -> dict[str, Any]:
         sched = runs[name]
         dist.barrier()
-        clock.totals = {}
+        clock.totals, clock.cpu = {}, {}
         clock.events = []
         clock.record = record
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         for x, y in data:
             sched.step(*((x,) if rank == 0 else ()), target=y if rank == world - 1 else None)
         sched.flush()
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
         n = len(data)
         out = {k: clock.totals.get(k, 0.0) / n for k in PIECES if k != "other"}
         out["other"] = wall / n - sum(out.values())
         out["wall"] = wall / n
+        out_cpu = {k: clock.cpu.get(k, 0.0) / n for k in PIECES if k != "other"}
+        out_cpu["other"] = cpu / n - sum(out_cpu.values())
+        out_cpu["wall"] = cpu / n
         return {
             "pieces": out,
-            "events": [(e, s - t0, t - t0) for e, s, t in clock.events] if record else [],
+            "cpu": out_cpu,
+            "events": [(e, s - t0, t - t0, c) for e, s, t, c in clock.events] if record else [],
         }
 
     for name in names:
@@ -166,21 +173,25 @@ def main() -> None:
     for m in a.m:
         gathered = run_ranks(_rank_main, 2, m, a, timeout=1800, pg_timeout=600)[0]
         rows: dict[str, Any] = {}
-        print(f"\nm={m}, {a.reps} interleaved rounds, ms per mini-batch (median over rounds)")
-        print(f"{'mode':>8} {'rank':>4} " + " ".join(f"{k:>7}" for k in (*PIECES, "wall")))
-        for name in a.modes:
-            for r, per in enumerate(gathered):
-                rounds = per[name]
-                med = {
-                    k: statistics.median(x["pieces"][k] for x in rounds) * 1e3
-                    for k in (*PIECES, "wall")
-                }
-                rows[f"{name}/rank{r}"] = {
-                    "median_ms": med,
-                    "rounds_ms": [{k: v * 1e3 for k, v in x["pieces"].items()} for x in rounds],
-                    "events": [x["events"] for x in rounds],
-                }
-                print(f"{name:>8} {r:>4} " + " ".join(f"{med[k]:7.2f}" for k in (*PIECES, "wall")))
+        for what, label in (("pieces", "wall time"), ("cpu", "CPU time of the rank's thread")):
+            print(f"\nm={m}, {a.reps} interleaved rounds, {label}, ms per mini-batch (median)")
+            print(f"{'mode':>8} {'rank':>4} " + " ".join(f"{k:>7}" for k in (*PIECES, "total")))
+            for name in a.modes:
+                for r, per in enumerate(gathered):
+                    rounds = per[name]
+                    med = {
+                        k: statistics.median(x[what][k] for x in rounds) * 1e3
+                        for k in (*PIECES, "wall")
+                    }
+                    row = rows.setdefault(f"{name}/rank{r}", {})
+                    row["median_ms" if what == "pieces" else "cpu_median_ms"] = med
+                    row["rounds_ms" if what == "pieces" else "cpu_rounds_ms"] = [
+                        {k: v * 1e3 for k, v in x[what].items()} for x in rounds
+                    ]
+                    row["events"] = [x["events"] for x in rounds]
+                    print(
+                        f"{name:>8} {r:>4} " + " ".join(f"{med[k]:7.2f}" for k in (*PIECES, "wall"))
+                    )
         results[f"m={m}"] = rows
     results["loadavg_end"] = open("/proc/loadavg").read().split()[:3]
     config = {k: v for k, v in vars(a).items() if k != "out"}
