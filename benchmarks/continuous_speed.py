@@ -132,6 +132,15 @@ def _rank_main(rank: int, world: int, m: int, a: argparse.Namespace) -> dict | N
     }
 
 
+def _loadavg() -> list[float] | None:
+    """The machine's load averages (1, 5, 15 minutes), where Linux reports them."""
+    try:
+        with open("/proc/loadavg") as f:
+            return [float(x) for x in f.read().split()[:3]]
+    except OSError:
+        return None
+
+
 def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from results_io import paired_ratios, write_result
@@ -152,6 +161,7 @@ def main() -> None:
     a.variants = tuple(a.variants.split(","))
     base = a.variants[0]
     results: dict[str, Any] = {}
+    load_start = _loadavg()
     t0 = time.perf_counter()
     for m in a.m:
         both = run_ranks(_rank_main, 2, m, a, timeout=1800, pg_timeout=600)[0]
@@ -200,7 +210,14 @@ def main() -> None:
     config = {k: v for k, v in vars(a).items() if k != "out"}
     write_result(
         "continuous_speed",
-        {"config": config, "baseline": base, "results": results, "wall_seconds": wall},
+        {
+            "config": config,
+            "baseline": base,
+            "results": results,
+            "wall_seconds": wall,
+            "loadavg_start": load_start,
+            "loadavg_end": _loadavg(),
+        },
         path=a.out,
     )
 

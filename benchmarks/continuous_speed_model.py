@@ -108,12 +108,23 @@ def plain_stream(p: int, m: int, n: int) -> Plan:
 
 
 def replay(
-    plan: Plan, cost: dict[str, float], after_step: float | dict[int, float], comm: float
+    plan: Plan,
+    cost: dict[str, float] | dict[int, dict[str, float]],
+    after_step: float | dict[int, float],
+    comm: float,
+    idle: dict[int, float] | None = None,
 ) -> float:
     """Makespan of ``plan`` run as soon as possible, ``after_step`` (per rank, or the same on
-    every rank) after each optimizer step."""
+    every rank) after each optimizer step. ``cost``: ``{"f": .., "b": .., "w": ..}``, or one
+    such dict per rank. ``idle``, if given, gets each rank's waiting time (before its first
+    action included)."""
     p = len(plan.order)
     after = after_step if isinstance(after_step, dict) else dict.fromkeys(plan.order, after_step)
+    per_rank: dict[int, dict[str, float]] = {
+        r: cost[r] if r in cost else cost  # type: ignore[misc]
+        for r in plan.order
+    }
+    waited = dict.fromkeys(plan.order, 0.0)
     steps = {r: set(plan.meta["step_after"][r]) for r in plan.order}
     end: dict[tuple[str, int, int], float] = {}
     pos = dict.fromkeys(plan.order, 0)
@@ -133,13 +144,16 @@ def replay(
                 if dep is not None and dep not in end:
                     break
                 ready = 0.0 if dep is None else end[dep] + (comm if dep[1] != s else 0.0)
-                end[(a.kind, s, g)] = max(free[r], ready) + cost[a.kind.lower()]
+                waited[r] += max(0.0, ready - free[r])
+                end[(a.kind, s, g)] = max(free[r], ready) + per_rank[r][a.kind.lower()]
                 free[r] = end[(a.kind, s, g)] + (after[r] if pos[r] in steps[r] else 0.0)
                 pos[r] += 1
                 left -= 1
                 moved = True
         if not moved:
             raise RuntimeError("replay stuck: the plan is inconsistent")
+    if idle is not None:
+        idle.update(waited)
     return max(free.values())
 
 

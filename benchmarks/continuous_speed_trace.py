@@ -17,6 +17,13 @@ schedule's classes in the rank processes, so it costs two clock reads per piece)
 For each mode and rank it prints the median over rounds of each piece, per mini-batch, and the
 round's wall time per mini-batch. ``--dump`` keeps every round's events (per mode and rank).
 
+Then it replays each mode's plan with those costs (``continuous_speed_model.replay``: F, B, W
+per rank, the sends, bookkeeping and the rest spread over them, the step and copy after each
+step), with the wall medians and with the CPU medians (what the run would take if no other
+process took the cores), and 2bw's plan with sync's costs (what 2bw would take if it added no
+work per action: the floor of its order). A replay close to the measured wall leaves nothing
+for an ordering or communication overhead to hide in. ``--from-json`` replays a stored result.
+
     PYTHONPATH=src python benchmarks/continuous_speed_trace.py --m 2 --reps 8
 
 Writes ``benchmarks/results/continuous_speed_trace.json``. Not a test: nothing is asserted.
@@ -25,6 +32,7 @@ Writes ``benchmarks/results/continuous_speed_trace.json``. Not a test: nothing i
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -150,6 +158,65 @@ def _rank_main(rank: int, world: int, m: int, a: argparse.Namespace) -> dict | N
     return gathered if rank == 0 else None
 
 
+def _costs(med: dict[str, float], m: int) -> tuple[dict[str, float], float]:
+    """Per-microbatch F, B, W (the sends, bookkeeping and the rest spread over them), and what
+    follows each step (the step and the copy), from one rank's medians per mini-batch."""
+    extra = (med["send"] + med["prep"] + med["other"]) / 3
+    return {k.lower(): (med[k] + extra) / m for k in "FBW"}, med["step"] + med["copy"]
+
+
+def replays(rows: dict[str, Any], m: int, n: int, modes: tuple[str, ...]) -> dict[str, Any]:
+    """The plans replayed with the measured costs (see the module docstring)."""
+    from continuous_speed_model import replay
+
+    from zbpipe.planning.continuous_plan import plan_continuous
+
+    out: dict[str, Any] = {}
+    for key in ("median_ms", "cpu_median_ms"):
+        if any(key not in rows[f"{mode}/rank{r}"] for mode in modes for r in (0, 1)):
+            continue
+        res: dict[str, Any] = {}
+        for label, plan_mode, cost_mode in (
+            *((mode, mode, mode) for mode in modes),
+            *((("2bw_with_sync_costs", "2bw", "sync"),) if {"2bw", "sync"} <= set(modes) else ()),
+        ):
+            per = {r: _costs(rows[f"{cost_mode}/rank{r}"][key], m) for r in (0, 1)}
+            idle: dict[int, float] = {}
+            span = replay(
+                plan_continuous(2, m, n_minibatches=n, mode=plan_mode),  # type: ignore[arg-type]
+                {r: c for r, (c, _) in per.items()},
+                {r: after for r, (_, after) in per.items()},
+                0.0,
+                idle,
+            )
+            res[label] = {
+                "ms_per_minibatch": span / n,
+                "idle_ms_per_minibatch": [idle[r] / n for r in (0, 1)],
+            }
+            if label in modes:
+                res[label]["measured_wall_ms"] = max(
+                    rows[f"{label}/rank{r}"]["median_ms"]["wall"] for r in (0, 1)
+                )
+        if "sync" in res:
+            for r in res.values():
+                r["ratio_to_sync"] = r["ms_per_minibatch"] / res["sync"]["ms_per_minibatch"]
+        out["wall_costs" if key == "median_ms" else "cpu_costs"] = res
+    return out
+
+
+def _print_replays(m: int, rep: dict[str, Any]) -> None:
+    for which, res in rep.items():
+        print(f"\nm={m}, plans replayed with the {which.replace('_', ' ')} (ms per mini-batch)")
+        for label, r in res.items():
+            measured = r.get("measured_wall_ms")
+            print(
+                f"{label:>20} {r['ms_per_minibatch']:7.2f}  idle "
+                + " ".join(f"{x:5.2f}" for x in r["idle_ms_per_minibatch"])
+                + f"  vs sync {r.get('ratio_to_sync', float('nan')):.3f}"
+                + (f"  (measured wall {measured:.2f})" if measured is not None else "")
+            )
+
+
 def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from results_io import write_result
@@ -167,9 +234,28 @@ def main() -> None:
     ap.add_argument("--modes", default="sync,2bw")
     ap.add_argument("--dump", action="store_true", help="keep every round's events")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--from-json", default=None, help="replay a stored result instead of running")
     a = ap.parse_args()
     a.modes = tuple(a.modes.split(","))
-    results: dict[str, Any] = {"loadavg_start": open("/proc/loadavg").read().split()[:3]}
+    if a.from_json:
+        with open(a.from_json) as f:
+            stored = json.load(f)
+        cfg = stored["config"]
+        for key, rows in stored["results"].items():
+            if key.startswith("m="):
+                m = int(key[2:])
+                rows["replay"] = replays(rows, m, cfg["minibatches"], tuple(cfg["modes"]))
+                _print_replays(m, rows["replay"])
+        stored["config"]["replayed_from"] = os.path.basename(a.from_json)
+        write_result(
+            "continuous_speed_trace",
+            {"config": stored["config"], "results": stored["results"]},
+            a.out,
+        )
+        return
+    results: dict[str, Any] = {
+        "loadavg_start": [float(x) for x in open("/proc/loadavg").read().split()[:3]]
+    }
     for m in a.m:
         gathered = run_ranks(_rank_main, 2, m, a, timeout=1800, pg_timeout=600)[0]
         rows: dict[str, Any] = {}
@@ -192,8 +278,10 @@ def main() -> None:
                     print(
                         f"{name:>8} {r:>4} " + " ".join(f"{med[k]:7.2f}" for k in (*PIECES, "wall"))
                     )
+        rows["replay"] = replays(rows, m, a.minibatches, a.modes)
+        _print_replays(m, rows["replay"])
         results[f"m={m}"] = rows
-    results["loadavg_end"] = open("/proc/loadavg").read().split()[:3]
+    results["loadavg_end"] = [float(x) for x in open("/proc/loadavg").read().split()[:3]]
     config = {k: v for k, v in vars(a).items() if k != "out"}
     write_result("continuous_speed_trace", {"config": config, "results": results}, path=a.out)
 
