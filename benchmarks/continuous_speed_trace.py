@@ -12,7 +12,9 @@ schedule's classes in the rank processes, so it costs two clock reads per piece)
   weights); ``prep``: the versions' per-microbatch work (acquire + install at F, the gradient
   buffers at B, release at W);
 * ``other``: the rest of the round (``step()``'s input split and bookkeeping, the stream
-  frontier, ``flush()``'s waits, Python between actions).
+  frontier, ``flush()``'s waits, Python between actions);
+* ``threads`` (CPU table only): the CPU time of the rank process's other threads (gloo's
+  transport loop), from ``/proc/self/task`` (Linux; 10 ms ticks: the mean over the rounds).
 
 For each mode and rank it prints the median over rounds of each piece, per mini-batch, and the
 round's wall time per mini-batch. ``--dump`` keeps every round's events (per mode and rank).
@@ -36,6 +38,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 from typing import Any
 
@@ -73,6 +76,26 @@ class _Clock:
                     clock.events.append((name, frame[1], end, cpu - frame[4]))
 
         return timed
+
+
+def _other_threads_cpu() -> float:
+    """CPU seconds of this process's threads other than the calling one (Linux; else 0)."""
+    me = str(threading.get_native_id())
+    total = 0
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return 0.0
+    for tid in tids:
+        if tid == me:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def _instrument(clock: _Clock) -> None:
@@ -128,11 +151,12 @@ def _rank_main(rank: int, world: int, m: int, a: argparse.Namespace) -> dict | N
         clock.totals, clock.cpu = {}, {}
         clock.events = []
         clock.record = record
-        t0, c0 = time.perf_counter(), time.thread_time()
+        t0, c0, h0 = time.perf_counter(), time.thread_time(), _other_threads_cpu()
         for x, y in data:
             sched.step(*((x,) if rank == 0 else ()), target=y if rank == world - 1 else None)
         sched.flush()
         wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+        helpers = _other_threads_cpu() - h0
         n = len(data)
         out = {k: clock.totals.get(k, 0.0) / n for k in PIECES if k != "other"}
         out["other"] = wall / n - sum(out.values())
@@ -140,6 +164,7 @@ def _rank_main(rank: int, world: int, m: int, a: argparse.Namespace) -> dict | N
         out_cpu = {k: clock.cpu.get(k, 0.0) / n for k in PIECES if k != "other"}
         out_cpu["other"] = cpu / n - sum(out_cpu.values())
         out_cpu["wall"] = cpu / n
+        out_cpu["threads"] = helpers / n
         return {
             "pieces": out,
             "cpu": out_cpu,
@@ -261,23 +286,22 @@ def main() -> None:
         rows: dict[str, Any] = {}
         for what, label in (("pieces", "wall time"), ("cpu", "CPU time of the rank's thread")):
             print(f"\nm={m}, {a.reps} interleaved rounds, {label}, ms per mini-batch (median)")
-            print(f"{'mode':>8} {'rank':>4} " + " ".join(f"{k:>7}" for k in (*PIECES, "total")))
+            cols = (*PIECES, "wall", *(("threads",) if what == "cpu" else ()))
+            heads = (*PIECES, "total", *(("threads",) if what == "cpu" else ()))
+            print(f"{'mode':>8} {'rank':>4} " + " ".join(f"{k:>7}" for k in heads))
             for name in a.modes:
                 for r, per in enumerate(gathered):
                     rounds = per[name]
-                    med = {
-                        k: statistics.median(x[what][k] for x in rounds) * 1e3
-                        for k in (*PIECES, "wall")
-                    }
+                    med = {k: statistics.median(x[what][k] for x in rounds) * 1e3 for k in cols}
+                    if what == "cpu":  # (10 ms ticks: a mean over the rounds, not a median)
+                        med["threads"] = statistics.mean(x[what]["threads"] for x in rounds) * 1e3
                     row = rows.setdefault(f"{name}/rank{r}", {})
                     row["median_ms" if what == "pieces" else "cpu_median_ms"] = med
                     row["rounds_ms" if what == "pieces" else "cpu_rounds_ms"] = [
                         {k: v * 1e3 for k, v in x[what].items()} for x in rounds
                     ]
                     row["events"] = [x["events"] for x in rounds]
-                    print(
-                        f"{name:>8} {r:>4} " + " ".join(f"{med[k]:7.2f}" for k in (*PIECES, "wall"))
-                    )
+                    print(f"{name:>8} {r:>4} " + " ".join(f"{med[k]:7.2f}" for k in cols))
         rows["replay"] = replays(rows, m, a.minibatches, a.modes)
         _print_replays(m, rows["replay"])
         results[f"m={m}"] = rows
