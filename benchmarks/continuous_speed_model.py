@@ -3,7 +3,9 @@
 Measures, in this one process and one thread (no other rank running), the costs of one
 microbatch on one stage of ``continuous_speed.py``'s model (4 x Linear(1024)+ReLU, 32 rows): F,
 B (input gradient), W (weight gradient), the optimizer step (``div_`` by m and SGD, what every
-mode runs after a mini-batch's last W) and one copy of the stage's weights (2bw's price per step).
+mode runs after a mini-batch's last W) and one copy of the stage's weights (2bw's price per step
+on a stage whose mini-batches overlap: not on the last stage, which applies each update a
+mini-batch late instead; ``2bw_copy_everywhere`` replays the runtime before that change).
 Then replays each mode's plan (``plan_continuous``, p = 2, the benchmark's N mini-batches per
 round, warm-up and drain included) as soon as possible with those costs, charging the step (and
 2bw's copy) after each mini-batch's last W on each rank, where the runtime runs it; ``comm`` is
@@ -33,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from results_io import write_result
 
 from zbpipe.planning.continuous_plan import ContinuousParts, plan_continuous, step_positions
-from zbpipe.planning.continuous_stream import stream_parts
+from zbpipe.planning.continuous_stream import minibatches_apart, stream_parts
 from zbpipe.planning.core import Plan, loop_placement, make_plan
 
 
@@ -105,9 +107,24 @@ def plain_stream(p: int, m: int, n: int) -> Plan:
     return make_plan("2bw-plain", p, n * m, loop_placement(p, p), orders, **meta)
 
 
-def replay(plan: Plan, cost: dict[str, float], after_step: float, comm: float) -> float:
-    """Makespan of ``plan`` run as soon as possible, ``after_step`` after each optimizer step."""
+def replay(
+    plan: Plan,
+    cost: dict[str, float] | dict[int, dict[str, float]],
+    after_step: float | dict[int, float],
+    comm: float,
+    idle: dict[int, float] | None = None,
+) -> float:
+    """Makespan of ``plan`` run as soon as possible, ``after_step`` (per rank, or the same on
+    every rank) after each optimizer step. ``cost``: ``{"f": .., "b": .., "w": ..}``, or one
+    such dict per rank. ``idle``, if given, gets each rank's waiting time (before its first
+    action included)."""
     p = len(plan.order)
+    after = after_step if isinstance(after_step, dict) else dict.fromkeys(plan.order, after_step)
+    per_rank: dict[int, dict[str, float]] = {
+        r: cost[r] if r in cost else cost  # type: ignore[misc]
+        for r in plan.order
+    }
+    waited = dict.fromkeys(plan.order, 0.0)
     steps = {r: set(plan.meta["step_after"][r]) for r in plan.order}
     end: dict[tuple[str, int, int], float] = {}
     pos = dict.fromkeys(plan.order, 0)
@@ -127,13 +144,16 @@ def replay(plan: Plan, cost: dict[str, float], after_step: float, comm: float) -
                 if dep is not None and dep not in end:
                     break
                 ready = 0.0 if dep is None else end[dep] + (comm if dep[1] != s else 0.0)
-                end[(a.kind, s, g)] = max(free[r], ready) + cost[a.kind.lower()]
-                free[r] = end[(a.kind, s, g)] + (after_step if pos[r] in steps[r] else 0.0)
+                waited[r] += max(0.0, ready - free[r])
+                end[(a.kind, s, g)] = max(free[r], ready) + per_rank[r][a.kind.lower()]
+                free[r] = end[(a.kind, s, g)] + (after[r] if pos[r] in steps[r] else 0.0)
                 pos[r] += 1
                 left -= 1
                 moved = True
         if not moved:
             raise RuntimeError("replay stuck: the plan is inconsistent")
+    if idle is not None:
+        idle.update(waited)
     return max(free.values())
 
 
@@ -156,13 +176,23 @@ def main() -> None:
         for comm in a.comm:
             per = {}
             sync, stale = (plan_continuous(2, m, n_minibatches=n, mode=x) for x in ("sync", "2bw"))
+            # the runtime copies where a rank's mini-batches overlap (zbpipe.continuous.versions)
+            apart = {r: minibatches_apart(acts, m) for r, acts in stale.order.items()}
+            copies = {r: 0.0 if apart[r] else cost["copy"] for r in stale.order}
+            step = cost["step"]
             for label, plan, extra in (
                 ("sync", sync, 0.0),
-                ("2bw", stale, cost["copy"]),
+                ("2bw", stale, copies),
+                ("2bw_copy_everywhere", stale, cost["copy"]),
                 ("2bw_no_copy", stale, 0.0),
                 ("2bw_plain_stream", plain_stream(2, m, n), cost["copy"]),
             ):
-                per[label] = replay(plan, cost, cost["step"] + extra, comm) / n
+                after = (
+                    {r: step + c for r, c in extra.items()}
+                    if isinstance(extra, dict)
+                    else step + extra
+                )
+                per[label] = replay(plan, cost, after, comm) / n
             rows[f"comm={comm:g}"] = {
                 "ms_per_minibatch": per,
                 **{f"ratio_{k}_to_sync": v / per["sync"] for k, v in per.items() if k != "sync"},

@@ -102,6 +102,8 @@ def train(
         max_live=sched.max_live_versions,
         bound=sched.version_bound,
         pending_sends=pending,
+        copies=sched.weight_copies,
+        source=sched.parts.source,
     )
 
 

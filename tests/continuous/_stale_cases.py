@@ -36,6 +36,20 @@ def train(
     )
 
 
+def train_two_streams(rank: int, world: int, m: int, n1: int, n2: int, opt: str) -> dict:
+    """2bw: n1 mini-batches, flush, n2 more on the same schedule, flush."""
+    mod = build_stages(cc.CFG, world, seed=cc.SEED)[rank]
+    stage = PipelineStage(mod, rank, world, torch.device("cpu"))
+    sched = ScheduleContinuous(
+        [stage], m, loss_fn=lm_loss, mode="2bw", optimizer=lambda ps: cc.make_optimizer(opt, ps)
+    )
+    cc._feed(sched, rank, world, m, range(n1))
+    sched.flush()
+    cc._feed(sched, rank, world, m, range(n1, n1 + n2))
+    sched.flush()
+    return dict(params=cc._params(sched), copies=sched.weight_copies)
+
+
 def train_cases(rank: int, world: int, cases: list[tuple]) -> list[dict]:
     return [train(rank, world, *c) for c in cases]
 

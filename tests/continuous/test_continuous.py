@@ -187,6 +187,20 @@ def test_live_versions_within_bound(runs):
     assert all(r["max_live"] == 1 for r in res[0])
 
 
+@pytest.mark.parametrize("case", [3, 5, 6], ids=["sgd", "adamw", "graph"])
+def test_2bw_copies_weights_only_where_minibatches_overlap(runs, case):
+    """2bw copies the weights once per step on a stage that runs a forward of mini-batch k + 1
+    before the last pass of k (every stage but the last in these stream plans: the last runs
+    no forward ahead); the last stage applies each update one mini-batch late instead and
+    runs on its master, copying once, at flush() (the next stream's first mini-batch needs the
+    version before the last update). Its parameters still follow the version rule (the tests
+    above); this checks that the copies are gone."""
+    world, _, res = runs
+    assert all(r["source"].startswith("stream") for r in res[case]), "a stream plan is assumed"
+    assert [r["copies"] for r in res[case]] == [N] * (world - 1) + [1]
+    assert all(r["steps"] == N for r in res[case])
+
+
 def test_sends_are_let_go_of_within_the_stream_not_at_flush(runs):
     # A rank posts m outputs and m input gradients per mini-batch. gloo never reports a send
     # complete before a wait, so they used to pile up until flush(); each is now waited for once

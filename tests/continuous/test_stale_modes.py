@@ -44,7 +44,7 @@ def _two_bw_steps(correction: str | None, n: int) -> list[float]:
         (0.5 * w.square()).sum().backward()  # B and W of k: dL/dw = w
         versions.release(k, next_minibatch=k + 2 if k + 1 < n else k + 1)
         (lin.weight.grad,) = versions.take_grads(k)
-        versions.before_step()
+        versions.before_step(next_minibatch=k + 2 if k + 1 < n else k + 1)
         opt.step()
         versions.recycle_grads([lin.weight.grad])
         lin.weight.grad = None
@@ -67,6 +67,52 @@ def test_prediction_rule_on_a_hand_computed_example():
     np.testing.assert_allclose(_two_bw_steps(None, 4), [0.9, 0.8, 0.71, 0.63], rtol=1e-6)
     np.testing.assert_allclose(_two_bw_steps("predict", 4), [0.9, 0.8, 0.72, 0.65], rtol=1e-6)
     np.testing.assert_allclose(_two_bw_steps("nesterov", 4), [0.9, 0.8, 0.73, 0.67], rtol=1e-6)
+
+
+def test_2bw_on_the_master_applies_each_update_a_minibatch_late():
+    """The last stage's 2bw (mini-batches apart: all passes of k before any of k + 1): the
+    update of k - 1 runs after k's passes, where k's would run, so k finds version k - 1 in the
+    master itself. Same one-weight model as above: the hand-computed 2bw weights
+    0.9, 0.8, 0.71, 0.63, with no copy of the weights until the last update, which copies the
+    version the next stream's first mini-batch still needs (flush)."""
+    lin = nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        lin.weight.fill_(1.0)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    versions = WeightVersions(lin, "2bw", on_master=True)
+    n, out = 4, []
+
+    def step(k, next_minibatch):
+        (lin.weight.grad,) = versions.take_grads(k)
+        versions.before_step(next_minibatch)
+        opt.step()
+        versions.recycle_grads([lin.weight.grad])
+        lin.weight.grad = None
+        versions.updated(next_minibatch)
+        out.append(lin.weight.item())
+
+    for k in range(n):
+        key, (w,) = versions.acquire(k, k, overtaken=False)
+        assert w.data_ptr() == lin.weight.data_ptr(), "runs on the master"
+        versions.prepare_grads(key)
+        (0.5 * w.square()).sum().backward()  # B and W of k: dL/dw = w
+        versions.release(k, next_minibatch=k + 1)
+        if k >= 1:
+            step(k - 1, next_minibatch=k + 1)
+    assert versions.copies == 0 and out == pytest.approx([0.9, 0.8, 0.71], rel=1e-6)
+    step(n - 1, next_minibatch=n)  # flush(): mini-batch n will run on version n - 1
+    assert out[-1] == pytest.approx(0.63, rel=1e-6)
+    assert versions.copies == 1
+    kept = versions.store[versions.version_for(n)]
+    assert kept[0].data_ptr() != lin.weight.data_ptr() and kept[0].item() == pytest.approx(0.71)
+
+
+def test_on_master_is_plain_2bw_only():
+    lin = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="on_master is for mode='2bw' without a correction"):
+        WeightVersions(lin, "2bw", "predict", on_master=True)
+    with pytest.raises(ValueError, match="on_master is for mode='2bw' without a correction"):
+        WeightVersions(lin, "stash", on_master=True)
 
 
 def test_prediction_is_2bw_only():
@@ -179,6 +225,17 @@ def runs():
     cases += cases[3:6]  # three of them again: determinism
     out = run_ranks(sc.train_cases, 2, cases, timeout=240)
     return {i: [out[r][i] for r in range(2)] for i in range(len(cases))}
+
+
+@pytest.mark.dist
+def test_2bw_two_streams_on_one_schedule_follow_the_version_rule():
+    """flush() in the middle of 2bw training changes nothing: mini-batch k still runs on
+    W(k - 1) across the flush (on the last stage that version survives the flush as the one
+    copy flush makes). Reference: the rule replayed over all mini-batches as one run."""
+    out = run_ranks(sc.train_two_streams, 2, M, 2, N - 2, "adamw", timeout=120)
+    ref, _ = cc.reference(2, M, N, "adamw", lambda s, g: max(g // M - 1, 0))
+    _assert_close(out, ref, "adamw", 5e-6, "2bw adamw, two streams")
+    assert [o["copies"] for o in out] == [N, 2], "one copy per step on stage 0, per flush on 1"
 
 
 @pytest.mark.dist

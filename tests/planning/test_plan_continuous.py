@@ -270,3 +270,30 @@ def test_deferred_w_on_the_last_rank_shortens_the_stream(mode):
         )
         assert simulate(pl).makespan == pytest.approx(6 * n + 1)
     assert simulate(plan_continuous(2, 2, n_minibatches=6)).makespan == pytest.approx(42)
+
+
+def test_minibatches_apart_on_hand_written_orders():
+    """A rank's mini-batches are apart when no pass of k + 1 comes before a pass of k (m = 2)."""
+    from zbpipe.planning.continuous_stream import minibatches_apart
+
+    def order(text):
+        return [Action(0, t[0], int(t[1:])) for t in text.split()]
+
+    assert minibatches_apart(order("F0 B0 F1 B1 W0 W1 F2 B2 F3 B3 W2 W3"), 2)
+    assert minibatches_apart(order("F0 F1 B0 W0 B1 W1 F2"), 2)
+    assert not minibatches_apart(order("F0 F1 F2 B0 W0 B1 W1"), 2)  # F of 1 before W of 0
+    assert not minibatches_apart(order("F0 B0 F1 B1 F2 W1"), 2)  # W of 0 after F of 1
+    with pytest.raises(ValueError, match="m must be >= 1"):
+        minibatches_apart([], 0)
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 3), (4, 4)])
+def test_the_last_rank_of_a_2bw_stream_runs_its_minibatches_apart(p, m):
+    """Where the runtime can run 2bw on the master (zbpipe.continuous.versions): the last rank
+    of a stream plan runs no forward ahead, the others do."""
+    from zbpipe.planning.continuous_stream import minibatches_apart
+
+    parts = continuous_parts(p, m, mode="2bw")
+    assert parts.source.startswith("stream")
+    joined = parts.join(3)
+    assert [minibatches_apart(joined[r], m) for r in range(p)] == [False] * (p - 1) + [True]

@@ -69,6 +69,8 @@ class ContinuousActions:
     _w_done: dict[int, int]
     _f_count: int
     _stepped: int
+    _finished: int  # mini-batches whose last W ran (their step may be held: _step_lag)
+    _step_lag: int  # 1: this stage applies each update one mini-batch late (2bw on the master)
     _minibatches_before: int
     _act_template: tuple
     _grad_template: tuple
@@ -147,9 +149,9 @@ class ContinuousActions:
             # on the same (version, mini-batch) swaps once (zbpipe.continuous.versions).
             k = self._minibatch(g)
             # a step of this stage comes before g's backward passes end iff g's mini-batch is
-            # ahead of the next step (steps follow each mini-batch's last W, W's in order)
+            # ahead of the next step (step j follows the last W of j + lag, W's in order)
             key, leaves = self._versions.acquire(
-                g, self._minibatches_before + k, overtaken=k > self._stepped
+                g, self._minibatches_before + k, overtaken=k > self._stepped + self._step_lag
             )
             self._versions.slots.install(key, leaves)
             self._leaves[g] = (key, leaves)
@@ -194,11 +196,19 @@ class ContinuousActions:
             self._versions.release(g, self._next_forward_minibatch())
         self._w_done[k] = self._w_done.get(k, 0) + 1
         if self._w_done[k] == self._n_microbatches:  # the plan's step_after: the last W of k
-            if k != self._stepped:
+            if k != self._finished:
                 raise RuntimeError(
-                    f"zbpipe continuous: mini-batch {k} finished before {self._stepped}"
+                    f"zbpipe continuous: mini-batch {k} finished before {self._finished}"
                 )
-            self._optimizer_step(k)
+            self._finished += 1
+            # (with a lag, the step of k - 1: k's forwards ran on the master as k - 1 needs it)
+            while self._stepped < self._finished - self._step_lag:
+                self._optimizer_step(self._stepped)
+
+    def _step_held(self) -> None:
+        """The end of a stream: apply the updates a lag still holds."""
+        while self._stepped < self._finished:
+            self._optimizer_step(self._stepped)
 
     def _next_forward_minibatch(self) -> int:
         return self._minibatches_before + self._f_count // self._n_microbatches
@@ -210,7 +220,7 @@ class ContinuousActions:
             grads = self._versions.take_grads(self._minibatches_before + k)
             for q, grad in zip(params, grads):
                 q.grad = grad
-            self._versions.before_step()
+            self._versions.before_step(self._next_forward_minibatch())
         else:
             params = [q for q in self.stage.submod.parameters()]
         if self.scale_grads and self._n_microbatches != 1:

@@ -39,6 +39,9 @@ Modes (see docs/continuous.md)
   forwards on the same version and mini-batch), their weight gradients summed per mini-batch
   where they are computed. ``correction="predict"`` / ``"nesterov"`` (2bw): each version is the
   last step extrapolated once (the weights a synchronous run would use) or twice (a look-ahead).
+  Plain 2bw on a stage whose mini-batches do not overlap in its order (the last stage of the
+  stream plans) applies each update one mini-batch late instead of copying the weights: the
+  same parameters, bit for bit, without 2bw's one copy per step there.
 
 When results appear: the losses of mini-batch ``k`` are computed on the last stage's F passes
 of ``k``, which every continuous plan runs during ``step(k)``; they are returned (tagged
@@ -63,6 +66,7 @@ from ..engines import EngineName, Split, choose_engine
 from ..observe.agree import check_peers_agree, config_fingerprint
 from ..planning import Costs
 from ..planning.continuous_plan import MODES, continuous_parts, plan_continuous, version_bound
+from ..planning.continuous_stream import minibatches_apart
 from ..planning.continuous_tradeoff import continuous_tradeoff
 from ..schedules.inputs import drop_inputs_off_stage0, microbatch_inputs
 from ..schedules.sends import ChainProofs, PendingSends
@@ -231,8 +235,15 @@ class ScheduleContinuous(ContinuousActions, C.PipelineScheduleMultiBase):
         )
         #: reports of the post-validated steps, in mini-batch order (post_validate only)
         self.step_reports: list[StepReport] = []
+        # 2bw on a stage whose mini-batches do not overlap in its order (the last stage of the
+        # stream plans): each update applied one mini-batch late, the master is the version
+        # the forwards need, no weight copy per step (zbpipe.continuous.versions)
+        order = self.parts.join(3)[self.rank]
+        self._step_lag = int(mode == "2bw" and correction is None and minibatches_apart(order, m))
         self._versions = (
-            WeightVersions(self.stage.submod, mode, correction) if mode != "sync" else None
+            WeightVersions(self.stage.submod, mode, correction, on_master=self._step_lag == 1)
+            if mode != "sync"
+            else None
         )
         self._initialized = False
         self._warned_ignored_inputs = False  # step(x) on a rank without stage 0: warned once
@@ -263,6 +274,12 @@ class ScheduleContinuous(ContinuousActions, C.PipelineScheduleMultiBase):
     def max_live_versions(self) -> int:
         """The most weight versions held at once so far (1 in sync mode)."""
         return 1 if self._versions is None else self._versions.peak
+
+    @property
+    def weight_copies(self) -> int:
+        """Copies of this stage's weights made so far (0 in sync mode): 2bw's price per step on
+        a stage whose mini-batches overlap, stash's per overtaken forward."""
+        return 0 if self._versions is None else self._versions.copies
 
     @property
     def version_bound(self) -> int:
@@ -348,6 +365,7 @@ class ScheduleContinuous(ContinuousActions, C.PipelineScheduleMultiBase):
         if self._given:
             self._frontier.drain(self._given)
             self._run(self._frontier.advance(self._given * self._n_microbatches))
+            self._step_held()
             if self._frontier.pending():
                 raise RuntimeError(
                     "zbpipe continuous: the drain did not finish; the plan is inconsistent"
@@ -418,6 +436,7 @@ class ScheduleContinuous(ContinuousActions, C.PipelineScheduleMultiBase):
         self._frontier = StreamFrontier(self.parts)
         self._given = 0
         self._stepped = 0
+        self._finished = 0
         self._f_count = (
             0  # F passes this rank has run in this stream (the frontier runs ahead of it)
         )

@@ -13,10 +13,17 @@ What it costs, per stage (the stale modes' price over ``sync``, kept per mini-ba
 microbatch):
 
 * **2bw: one copy of the weights per optimizer step**, into the buffers of a version no longer
-  used (recycled: no allocation, no page faults after the first steps). Mini-batch ``k + 1``
-  reads version ``k`` after the step has made the master ``k + 1``, and an in-place optimizer
-  destroys what it overwrites, so one copy per step is the least any optimizer-agnostic scheme
-  can do. **stash: a copy only for a step that overtakes a forward** (the first such forward
+  used (recycled: no allocation, no page faults after the first steps), on a stage whose
+  mini-batches overlap in its order (a forward of ``k + 1`` before the last pass of ``k``).
+  Mini-batch ``k + 1`` reads version ``k`` after the step has made the master ``k + 1``, and
+  an in-place optimizer destroys what it overwrites, so there one copy per step is the least
+  any optimizer-agnostic scheme can do. **On a stage whose mini-batches do not overlap** (the
+  last stage of the stream plans: ``on_master``), none: the runtime applies the update of
+  ``k - 1`` where the update of ``k`` would run (after ``k``'s last W), so every forward of
+  ``k`` finds version ``k - 1`` in the master itself; the price is one gradient held for a
+  mini-batch (the memory the copy took), and one copy per :meth:`flush` (the next stream's
+  first mini-batch still needs the version before the last update).
+  **stash: a copy only for a step that overtakes a forward** (the first such forward
   copies the latest version out of the master); on a stage whose forwards all finish their
   backward passes before the next step (the last stage of the plans zbpipe makes), none;
 * **one set of leaf aliases per (version, mini-batch)** (``detach()``: same storage, new autograd
@@ -110,7 +117,9 @@ class ModuleSlots:
 class WeightVersions:
     """The versions of one stage module's trainable parameters."""
 
-    def __init__(self, module: nn.Module, mode: str, correction: str | None = None) -> None:
+    def __init__(
+        self, module: nn.Module, mode: str, correction: str | None = None, on_master: bool = False
+    ) -> None:
         if mode not in ("2bw", "stash"):
             raise ValueError(f"WeightVersions: mode must be '2bw' or 'stash', got {mode!r}")
         if correction not in CORRECTIONS:
@@ -121,16 +130,27 @@ class WeightVersions:
             raise ValueError(
                 f"WeightVersions: correction={correction!r} needs mode='2bw', got {mode!r}"
             )
+        if on_master and (mode != "2bw" or correction is not None):
+            raise ValueError(
+                "WeightVersions: on_master is for mode='2bw' without a correction "
+                f"(got mode={mode!r}, correction={correction!r})"
+            )
         self.mode = mode
         self.correction = correction
+        #: 2bw: the latest version is the master itself (the runtime applies each update one
+        #: mini-batch late, so no forward an update would overtake reads it)
+        self.on_master = on_master
+        #: copies of the weight set made so far (what the stale modes pay beyond sync)
+        self.copies = 0
         self.params = {n: p for n, p in module.named_parameters() if p.requires_grad}
         self._names = list(self.params)
         self._masters = [p.detach() for p in self.params.values()]
         self.slots = ModuleSlots(module, list(self.params.values()))
         self.latest = 0
-        # stash: the latest version is the master itself until a forward that a step will
-        # overtake needs it (then it gets its own copy, see acquire)
-        first = self._masters if mode == "stash" else [t.clone() for t in self._masters]
+        # stash (and 2bw on_master): the latest version is the master itself until a forward
+        # that a step will overtake needs it (then it gets its own copy, see acquire)
+        on = mode == "stash" or on_master
+        first = self._masters if on else [t.clone() for t in self._masters]
         self.store: dict[int, list[torch.Tensor]] = {0: first}
         self.uses: dict[int, int] = {}  # in-flight microbatch -> version
         self.peak = 1
@@ -171,11 +191,7 @@ class WeightVersions:
         """
         version = self.version_for(minibatch)
         if overtaken and self.store[version] is self._masters:
-            own = self._take_spare()
-            with torch.no_grad():
-                for b, t in zip(own, self._masters):
-                    b.copy_(t)
-            self.store[version] = own
+            self.store[version] = self._copy_master()
         self.uses[microbatch] = version
         key = (version, minibatch)
         leaves = self.leaf_sets.get(key)
@@ -257,14 +273,21 @@ class WeightVersions:
                     current.add_(g)
         return out
 
-    def before_step(self) -> None:
-        """The optimizer is about to step the master (a correction keeps what it was)."""
+    def before_step(self, next_minibatch: int) -> None:
+        """The optimizer is about to step the master (a correction keeps what it was).
+
+        ``on_master``: if a forward still to come needs the version the master holds (the
+        first mini-batch of the next stream, when :meth:`flush` applies the last update), it
+        gets its own copy first.
+        """
         if self.correction is not None:
-            before = self._take_spare()
-            with torch.no_grad():
-                for b, t in zip(before, self._masters):
-                    b.copy_(t)
-            self._before = before
+            self._before = self._copy_master()
+        elif (
+            self.on_master
+            and self.store.get(self.latest) is self._masters
+            and self.latest in {*self.uses.values(), max(next_minibatch - 1, 0)}
+        ):
+            self.store[self.latest] = self._copy_master()
 
     def updated(self, next_minibatch: int) -> None:
         """The optimizer stepped the master weights: they become version ``latest + 1``."""
@@ -274,15 +297,22 @@ class WeightVersions:
                 weight = 1.0 + HORIZON[str(self.correction)]
                 for b, t in zip(new, self._masters):
                     b.lerp_(t, weight)
-            elif self.mode == "stash":  # a copy only if a forward the next step overtakes needs it
-                new = self._masters
+            elif self.mode == "stash" or self.on_master:  # (stash: a copy only if a forward
+                new = self._masters  # the next step overtakes needs it, see acquire)
             else:
-                new = self._take_spare()
-                for b, t in zip(new, self._masters):
-                    b.copy_(t)
+                new = self._copy_master()
         self.latest += 1
         self.store[self.latest] = new
         self._prune(next_minibatch)
+
+    def _copy_master(self) -> list[torch.Tensor]:
+        """The master weights copied into a recycled (else new) set of buffers."""
+        own = self._take_spare()
+        with torch.no_grad():
+            for b, t in zip(own, self._masters):
+                b.copy_(t)
+        self.copies += 1
+        return own
 
     def _take_spare(self) -> list[torch.Tensor]:
         spare, self._spare = self._spare, None
@@ -317,7 +347,7 @@ class WeightVersions:
             int(v): [ts[n].detach().clone() for n in self._names]
             for v, ts in state["store"].items()
         }
-        if self.mode == "stash":  # (the module loaded the master: the latest is the master)
+        if self.mode == "stash" or self.on_master:  # (the module loaded the master: it is latest)
             self.store[self.latest] = self._masters
         self.uses = {}
         self.forget_leaf_sets()

@@ -19,6 +19,13 @@ per rank, each candidate scored by the simulator in
   version rules (2bw: forwards of ``k + 2`` after the step of ``k``) hold as before; the memory
   limit is checked by the caller like any plan's.
 
+Which ranks can run 2bw on their master weights (:func:`minibatches_apart`): where a rank's
+mini-batches do not overlap in its order (the last rank of every stream order here: no forward
+runs ahead of it), mini-batch ``k`` runs all its passes before any pass of ``k + 1``. There the
+version ``k`` needs (``k - 1``) can be the master itself, if that rank applies the update of
+``k - 1`` where the update of ``k`` would have run (after ``k``'s last W): each update one
+mini-batch later, each gradient held that long, no copy of the weights.
+
 Pure Python: plan data only.
 """
 
@@ -78,6 +85,22 @@ def stream_candidates(
     return out
 
 
+def minibatches_apart(order: Sequence[Action], m: int) -> bool:
+    """Whether every pass of mini-batch ``k`` comes before every pass of ``k + 1`` in ``order``
+    (one rank's joined order; mini-batch = microbatch // ``m``): the mini-batch index never
+    goes down along the order. Such a rank can hold 2bw's one version on its master weights by
+    applying each update one mini-batch late (see the module docstring)."""
+    if m < 1:
+        raise ValueError(f"minibatches_apart: m must be >= 1, got {m}")
+    latest = 0
+    for a in order:
+        k = a.microbatch // m
+        if k < latest:
+            return False
+        latest = k
+    return True
+
+
 def with_late_messages(costs: Costs, stage_costs: Sequence[StageCosts]) -> Costs:
     """``costs`` with every message a quarter of the largest forward late: the tie-break between
     orders equal at the given ``comm`` (the one with more slack wins a real run's jitter)."""
@@ -89,4 +112,10 @@ def with_late_messages(costs: Costs, stage_costs: Sequence[StageCosts]) -> Costs
     return dataclasses.replace(costs, comm=late)
 
 
-__all__ = ["WARMUP_FACTORS", "stream_candidates", "stream_parts", "with_late_messages"]
+__all__ = [
+    "WARMUP_FACTORS",
+    "minibatches_apart",
+    "stream_candidates",
+    "stream_parts",
+    "with_late_messages",
+]
