@@ -201,6 +201,8 @@ class ContinuousActions:
                     f"zbpipe continuous: mini-batch {k} finished before {self._finished}"
                 )
             self._finished += 1
+            if self._versions is not None:
+                self._versions.withdraw_offers(self._minibatches_before + k)
             # (with a lag, the step of k - 1: k's forwards ran on the master as k - 1 needs it)
             while self._stepped < self._finished - self._step_lag:
                 self._optimizer_step(self._stepped)

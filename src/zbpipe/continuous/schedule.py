@@ -39,9 +39,10 @@ Modes (see docs/continuous.md)
   forwards on the same version and mini-batch), their weight gradients summed per mini-batch
   where they are computed. ``correction="predict"`` / ``"nesterov"`` (2bw): each version is the
   last step extrapolated once (the weights a synchronous run would use) or twice (a look-ahead).
-  Plain 2bw on a stage whose mini-batches do not overlap in its order (the last stage of the
-  stream plans) applies each update one mini-batch late instead of copying the weights: the
-  same parameters, bit for bit, without 2bw's one copy per step there.
+  Plain 2bw on a stage whose mini-batches do not overlap in its order (the last stage of 2bw's
+  stream orders; every stage of a sync-derived order, which the planner may pick) applies each
+  update one mini-batch late instead of copying the weights: the same parameters, bit for bit
+  (with hyperparameters fixed between calls), without 2bw's one copy per step there.
 
 When results appear: the losses of mini-batch ``k`` are computed on the last stage's F passes
 of ``k``, which every continuous plan runs during ``step(k)``; they are returned (tagged

@@ -18,11 +18,12 @@ microbatch):
   Mini-batch ``k + 1`` reads version ``k`` after the step has made the master ``k + 1``, and
   an in-place optimizer destroys what it overwrites, so there one copy per step is the least
   any optimizer-agnostic scheme can do. **On a stage whose mini-batches do not overlap** (the
-  last stage of the stream plans: ``on_master``), none: the runtime applies the update of
-  ``k - 1`` where the update of ``k`` would run (after ``k``'s last W), so every forward of
-  ``k`` finds version ``k - 1`` in the master itself; the price is one gradient held for a
-  mini-batch (the memory the copy took), and one copy per :meth:`flush` (the next stream's
-  first mini-batch still needs the version before the last update).
+  last stage of 2bw's stream orders, every stage of a sync-derived one: ``on_master``), none:
+  the runtime applies the update of ``k - 1`` where the update of ``k`` would run (after
+  ``k``'s last W), so every forward of ``k`` finds version ``k - 1`` in the master itself; the
+  price is one gradient held for a mini-batch (the memory the copy took), and one copy per
+  :meth:`flush` (the next stream's first mini-batch still needs the version before the last
+  update), let go once that mini-batch's passes are done.
   **stash: a copy only for a step that overtakes a forward** (the first such forward
   copies the latest version out of the master); on a stage whose forwards all finish their
   backward passes before the next step (the last stage of the plans zbpipe makes), none;
@@ -215,9 +216,11 @@ class WeightVersions:
         inside the GEMM; :data:`zbpipe.engines.accumulate.GRAD_BUFFER`).
 
         Offered at the first B, not at F: by then the previous mini-batch's gradients have been
-        stepped and handed back, so no more gradient buffers are alive than in sync. A buffer
-        nothing takes (a parameter the mini-batch did not use, a bias, the graph engine) leaves
-        the leaf's gradient as it would be without the offer.
+        stepped and handed back, so no more gradient buffers are alive than in sync (on an
+        ``on_master`` stage, whose steps lag by one mini-batch, one set more: the held
+        gradient). A buffer nothing takes (a parameter the mini-batch did not use, a bias, the
+        graph engine) leaves the leaf's gradient as it would be without the offer, and is let
+        go at the mini-batch's last W (:meth:`withdraw_offers`).
         """
         if key in self._prepared:
             return
@@ -234,6 +237,14 @@ class WeightVersions:
         for leaf, buf in zip(leaves, spare or ()):
             if buf is not None and leaf.grad is None:
                 setattr(leaf, GRAD_BUFFER, buf)
+
+    def withdraw_offers(self, minibatch: int) -> None:
+        """``minibatch``'s last W ran: the buffers offered to its leaves and not taken are let go
+        (a held step keeps the leaves a mini-batch longer, and their offers with them)."""
+        for key, leaves in self.leaf_sets.items():
+            if key[1] == minibatch:
+                for leaf in leaves:
+                    leaf.__dict__.pop(GRAD_BUFFER, None)
 
     def recycle_grads(self, grads: Sequence[torch.Tensor | None]) -> None:
         """The gradients the optimizer just used (aligned with :attr:`params`), for reuse."""
@@ -326,8 +337,10 @@ class WeightVersions:
             keep.add(max(next_minibatch - 1, 0))
         for v in [v for v in self.store if v not in keep]:
             dropped = self.store.pop(v)
-            if self._spare is None and dropped is not self._masters:
-                self._spare = dropped  # the next step's copy goes here
+            # the next step's copy goes here; on_master makes no copy until the next flush:
+            # kept, the flush's copy would stay alive for a whole stream, unused
+            if self._spare is None and dropped is not self._masters and not self.on_master:
+                self._spare = dropped
         self.peak = max(self.peak, len(self.store))
 
     # ------------------------------------------------------------------ checkpoint

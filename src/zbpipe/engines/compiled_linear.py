@@ -152,14 +152,29 @@ def _route_and_weight(weight: Tensor) -> tuple[LinearRoute | None, Tensor]:
             route = route_of(param)
             if route is None:
                 break
-            # a routed parameter's memory: its alias, or another leaf on the same memory
-            return (route, param) if _same_leaf(weight, param) else (None, weight)
+            # a routed parameter's memory: its alias, or another leaf's on the same memory
+            if _same_leaf(weight, param):
+                return route, param
+            return _route_of_alias_among_others(weight, key)
         if not rebuilt:
             _BY_ADDRESS.clear()
             for p in list(_ROUTES.keys()):  # type: ignore[no-untyped-call]
                 _BY_ADDRESS[(p.data_ptr(), tuple(p.shape))] = weakref.ref(p)
     _UNROUTED.add(key)
     return None, weight
+
+
+def _route_of_alias_among_others(
+    alias: Tensor, key: tuple[int, tuple[int, ...]]
+) -> tuple[LinearRoute | None, Tensor]:
+    """The route of the tensor ``alias`` is an alias of, among every routed one on its memory
+    ``key`` (several leaves can share it: a weight version's leaf sets of two mini-batches, or
+    stash's leaves on the master), which the address table then names; unrouted if none."""
+    for routed in list(_ROUTES.keys()):  # type: ignore[no-untyped-call]
+        if (routed.data_ptr(), tuple(routed.shape)) == key and _same_leaf(alias, routed):
+            _BY_ADDRESS[key] = weakref.ref(routed)
+            return route_of(routed), routed
+    return None, alias
 
 
 def _same_leaf(alias: Tensor, param: Tensor) -> bool:
