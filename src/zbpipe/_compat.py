@@ -45,6 +45,7 @@ from torch.distributed.pipelining.schedules import (
     _PipelineScheduleRuntime as _TorchPipelineScheduleRuntime,
 )
 from torch.distributed.pipelining.stage import PipelineStage, _PipelineStageBase  # noqa: F401
+from torch.distributed.tensor import DTensor
 
 from .patching import Patch, wrap
 from .planning.core import TORCH_LETTERS
@@ -250,8 +251,6 @@ def is_plain_or_dtensor(t: Any) -> bool:
 
 def is_dtensor(t: Any) -> bool:
     """``t`` is a DTensor (a Parameter holding one included)."""
-    from torch.distributed.tensor import DTensor
-
     return isinstance(t, DTensor)
 
 

@@ -52,9 +52,10 @@ class Driven:
         patch_linears(module, self.slot)
         self.nodes = route_compiled_linears(module, patched_linears(module))
 
-    def step(self, x: torch.Tensor, g: torch.Tensor) -> WeightGradStore:
-        """F then B of one microbatch; returns the store W runs."""
-        store = WeightGradStore()
+    def step(self, x: torch.Tensor, g: torch.Tensor, exact: bool = False) -> WeightGradStore:
+        """F then B of one microbatch; returns the store W runs (``exact``: its W adds each
+        product as AccumulateGrad does)."""
+        store = WeightGradStore(exact=exact)
         self.slot.store = store
         try:
             out = self.module(x)
@@ -309,7 +310,8 @@ def _dtensor_weights_case(rank: int, world: int, plan: str) -> dict[str, object]
     """One compiled block with DTensor weights, driven as the seam drives a stage; its gradients
     against an unpatched, uncompiled copy's (plain tensors, one plain backward per microbatch).
 
-    ``plan``: "replicate" (every parameter Replicate: torchtitan 0.3's PP-only runs), "tp"
+    ``plan``: "replicate" (every parameter Replicate), "replicate-exact" (the same, W adding
+    each product as AccumulateGrad does: ``ScheduleZBH1(exact=True)``'s store), "tp"
     (``up`` column-wise and ``down`` row-wise split over the ranks with torch's tensor-parallel
     styles: the local products are the local shards of the weight gradients) or "rows"
     (replicated parameters, each rank a different half of the microbatch: the local products
@@ -348,7 +350,8 @@ def _dtensor_weights_case(rank: int, world: int, plan: str) -> dict[str, object]
         x, g = torch.randn(2, 4, 16), torch.randn(2, 4, 16)
         # every rank gets the same microbatch (as tensor parallelism's ranks do), or its rows
         split = [Shard(0)] if plan == "rows" else [Replicate()]
-        store = driven.step(*(distribute_tensor(t, mesh, split) for t in (x, g)))
+        operands = (distribute_tensor(t, mesh, split) for t in (x, g))
+        store = driven.step(*operands, exact=plan == "replicate-exact")
         queued.append(store.num_gemms)
         none_after_b.append([w.grad is None for w in weights])
         store.run()
@@ -368,7 +371,9 @@ def _dtensor_weights_case(rank: int, world: int, plan: str) -> dict[str, object]
     }
 
 
-@pytest.mark.parametrize("plan, world", [("replicate", 1), ("replicate", 2), ("tp", 2)])
+@pytest.mark.parametrize(
+    "plan, world", [("replicate", 1), ("replicate", 2), ("replicate-exact", 1), ("tp", 2)]
+)
 def test_compiled_linears_with_dtensor_weights_defer_their_gemms_to_w(plan, world):
     # A DTensor weight (torchtitan 0.3's, tensor parallelism's) reaches the op as its local
     # shard (AOTAutograd flattens DTensors); the op's sharding rule places the result as the
