@@ -33,7 +33,11 @@ arithmetic outpaces its memory. Both ops are tagged ``cudagraph_unsafe``: a CUDA
 replay the GEMM's buffers but never the queuing.
 
 The routes live in a process-wide table keyed weakly by parameter: a ``torch.library`` op is
-process-wide itself, and it receives the parameter, not the module or the schedule.
+process-wide itself, and it receives the parameter, not the module or the schedule. A DTensor
+weight reaches the op through its sharding rule (:func:`register_dtensor_sharding`) as its
+local shard, found by identity; FSDP2's unsharded parameter, which FSDP2 puts on the Linear
+around forward and backward in place of the sharded one routing saw, gets a route of its own
+when the op first meets it (:func:`_route_current_weight`).
 docs/backward.md says why this and not a partition of the compiled backward graph.
 """
 
