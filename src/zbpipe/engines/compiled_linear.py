@@ -79,18 +79,18 @@ class LinearRoute:
     (True: later placeholders need no zeros).
     """
 
-    __slots__ = ("alone", "module", "node", "placeholder", "__weakref__")
+    __slots__ = ("alone", "module", "nodes", "placeholder", "__weakref__")
 
     def __init__(self, module: nn.Module) -> None:
         self.module = weakref.ref(module)
         #: (the placeholder, the store whose B made it)
         self.placeholder: tuple[Tensor, Any] | None = None
         self.alone: bool | None = None
-        #: the AccumulateGrad node (with its pre-hook) of the parameter routed in this weight's
+        #: the AccumulateGrad nodes (with their pre-hooks) of parameters routed in this weight's
         #: stead during a backward (:func:`_route_current_weight`), which no engine keeps: kept
-        #: alive by the routed parameter's route (the node holds its parameter: kept by that
+        #: alive by the routed parameter's route (a node holds its parameter: kept by that
         #: parameter's own route, it would keep its key in the weak table alive forever)
-        self.node: Any = None
+        self.nodes: list[Any] = []
 
     def store(self) -> Any:
         """The deferring store of the B in progress on this Linear's stage, else None."""
@@ -212,8 +212,9 @@ def _route_current_weight(weight: Tensor) -> LinearRoute | None:
         new = _ROUTES[weight] = LinearRoute(module)
         _UNROUTED.clear()
         with torch.enable_grad():
-            route.node = C.grad_accumulator(weight)
-        route.node.register_prehook(_hook_for(weight))
+            node = C.grad_accumulator(weight)
+        node.register_prehook(_hook_for(weight))
+        route.nodes.append(node)
         return new
     _NOT_CURRENT[weight] = True
     return None
