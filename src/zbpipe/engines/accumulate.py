@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from .. import _compat as C
 from ..memory.saved import storage_ptr
@@ -100,8 +101,6 @@ def as_param_grad(weight: Tensor, dw: Tensor) -> Tensor:
     ``compiled_linear.register_dtensor_sharding``) is wrapped with the weight's placements."""
     if not C.is_dtensor(weight) or C.is_dtensor(dw):
         return dw
-    from torch.distributed.tensor import DTensor
-
     return DTensor.from_local(
         dw,
         weight.device_mesh,  # type: ignore[attr-defined]

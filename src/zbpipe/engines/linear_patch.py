@@ -150,8 +150,8 @@ class DeferredLinear(nn.Linear):
         if torch.compiler.is_compiling():
             # Traced once for every microbatch and outside zbpipe alike: the weight GEMM's
             # routing is decided at run time by an opaque op (zbpipe.engines.compiled_linear).
-            # A DTensor weight (torchtitan's, tensor parallelism's) too: the op has a sharding
-            # rule; other tensor subclasses compute their weight gradient in B.
+            # A DTensor weight (tensor parallelism's) too: the op has a sharding rule; other
+            # tensor subclasses compute their weight gradient in B.
             if self.weight.is_complex() or not is_plain_or_dtensor(self.weight):
                 return F.linear(input, self.weight, self.bias)
             return compiled_linear(input, self.weight, self.bias)
