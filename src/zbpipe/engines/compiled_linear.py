@@ -358,17 +358,6 @@ _LOCAL_PRODUCT_PLACEMENTS = (
 )
 
 
-def _placement_code(p: Any) -> str:
-    """ "R", "S0" or "S1" for a 2-D operand's placement on one mesh dimension; "?" else."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    if type(p) is Replicate:
-        return "R"
-    if type(p) is Shard:  # not a _StridedShard (FSDP2 over tensor parallelism), not Partial
-        return f"S{p.dim % 2}"
-    return "?"
-
-
 def rows_whole(x2d: Tensor) -> bool:
     """Whether every rank holds all rows of a DTensor Linear's 2-D input (each mesh dimension
     replicates it or splits its columns), as :data:`_LOCAL_PRODUCT_PLACEMENTS` need. Rows split
@@ -380,7 +369,8 @@ def rows_whole(x2d: Tensor) -> bool:
     Partial where the gradient arrives Replicate, so the op's sharding rule, applied when
     AOTAutograd traces with the real placements, decides the rest)."""
     placements = x2d.placements  # type: ignore[attr-defined]
-    return all(_placement_code(p) in ("R", "S1") for p in placements)
+    # methods, not type(p): torch 2.11's dynamo folds ``type(p) is Replicate`` to False here
+    return all(p.is_replicate() or (p.is_shard() and p.dim % 2 == 1) for p in placements)
 
 
 def register_dtensor_sharding() -> None:
