@@ -311,7 +311,8 @@ def _dtensor_weights_case(rank: int, world: int, plan: str) -> dict[str, object]
     against an unpatched, uncompiled copy's (plain tensors, one plain backward per microbatch).
 
     ``plan``: "replicate" (every parameter Replicate), "replicate-exact" (the same, W adding
-    each product as AccumulateGrad does: ``ScheduleZBH1(exact=True)``'s store), "tp"
+    each product as AccumulateGrad does: ``ScheduleZBH1(exact=True)``'s store),
+    "replicate-inductor" (compiled by inductor, not aot_eager: its lowering of the op), "tp"
     (``up`` column-wise and ``down`` row-wise split over the ranks with torch's tensor-parallel
     styles: the local products are the local shards of the weight gradients) or "rows"
     (replicated parameters, each rank a different half of the microbatch: the local products
@@ -342,7 +343,8 @@ def _dtensor_weights_case(rank: int, world: int, plan: str) -> dict[str, object]
     torch.compiler.reset()
     counters = C.dynamo_counters()
     counters.clear()
-    driven = Driven(_compiled(block, "in-place"))
+    backend = "inductor" if plan == "replicate-inductor" else "aot_eager"
+    driven = Driven(_compiled(block, "in-place", backend=backend))
     weights = (block.up.weight, block.down.weight)
     queued, none_after_b = [], []
     for mb in range(3):
@@ -372,7 +374,14 @@ def _dtensor_weights_case(rank: int, world: int, plan: str) -> dict[str, object]
 
 
 @pytest.mark.parametrize(
-    "plan, world", [("replicate", 1), ("replicate", 2), ("replicate-exact", 1), ("tp", 2)]
+    "plan, world",
+    [
+        ("replicate", 1),
+        ("replicate", 2),
+        ("replicate-exact", 1),
+        ("replicate-inductor", 1),
+        ("tp", 2),
+    ],
 )
 def test_compiled_linears_with_dtensor_weights_defer_their_gemms_to_w(plan, world):
     # A DTensor weight (torchtitan 0.3's, tensor parallelism's) reaches the op as its local
