@@ -146,7 +146,7 @@ def assert_w_has_the_weight_gemms(log: str) -> None:
     with the split, on this model with full AC (B also recomputes each block), 0.07. The
     compiled run too: before its Linears' weight GEMMs reached W (FSDP2 hands compiled code its
     unsharded parameters, not the sharded DTensors routed; docs/torchtitan.md) its W held only
-    the eager Linears' GEMMs, W / B about 0.01; with them, 0.09 to 0.15. A functional check
+    the eager Linears' GEMMs, W / B about 0.01; with them, 0.09 to 0.22. A functional check
     read off one run's own times, far from the broken values (not a speed threshold)."""
     found = re.search(r"B=\[([^\]]*)\] W=\[([^\]]*)\]", log)
     assert found, log
