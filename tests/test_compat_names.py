@@ -71,13 +71,19 @@ def test_no_private_torch_import_outside_compat():
 def _torch_private_names() -> set[str]:
     """The private names torch defines on what zbpipe touches: pipelining's classes and
     functions and the attributes its classes set on ``self``; ``nn.Module``'s; a tensor's, an
-    autograd node's and an optimizer's."""
+    autograd node's and an optimizer's; a DTensor's."""
     names: set[str] = set()
     sources = [p.read_text() for p in PIPELINING.glob("*.py")]
     sources.append(inspect.getsource(torch.nn.Module))
     for text in sources:
         names |= set(re.findall(r"^\s*(?:def|class) (_[A-Za-z]\w*)", text, re.M))
         names |= set(re.findall(r"self\.(_[A-Za-z]\w*)\s*(?::[^=\n]+)?=(?!=)", text))
+    from torch.distributed.tensor import DTensor
+
+    # the module that defines DTensor: the attributes it sets on the tensors it makes
+    dtensor = pathlib.Path(inspect.getfile(DTensor.from_local)).read_text()
+    names |= set(re.findall(r"^\s*(?:def|class) (_[A-Za-z]\w*)", dtensor, re.M))
+    names |= set(re.findall(r"\b\w+\.(_[A-Za-z]\w*)\s*(?::[^=\n]+)?=(?!=)", dtensor))
     x = torch.ones(1, requires_grad=True)
     module = torch.nn.Linear(1, 1)  # instances: nn.Module sets some attributes by __setattr__
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)

@@ -45,6 +45,7 @@ from torch.distributed.pipelining.schedules import (
     _PipelineScheduleRuntime as _TorchPipelineScheduleRuntime,
 )
 from torch.distributed.pipelining.stage import PipelineStage, _PipelineStageBase  # noqa: F401
+from torch.distributed.tensor import DTensor
 
 from .patching import Patch, wrap
 from .planning.core import TORCH_LETTERS
@@ -242,9 +243,22 @@ def is_compiled(module: Any) -> bool:
     )
 
 
-def is_plain_tensor(t: Any) -> bool:
-    """``t`` is a plain tensor or a Parameter holding one, not a tensor subclass (a DTensor)."""
-    return type(t) in (torch.Tensor, torch.nn.Parameter)
+def is_plain_or_dtensor(t: Any) -> bool:
+    """``t`` is a plain tensor or a DTensor (or a Parameter holding either), not another tensor
+    subclass."""
+    return type(t) in (torch.Tensor, torch.nn.Parameter) or is_dtensor(t)
+
+
+def is_dtensor(t: Any) -> bool:
+    """``t`` is a DTensor (a Parameter holding one included)."""
+    return isinstance(t, DTensor)
+
+
+def local_tensor(t: Any) -> Any:
+    """The local shard a DTensor wraps, the tensor object itself (``to_local()`` returns a new
+    view of it): the object compiled code receives for ``t`` (AOTAutograd flattens a DTensor
+    into it) and the one a gradient DTensor wraps."""
+    return t._local_tensor
 
 
 def grad_accumulator(leaf: Any) -> Any:
@@ -674,6 +688,7 @@ PRIVATE_OBJECT_ATTRIBUTES = (
     ("Tensor", "_post_accumulate_grad_hooks"),
     ("nn.Module", "_parameters"),
     ("nn.Module", "_compiled_call_impl"),
+    ("DTensor", "_local_tensor"),
 )
 
 

@@ -56,18 +56,27 @@ class Checkpointed(nn.Module):
         return out
 
 
-def compile_blocks(mod: nn.Sequential, how: str, backend: str) -> nn.Sequential:
+def compile_blocks(
+    mod: nn.Sequential, how: str, backend: str, dp_mesh: Any = None
+) -> nn.Sequential:
     """Compile every block of ``mod`` (``how``: "in-place" as torchtitan does, "wrapped" with
     ``torch.compile(block)``, "ac-in-place": checkpointed, then compiled in place, torchtitan's
-    order; "eager": leave it)."""
+    order; "fsdp-in-place": compiled in place, then each block and ``mod`` under FSDP2 on
+    ``dp_mesh``, torchtitan's order; "eager" ("fsdp-eager": then under FSDP2): leave it)."""
     for i, block in enumerate(mod):
-        if how == "in-place":
+        if how in ("in-place", "fsdp-in-place"):
             block.compile(fullgraph=True, backend=backend)
         elif how == "wrapped":
             mod[i] = torch.compile(block, fullgraph=True, backend=backend)
         elif how == "ac-in-place":
             mod[i] = Checkpointed(block)
             mod[i].compile(fullgraph=True, backend=backend)
+    if how.startswith("fsdp"):
+        from torch.distributed.fsdp import fully_shard
+
+        for block in mod:
+            fully_shard(block, mesh=dp_mesh)
+        fully_shard(mod, mesh=dp_mesh, reshard_after_forward=False)
     return mod
 
 
@@ -116,8 +125,20 @@ def compiled_step_grads(
     torch.compiler.reset()
     counters = C.dynamo_counters()
     counters.clear()
+    dp_mesh = group = None
+    if how.startswith("fsdp"):  # FSDP2 on one rank per stage, as torchtitan's PP-only runs
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("pp", "dp"))
+        dp_mesh, group = mesh["dp"], mesh["pp"].get_group()
     stages = [
-        PipelineStage(compile_blocks(mods[s], how, backend), s, num_stages, torch.device("cpu"))
+        PipelineStage(
+            compile_blocks(mods[s], how, backend, dp_mesh),
+            s,
+            num_stages,
+            torch.device("cpu"),
+            group=group,
+        )
         for s in mine
     ]
     # the plan for equal bytes, kept: the W-GEMM counts compare compiled and eager runs of the
@@ -134,11 +155,12 @@ def compiled_step_grads(
         for s in mine:
             for (name, p), (_, q) in zip(mods[s].named_parameters(), ref[s].named_parameters()):
                 assert p.grad is not None, f"{schedule} {how}: stage {s} {name} has no grad"
+                grad = p.grad.full_tensor() if C.is_dtensor(p.grad) else p.grad  # FSDP2's
                 # fp32; compiled code may fuse and reorder the norms' sums: rounding only.
                 torch.testing.assert_close(
-                    p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=f"{schedule} {how} {s} {name}"
+                    grad, q.grad, rtol=1e-5, atol=1e-6, msg=f"{schedule} {how} {s} {name}"
                 )
-                worst = max(worst, (p.grad - q.grad).abs().max().item())
+                worst = max(worst, (grad - q.grad).abs().max().item())
     return {
         "worst": worst,
         "w_gemms": gemms,

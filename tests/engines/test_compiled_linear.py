@@ -52,9 +52,10 @@ class Driven:
         patch_linears(module, self.slot)
         self.nodes = route_compiled_linears(module, patched_linears(module))
 
-    def step(self, x: torch.Tensor, g: torch.Tensor) -> WeightGradStore:
-        """F then B of one microbatch; returns the store W runs."""
-        store = WeightGradStore()
+    def step(self, x: torch.Tensor, g: torch.Tensor, exact: bool = False) -> WeightGradStore:
+        """F then B of one microbatch; returns the store W runs (``exact``: its W adds each
+        product as AccumulateGrad does)."""
+        store = WeightGradStore(exact=exact)
         self.slot.store = store
         try:
             out = self.module(x)
@@ -312,37 +313,106 @@ def test_w_long_after_b_reads_what_b_queued(monkeypatch, backend, checkpointed, 
     assert bool(made) == copies, made
 
 
-def _dtensor_weights_case(rank: int, world: int) -> list[float]:
+def _dtensor_weights_case(rank: int, world: int, plan: str) -> dict[str, object]:
+    """One compiled block with DTensor weights, driven as the seam drives a stage; its gradients
+    against an unpatched, uncompiled copy's (plain tensors, one plain backward per microbatch).
+
+    ``plan``: "replicate" (every parameter Replicate), "replicate-exact" (the same, W adding
+    each product as AccumulateGrad does: ``ScheduleZBH1(exact=True)``'s store),
+    "replicate-inductor" (compiled by inductor, not aot_eager: its lowering of the op), "tp"
+    (``up`` column-wise and ``down`` row-wise split over the ranks with torch's tensor-parallel
+    styles: the local products are the local shards of the weight gradients) or "rows"
+    (replicated parameters, each rank a different half of the microbatch: the local products
+    are partial sums, which W could not reduce, so the weight gradients come in B).
+    """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     mesh = init_device_mesh("cpu", (world,))
     block, ref = _pair()
-    for sub in block.modules():
+    if plan == "tp":
+        # DTensor outputs: the block's residual adds them to its DTensor input
+        styles = {
+            "up": ColwiseParallel(use_local_output=False),
+            "down": RowwiseParallel(use_local_output=False),
+        }
+        parallelize_module(block, mesh, styles)
+    for sub in block.modules():  # the rest (all of it under "replicate"): replicated
         for name, p in list(sub._parameters.items()):
-            dt = distribute_tensor(p.detach(), mesh, [Replicate()])
-            sub._parameters[name] = nn.Parameter(dt)
-    driven = Driven(_compiled(block, "in-place"))
-    queued = []
-    for mb in range(2):
+            if not C.is_dtensor(p):
+                dt = distribute_tensor(p.detach(), mesh, [Replicate()])
+                sub._parameters[name] = nn.Parameter(dt)
+    torch.compiler.reset()
+    counters = C.dynamo_counters()
+    counters.clear()
+    backend = "inductor" if plan == "replicate-inductor" else "aot_eager"
+    driven = Driven(_compiled(block, "in-place", backend=backend))
+    weights = (block.up.weight, block.down.weight)
+    queued, none_after_b = [], []
+    for mb in range(3):
         torch.manual_seed(mb)
         x, g = torch.randn(2, 4, 16), torch.randn(2, 4, 16)
-        store = driven.step(*(distribute_tensor(t, mesh, [Replicate()]) for t in (x, g)))
+        # every rank gets the same microbatch (as tensor parallelism's ranks do), or its rows
+        split = [Shard(0)] if plan == "rows" else [Replicate()]
+        operands = (distribute_tensor(t, mesh, split) for t in (x, g))
+        store = driven.step(*operands, exact=plan == "replicate-exact")
         queued.append(store.num_gemms)
+        none_after_b.append([w.grad is None for w in weights])
         store.run()
         ref(x).backward(g)
-    diffs = [
-        (p.grad.full_tensor() - q.grad).abs().max().item()
-        for p, q in zip(block.parameters(), ref.parameters(), strict=True)
-    ]
-    return [*queued, max(diffs)]
+    diffs = {
+        name: (p.grad.full_tensor() - ref.get_parameter(name).grad).abs().max().item()
+        for name, p in block.named_parameters()
+    }
+    return {
+        "queued": queued,
+        "none_after_b": none_after_b,
+        "placements": [str(w.placements) for w in weights],
+        "grad_placements": [str(w.grad.placements) for w in weights],
+        "graphs": counters["stats"]["unique_graphs"],
+        "breaks": sum(counters["graph_break"].values()),
+        "diffs": diffs,
+    }
 
 
-def test_compiled_linears_with_dtensor_weights_compute_their_gradients_in_b():
-    # A DTensor weight (torchtitan's, tensor parallelism's) reaches the op with no sharding rule:
-    # the patched Linear runs F.linear inside compiled code, its weight gradient in B, correct.
+@pytest.mark.parametrize(
+    "plan, world",
+    [
+        ("replicate", 1),
+        ("replicate", 2),
+        ("replicate-exact", 1),
+        ("replicate-inductor", 1),
+        ("tp", 2),
+    ],
+)
+def test_compiled_linears_with_dtensor_weights_defer_their_gemms_to_w(plan, world):
+    # A DTensor weight (torchtitan 0.3's, tensor parallelism's) reaches the op as its local
+    # shard (AOTAutograd flattens DTensors); the op's sharding rule places the result as the
+    # weight, W adds the local product into the local shard of a DTensor .grad.
     from zbpipe.testing import run_ranks
 
-    for queued_1, queued_2, worst in run_ranks(_dtensor_weights_case, 1, timeout=300):
-        assert queued_1 == queued_2 == 0
-        assert worst < 1e-5
+    for found in run_ranks(_dtensor_weights_case, world, plan, timeout=300):
+        assert found["queued"] == [2, 2, 2], found  # B queued both weight GEMMs, every microbatch
+        # the first B left both weights without a gradient (W adds it); later ones accumulate
+        assert found["none_after_b"][0] == [True, True], found
+        assert found["graphs"] == 1 and found["breaks"] == 0, found  # no recompile, no break
+        assert found["grad_placements"] == found["placements"], found
+        worst = max(found["diffs"].values())
+        assert worst < 1e-5, found
+
+
+def test_compiled_linears_with_rows_split_over_ranks_compute_their_weight_gradients_in_b():
+    # Replicated weights, each rank half of each microbatch's rows: a rank's product is a
+    # partial sum (the weight gradient is their reduction), which W cannot add on its own.
+    from zbpipe.testing import run_ranks
+
+    for found in run_ranks(_dtensor_weights_case, 2, "rows", timeout=300):
+        assert found["queued"] == [0, 0, 0], found
+        assert found["none_after_b"][0] == [False, False], found
+        assert found["graphs"] == 1 and found["breaks"] == 0, found
+        assert max(found["diffs"].values()) < 1e-5, found

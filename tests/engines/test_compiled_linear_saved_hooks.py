@@ -82,3 +82,159 @@ def test_a_leaf_on_a_parameters_memory_keeps_its_own_gradient():
     store.run()
     assert block.up.weight.grad is None
     torch.testing.assert_close(leaf.grad, ref.up.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+_HOOKS = {"identity": _identity_hooks, "save_on_cpu": _cpu_hooks}
+
+
+def _dtensor_case(rank: int, world: int, hooks: str | None, leaf: bool) -> dict[str, Any]:
+    """The block with replicated DTensor parameters (torchtitan 0.3's), ``hooks`` around F or a
+    leaf on ``up.weight``'s memory in its place; what B queued, which ``.grad`` W filled, and
+    the worst difference from the plain eager reference."""
+    from contextlib import nullcontext
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    block = MLPBlock()
+    ref = copy.deepcopy(block)
+    for sub in block.modules():
+        for name, p in list(sub._parameters.items()):
+            dt = distribute_tensor(p.detach(), mesh, [Replicate()])
+            sub._parameters[name] = torch.nn.Parameter(dt)
+    x, g = torch.randn(2, 4, 16), torch.randn(2, 4, 16)
+    ref(x).backward(g)
+    slot = StoreSlot()
+    patch_linears(block, slot)
+    block.compile(fullgraph=True, backend="aot_eager")
+    nodes = route_compiled_linears(block, patched_linears(block))  # noqa: F841 (kept)
+    x_d, g_d = (distribute_tensor(t, mesh, [Replicate()]) for t in (x, g))
+    version = block.up.weight.detach().requires_grad_() if leaf else None
+    store = WeightGradStore()
+    slot.store = store
+    try:
+        with _HOOKS[hooks]() if hooks else nullcontext():
+            if version is not None:
+                out = torch.func.functional_call(block, {"up.weight": version}, (x_d,))
+            else:
+                out = block(x_d)
+        store.deferring = True
+        out.backward(g_d)
+    finally:
+        slot.store, store.deferring = None, False
+    queued, none_after_b = store.num_gemms, block.down.weight.grad is None
+    store.run()
+    grads = {name: p.grad for name, p in block.named_parameters()}
+    if version is not None:
+        grads["up.weight"] = version.grad
+    return {
+        "queued": queued,
+        "down_none_after_b": none_after_b,
+        "up_param_grad": block.up.weight.grad is not None,
+        "diff": max(
+            (grads[name].full_tensor() - q.grad).abs().max().item()
+            for name, q in ref.named_parameters()
+        ),
+    }
+
+
+@pytest.mark.parametrize("hooks", list(_HOOKS))
+def test_dtensor_weights_defer_their_gemms_under_saved_tensor_hooks(hooks: str):
+    # A DTensor's local shard needs no gradient: autograd hands the compiled backward the saved
+    # shard itself under hooks too, and the route is found by its identity.
+    from zbpipe.testing import run_ranks
+
+    (found,) = run_ranks(_dtensor_case, 1, hooks, False, timeout=300)
+    assert found["queued"] == 2 and found["down_none_after_b"], found
+    assert found["diff"] < 1e-5, found
+
+
+def test_a_dtensor_leaf_on_a_parameters_local_memory_keeps_its_own_gradient():
+    # As above for plain parameters: the version's local shard shares the parameter's memory
+    # but is another object; its gradient is computed in B and reaches the version only.
+    from zbpipe.testing import run_ranks
+
+    (found,) = run_ranks(_dtensor_case, 1, None, True, timeout=300)
+    assert found["queued"] == 1, found  # down's GEMM waits; the version's ran in B
+    assert not found["up_param_grad"], found
+    assert found["diff"] < 1e-5, found
+
+
+@pytest.mark.parametrize("hooks", [None, "identity"])
+def test_a_parameter_put_on_a_routed_linear_later_defers_its_gemm(hooks: str | None):
+    # FSDP2 routes look like this: routing saw the sharded parameter, and around forward and
+    # backward FSDP2 puts another Parameter (its unsharded one, the same object every time) on
+    # the Linear. Compiled code hands the op that one (or, under saved-tensor hooks, an alias of
+    # it, met before the parameter itself): its GEMM waits for W, which adds into its .grad.
+    from contextlib import nullcontext
+
+    block, ref, x, g, slot, nodes = _compiled_block_and_reference()  # noqa: F841 (nodes kept)
+    swapped = {}
+    for name in ("up", "down"):
+        lin = block.get_submodule(name)
+        swapped[name] = torch.nn.Parameter(lin.weight.detach().clone())
+        lin._parameters["weight"] = swapped[name]  # as FSDP2 registers its unsharded one
+    for mb in range(2):  # the second microbatch finds the new routes without a scan
+        store = WeightGradStore()
+        slot.store = store
+        try:
+            with _HOOKS[hooks]() if hooks else nullcontext():
+                out = block(x)
+            store.deferring = True
+            out.backward(g)
+        finally:
+            slot.store, store.deferring = None, False
+        assert store.num_gemms == 2
+        if mb == 0:  # W adds the gradients
+            assert swapped["up"].grad is None and swapped["down"].grad is None
+        store.run()
+    for name, p in swapped.items():
+        torch.testing.assert_close(p.grad, 2 * ref.get_submodule(name).weight.grad, msg=name)
+
+
+def test_a_stand_in_keeps_its_hook_when_the_linears_are_routed_again():
+    # FSDP2 puts its sharded parameters back between steps, so a second schedule built on the
+    # same modules routes the sharded ones again. The unsharded stand-in's hooked AccumulateGrad
+    # node was kept only by the replaced route: it died, the stand-in kept its route, and its
+    # placeholders (uninitialized after the first) reached .grad: gradients of 1e36. Routing a
+    # Linear again now drops its stand-in, which is routed afresh, with a hook, when next met.
+    import gc
+
+    from zbpipe.engines.compiled_linear import route_compiled_linears
+    from zbpipe.engines.linear_patch import patched_linears
+
+    block, ref, x, g, slot, nodes = _compiled_block_and_reference()
+    sharded = {n: block.get_submodule(n).weight for n in ("up", "down")}
+    unsharded = {n: torch.nn.Parameter(p.detach().clone()) for n, p in sharded.items()}
+
+    def put(which: dict) -> None:
+        for n, p in which.items():
+            block.get_submodule(n)._parameters["weight"] = p
+
+    def step() -> None:
+        store = WeightGradStore()
+        slot.store = store
+        try:
+            put(unsharded)  # FSDP2's unshard
+            out = block(x)
+            store.deferring = True
+            out.backward(g)
+        finally:
+            slot.store, store.deferring = None, False
+            put(sharded)  # and its reshard after the step
+        assert store.num_gemms == 2
+        assert all(p.grad is None for p in unsharded.values())  # W adds them
+        store.run()
+
+    held = [nodes]  # each schedule keeps its routing's nodes
+    for again in (False, True, True):  # the second step learns the placeholders arrive alone
+        if again:
+            held.append(route_compiled_linears(block, patched_linears(block)))  # a new schedule
+            gc.collect()
+        for p in unsharded.values():
+            p.grad = None
+        step()
+        for name, p in unsharded.items():
+            torch.testing.assert_close(p.grad, ref.get_submodule(name).weight.grad, msg=name)

@@ -39,6 +39,25 @@ def test_compiled_blocks_split_like_eager_ones():
         assert sum(sum(rank[k]["w_gemms"]) for rank in per_rank) > 0
 
 
+def test_fsdp2_compiled_blocks_split_like_eager_ones():
+    # torchtitan 0.3's PP runs: blocks compiled, then under FSDP2 (a one-rank dp mesh). Around
+    # forward and backward FSDP2 puts its unsharded plain parameters on the Linears, not the
+    # sharded DTensors that were routed: compiled code hands the op those, whose gradients
+    # must still wait for W (and reach the sharded parameters after the last W).
+    order = [
+        ("ScheduleZBH1", "fsdp-eager", ""),
+        ("ScheduleZBH1", "fsdp-in-place", "aot_eager"),
+        ("ScheduleZBV", "fsdp-eager", ""),
+        ("ScheduleZBV", "fsdp-in-place", "aot_eager"),
+    ]
+    per_rank = run_ranks(cases.compiled_cases, 2, order, timeout=300)
+    for h1_eager, h1_compiled, v_eager, v_compiled in per_rank:
+        _check(h1_compiled, h1_eager)
+        _check(v_compiled, v_eager)
+    for k in (0, 2):
+        assert sum(sum(rank[k]["w_gemms"]) for rank in per_rank) > 0
+
+
 def test_more_schedules_and_checkpointed_compiled_blocks_split_like_eager_ones():
     # ZBH2 and ZBAuto (loop placement) over blocks compiled in place; ZBV and ZBH1 over blocks
     # checkpointed, then compiled (torchtitan's order: the recompute runs in the compiled B).

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from .. import _compat as C
 from ..memory.saved import storage_ptr
@@ -79,6 +80,8 @@ def add_product(weight: Tensor, x: Tensor, g: Tensor, dtype: torch.dtype | None)
     """Add ``weight``'s gradient ``g^T @ x`` to its ``.grad``: inside the GEMM where it can,
     else as ``AccumulateGrad`` would. A weight with post-accumulate hooks gets nothing: the
     product is returned, for autograd to add and fire them (:func:`accumulate_hooked`)."""
+    if C.is_dtensor(weight) and not C.is_dtensor(x):
+        return _add_local_product(weight, x, g, dtype)
     if C.has_post_accumulate_grad_hooks(weight):
         return weight_grad(g, x, dtype, weight.dtype)
     grad = weight.grad
@@ -89,6 +92,46 @@ def add_product(weight: Tensor, x: Tensor, g: Tensor, dtype: torch.dtype | None)
         weight.grad = buf
     else:
         accumulate(weight, weight_grad(g, x, dtype, weight.dtype))
+    return None
+
+
+def as_param_grad(weight: Tensor, dw: Tensor) -> Tensor:
+    """``dw`` as ``weight``'s gradient: a DTensor weight's product of local operands (queued
+    by compiled code, where it is the local shard of the gradient:
+    ``compiled_linear.register_dtensor_sharding``) is wrapped with the weight's placements."""
+    if not C.is_dtensor(weight) or C.is_dtensor(dw):
+        return dw
+    return DTensor.from_local(
+        dw,
+        weight.device_mesh,  # type: ignore[attr-defined]
+        weight.placements,  # type: ignore[attr-defined]
+        run_check=False,
+        shape=weight.shape,
+        stride=weight.stride(),
+    )
+
+
+def _add_local_product(
+    weight: Tensor, x: Tensor, g: Tensor, dtype: torch.dtype | None
+) -> Tensor | None:
+    """:func:`add_product` for a DTensor ``weight`` and the local operands compiled code queued:
+    inside the GEMM, into the local shard of a ``.grad`` placed as the weight, where it can."""
+    hooked = C.has_post_accumulate_grad_hooks(weight)
+    grad = weight.grad
+    if (
+        not hooked
+        and grad is not None
+        and C.is_dtensor(grad)
+        and grad.placements == weight.placements  # type: ignore[attr-defined]
+        and grad.device_mesh == weight.device_mesh  # type: ignore[attr-defined]
+        and _accumulates_in_gemm(local := C.local_tensor(grad), x, dtype)
+    ):
+        local.addmm_(g.t(), x)
+        return None
+    dw = as_param_grad(weight, weight_grad(g, x, dtype, weight.dtype))
+    if hooked:
+        return dw
+    accumulate(weight, dw)
     return None
 
 

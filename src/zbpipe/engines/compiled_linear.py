@@ -33,7 +33,11 @@ arithmetic outpaces its memory. Both ops are tagged ``cudagraph_unsafe``: a CUDA
 replay the GEMM's buffers but never the queuing.
 
 The routes live in a process-wide table keyed weakly by parameter: a ``torch.library`` op is
-process-wide itself, and it receives the parameter, not the module or the schedule.
+process-wide itself, and it receives the parameter, not the module or the schedule. A DTensor
+weight reaches the op through its sharding rule (:func:`register_dtensor_sharding`) as its
+local shard, found by identity; FSDP2's unsharded parameter, which FSDP2 puts on the Linear
+around forward and backward in place of the sharded one routing saw, gets a route of its own
+when the op first meets it (:func:`_route_current_weight`).
 docs/backward.md says why this and not a partition of the compiled backward graph.
 """
 
@@ -101,8 +105,10 @@ class LinearRoute:
         made, self.placeholder = self.placeholder, None
         if made is None or not made[1].deferring:
             return None  # an ordinary gradient (or a placeholder left by a B that failed)
-        holder = made[0]
-        if grads[0] is holder:
+        holder, got = made[0], grads[0]
+        if got is not None and C.is_dtensor(got):  # a DTensor weight's: the local shard's
+            got = C.local_tensor(got)
+        if got is holder:
             self.alone = True
             return (None,)
         if self.alone:
@@ -117,6 +123,12 @@ class LinearRoute:
 
 
 _ROUTES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> LinearRoute
+# A DTensor parameter reaches compiled code as its local shard (AOTAutograd flattens it), so the
+# op receives that plain tensor: local shard -> weak reference to the DTensor parameter. Found by
+# identity only: the shard needs no gradient, so autograd hands a compiled backward the saved
+# shard itself, saved-tensor hooks or not; another tensor on its memory is another leaf's (a
+# weight version's, ``param.detach().requires_grad_()``), and its gradient is computed in B.
+_PARAM_OF_LOCAL: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def route_of(weight: Tensor) -> LinearRoute | None:
@@ -140,8 +152,15 @@ def _route_and_weight(weight: Tensor) -> tuple[LinearRoute | None, Tensor]:
     """The route of ``weight`` and the routed parameter itself (``weight``, or the parameter an
     alias made by saved-tensor hooks shares its memory with); ``(None, weight)`` if unrouted."""
     route = route_of(weight)
-    if route is not None or isinstance(weight, nn.Parameter):
+    if route is not None:
         return route, weight
+    if isinstance(weight, nn.Parameter):
+        return _route_current_weight(weight), weight
+    ref = _PARAM_OF_LOCAL.get(weight)  # type: ignore[no-untyped-call]
+    if ref is not None and (param := ref()) is not None:  # a DTensor parameter's local shard
+        return route_of(param), param
+    if not weight.requires_grad:  # no alias of a routed leaf (_same_leaf): e.g. a local shard
+        return None, weight
     key = (weight.data_ptr(), tuple(weight.shape))
     if key in _UNROUTED:
         return None, weight
@@ -149,7 +168,7 @@ def _route_and_weight(weight: Tensor) -> tuple[LinearRoute | None, Tensor]:
         ref = _BY_ADDRESS.get(key)
         param = None if ref is None else ref()
         if param is not None and (param.data_ptr(), tuple(param.shape)) == key:
-            route = route_of(param)
+            route = route_of(param) or _route_current_weight(param)
             if route is None:
                 break
             # a routed parameter's memory: its alias, or another leaf's on the same memory
@@ -158,8 +177,15 @@ def _route_and_weight(weight: Tensor) -> tuple[LinearRoute | None, Tensor]:
             return _route_of_alias_among_others(weight, key)
         if not rebuilt:
             _BY_ADDRESS.clear()
-            for p in list(_ROUTES.keys()):  # type: ignore[no-untyped-call]
-                _BY_ADDRESS[(p.data_ptr(), tuple(p.shape))] = weakref.ref(p)
+            routes = list(_ROUTES.items())  # type: ignore[no-untyped-call]
+            for p, _ in routes:  # DTensors: by identity (above)
+                if not C.is_dtensor(p):
+                    _BY_ADDRESS[(p.data_ptr(), tuple(p.shape))] = weakref.ref(p)
+            for _, r in routes:  # the Linear's weight now (FSDP2's unsharded one), if not routed
+                module = r.module()
+                now = None if module is None else C.own_parameter(module, "weight")
+                if isinstance(now, nn.Parameter) and not C.is_dtensor(now):
+                    _BY_ADDRESS.setdefault((now.data_ptr(), tuple(now.shape)), weakref.ref(now))
     _UNROUTED.add(key)
     return None, weight
 
@@ -175,6 +201,56 @@ def _route_of_alias_among_others(
             _BY_ADDRESS[key] = weakref.ref(routed)
             return route_of(routed), routed
     return None, alias
+
+
+#: Parameters found to be no routed Linear's current weight, until routes change
+_NOT_CURRENT: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: Linear -> (the parameter routed in its routed weight's stead, that parameter's AccumulateGrad
+#: node with the pre-hook): one stand-in per Linear. The node is kept here, keyed weakly by the
+#: module (the node holds the parameter, not the module): in the stand-in's own route it would
+#: keep its key in the weak table alive forever, and in the routed parameter's route it died
+#: with that route when a second schedule routed the Linear again, while the stand-in's route
+#: lived on and its placeholders reached ``.grad`` unhooked.
+_STAND_INS: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[Tensor], Any]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _drop_stand_in(module: nn.Module) -> None:
+    """Forget ``module``'s stand-in parameter (routed again, with a fresh hook, when next met)."""
+    held = _STAND_INS.pop(module, None)
+    stand_in = None if held is None else held[0]()
+    if stand_in is not None:
+        _ROUTES.pop(stand_in, None)  # type: ignore[no-untyped-call]
+
+
+def _route_current_weight(weight: Tensor) -> LinearRoute | None:
+    """The route for ``weight`` if it is a routed Linear's weight *now*, though another parameter
+    was routed: FSDP2 registers on the module the sharded DTensor parameter (the one routing
+    saw, at a stage's first step) between its forward and backward, and its unsharded plain
+    parameter around them (the object compiled code saves and hands the op; FSDP2 keeps it
+    across reshards). The weight gets a route of its own, its ``AccumulateGrad`` node the
+    pre-hook (registered here, during the backward, before autograd reaches that node): the
+    store is handed ``weight``, and W adds into its ``.grad``, which FSDP2 reduces into the
+    sharded parameter's after the last W, as for an eager Linear. One scan of the routes per
+    parameter: a parameter that is no routed Linear's weight is remembered as such. (An alias
+    of it made by saved-tensor hooks is found by its address, :func:`_route_and_weight`.)"""
+    if weight in _NOT_CURRENT or not isinstance(weight, nn.Parameter):
+        return None  # (a weight version's leaf is routed by route_leaves, or not at all)
+    for routed, route in list(_ROUTES.items()):  # type: ignore[no-untyped-call]
+        module = route.module()
+        if module is None or routed is weight or C.own_parameter(module, "weight") is not weight:
+            continue
+        _drop_stand_in(module)
+        new = _ROUTES[weight] = LinearRoute(module)
+        _UNROUTED.clear()
+        with torch.enable_grad():
+            node = C.grad_accumulator(weight)
+        node.register_prehook(_hook_for(new))
+        _STAND_INS[module] = (weakref.ref(weight), node)
+        return new
+    _NOT_CURRENT[weight] = True
+    return None
 
 
 def _same_leaf(alias: Tensor, param: Tensor) -> bool:
@@ -195,14 +271,16 @@ def linear_weight_grad(x: Tensor, grad_out: Tensor, weight: Tensor, kept: bool =
     inductor-compiled code calls), so they are queued without a copy.
     """
     dtype = None if grad_out.dtype == x.dtype == weight.dtype else grad_out.dtype
+    operand = weight  # a DTensor parameter's local shard: the placeholder has its shape
     route, weight = _route_and_weight(weight)
     store = None if route is None else route.store()
     if route is None or store is None or not _deferrable(weight) or torch.is_grad_enabled():
         return weight_grad(grad_out, x, dtype, weight.dtype)
     if store.keeps(weight) and not kept:
         x, grad_out = operand_copy(x), operand_copy(grad_out)
+    # W adds the product into the parameter's .grad (a DTensor parameter's: with its placements)
     store.put(weight, x, grad_out, dtype)
-    return route.make_placeholder(weight, store)
+    return route.make_placeholder(operand, store)
 
 
 def operand_copy(t: Tensor) -> Tensor:
@@ -290,10 +368,67 @@ class CompiledLinear(torch.autograd.Function):
         if need_x:
             grad_x = grad_out.matmul(weight.to(grad_out.dtype)).to(ctx.x_dtype)
         if need_w:
-            grad_w = _OP(x.reshape(-1, x.shape[-1]), g2d, weight)
+            x2d = x.reshape(-1, x.shape[-1])
+            if C.is_dtensor(weight) and not (C.is_dtensor(x2d) and rows_whole(x2d)):
+                # each rank's product would be a partial sum: DTensor's own ops, in B
+                dtype = None if g2d.dtype == x2d.dtype == weight.dtype else g2d.dtype
+                grad_w = weight_grad(g2d, x2d, dtype, weight.dtype)
+            else:
+                grad_w = _OP(x2d, g2d, weight)
         if need_b:
             grad_b = g2d.sum(0)
         return grad_x, grad_w, grad_b
+
+
+#: per mesh dimension, (input, grad_output, weight) placements of the op's 2-D operands under
+#: which each rank's local product grad_output^T @ input IS its local shard of the weight
+#: gradient, placed as the weight: all replicated; a column-wise split Linear (its weight's
+#: rows split as grad_output's columns); a row-wise one (its weight's columns as the input's)
+_LOCAL_PRODUCT_PLACEMENTS = (
+    ("R", "R", "R"),
+    ("R", "S1", "S0"),
+    ("S1", "R", "S1"),
+)
+
+
+def rows_whole(x2d: Tensor) -> bool:
+    """Whether every rank holds all rows of a DTensor Linear's 2-D input (each mesh dimension
+    replicates it or splits its columns), as :data:`_LOCAL_PRODUCT_PLACEMENTS` need. Rows split
+    over ranks (data parallelism by DTensor) make each rank's product a partial sum: the
+    weight's gradient is then that sum reduced, which W cannot add later on its own.
+
+    Read at trace time from the input the forward saved, whose placements dynamo knows (it
+    guesses the incoming gradient's from the forward's output: a row-wise Linear's output is
+    Partial where the gradient arrives Replicate, so the op's sharding rule, applied when
+    AOTAutograd traces with the real placements, decides the rest)."""
+    placements = x2d.placements  # type: ignore[attr-defined]
+    # methods, not type(p): torch 2.11's dynamo folds ``type(p) is Replicate`` to False here
+    return all(p.is_replicate() or (p.is_shard() and p.dim % 2 == 1) for p in placements)
+
+
+def register_dtensor_sharding() -> None:
+    """The ops' DTensor sharding rule: on each mesh dimension one of
+    :data:`_LOCAL_PRODUCT_PLACEMENTS`, the result placed as the weight. DTensor picks the one
+    that redistributes least (none, for the placements of replicated and tensor-parallel
+    Linears) and hands the op the local shards, then wraps its result (the placeholder too)
+    with the chosen weight placement. Where it has to redistribute the weight itself, the op
+    receives a new tensor, not the parameter's local shard, which no route knows: it computes
+    the gradient in B, correctly placed. Registered on import (again on a re-import: it
+    replaces the rule, the same one); a torch without ``torch.distributed`` has no DTensors."""
+    if not torch.distributed.is_available():  # pragma: no cover - every CI torch has it
+        return
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.experimental import register_sharding
+
+    make = {"R": Replicate(), "S0": Shard(0), "S1": Shard(1)}
+
+    def strategies(*operands: Any) -> list[tuple[list[Any], list[Any]]]:
+        return [([make[w]], [make[x], make[g], make[w]]) for x, g, w in _LOCAL_PRODUCT_PLACEMENTS]
+
+    register_sharding([_OP, _OP_KEPT])(strategies)
+
+
+register_dtensor_sharding()
 
 
 def compiled_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -319,12 +454,16 @@ def route_compiled_linears(module: nn.Module, linears: list[nn.Module]) -> list[
         if id(lin) not in inside or weight is None or not weight.requires_grad:
             continue
         # A fresh route: whether placeholders arrive alone is learnt again (one zeros placeholder)
-        _ROUTES[weight] = LinearRoute(lin)
+        route = _ROUTES[weight] = LinearRoute(lin)
+        _drop_stand_in(lin)
         _UNROUTED.clear()
+        _NOT_CURRENT.clear()
+        if C.is_dtensor(weight):
+            _PARAM_OF_LOCAL[C.local_tensor(weight)] = weakref.ref(weight)
         node = C.grad_accumulator(weight)
         # A second schedule on the same modules adds a second hook: harmless, the first one
         # to see a placeholder consumes it and the next sees an ordinary gradient.
-        node.register_prehook(_hook_for(weight))
+        node.register_prehook(_hook_for(route))
         nodes.append(node)
     logger.debug("zbpipe: %d compiled Linears defer their W", len(nodes))
     return nodes
@@ -350,19 +489,20 @@ def route_leaves(params: list[Tensor], leaves: list[Tensor]) -> list[Any]:
         # zeros placeholder per leaf set once it is)
         leaf_route.alone = route.alone  # type: ignore[union-attr]
         node = C.grad_accumulator(leaf)
-        node.register_prehook(_hook_for(leaf))
+        node.register_prehook(_hook_for(leaf_route))
         nodes.append(node)
     if nodes:
         _UNROUTED.clear()  # a recycled version buffer's address may have been seen unrouted
     return nodes
 
 
-def _hook_for(weight: Tensor) -> Callable[[tuple[Tensor | None, ...]], Any]:
-    weight_ref = weakref.ref(weight)  # the node holds the weight: no cycle through the hook
+def _hook_for(route: LinearRoute) -> Callable[[tuple[Tensor | None, ...]], Any]:
+    """The ``AccumulateGrad`` pre-hook of the weight ``route`` was made for: it holds that route
+    (which holds no tensor), so a placeholder its op returned is dropped even if the weight's
+    route has been replaced since (a second schedule, a stand-in's route dropped); a hook whose
+    route made no placeholder lets the gradient through to the next hook."""
 
     def hook(grads: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...] | None:
-        weight = weight_ref()
-        route = None if weight is None else route_of(weight)
-        return None if route is None else route.on_accumulate(grads)
+        return route.on_accumulate(grads)
 
     return hook

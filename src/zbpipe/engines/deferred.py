@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from .. import _compat as C
 from ..memory.saved import Holder, Observer, SavedTensors
-from .accumulate import accumulate, accumulate_hooked, add_product, weight_grad
+from .accumulate import accumulate, accumulate_hooked, add_product, as_param_grad, weight_grad
 from .compiled_linear import route_compiled_linears
 from .fused import backward_full
 from .linear_patch import StoreSlot, patch_linears, patched_linears, post_accumulate_hooks_parked
@@ -135,7 +135,7 @@ class WeightGradStore:
         with torch.no_grad():
             for i, (weight, x, g, dtype, held) in enumerate(entries):
                 entries[i] = None
-                dw = weight_grad(g, x, dtype, weight.dtype)
+                dw = as_param_grad(weight, weight_grad(g, x, dtype, weight.dtype))
                 del x, g
                 if held is not None:
                     for h in held:

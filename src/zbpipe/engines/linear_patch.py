@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from .._compat import (
     has_grad_hooks,
     is_compiled,
-    is_plain_tensor,
+    is_plain_or_dtensor,
     own_parameter,
     post_accumulate_grad_hooks,
 )
@@ -150,9 +150,9 @@ class DeferredLinear(nn.Linear):
         if torch.compiler.is_compiling():
             # Traced once for every microbatch and outside zbpipe alike: the weight GEMM's
             # routing is decided at run time by an opaque op (zbpipe.engines.compiled_linear).
-            # A tensor subclass weight (a DTensor: torchtitan's, tensor parallelism's) reaches
-            # that op with no sharding rule: such a Linear computes its weight gradient in B.
-            if self.weight.is_complex() or not is_plain_tensor(self.weight):
+            # A DTensor weight (tensor parallelism's) too: the op has a sharding rule; other
+            # tensor subclasses compute their weight gradient in B.
+            if self.weight.is_complex() or not is_plain_or_dtensor(self.weight):
                 return F.linear(input, self.weight, self.bias)
             return compiled_linear(input, self.weight, self.bias)
         store = self._zbpipe_slot.store
