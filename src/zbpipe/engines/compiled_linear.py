@@ -163,6 +163,8 @@ def _route_and_weight(weight: Tensor) -> tuple[LinearRoute | None, Tensor]:
     ref = _PARAM_OF_LOCAL.get(weight)  # type: ignore[no-untyped-call]
     if ref is not None and (param := ref()) is not None:  # a DTensor parameter's local shard
         return route_of(param), param
+    if not weight.requires_grad and (param := _current_dtensor_of(weight)) is not None:
+        return _route_current_weight(param), param
     key = (weight.data_ptr(), tuple(weight.shape))
     if key in _UNROUTED:
         return None, weight
@@ -197,7 +199,8 @@ def _route_current_weight(weight: Tensor) -> LinearRoute | None:
     was routed: FSDP2 registers on the module the sharded DTensor parameter (the one routing
     saw, at a stage's first step) between its forward and backward, and its unsharded plain
     parameter around them (the object compiled code saves and hands the op; FSDP2 keeps it
-    across reshards). The weight gets a route of its own, its ``AccumulateGrad`` node the
+    across reshards; a DTensor over tensor parallelism, :func:`_current_dtensor_of`). The
+    weight gets a route of its own, its ``AccumulateGrad`` node the
     pre-hook (registered here, during the backward, before autograd reaches that node): the
     store is handed ``weight``, and W adds into its ``.grad``, which FSDP2 reduces into the
     sharded parameter's after the last W, as for an eager Linear. One scan of the routes per
@@ -217,6 +220,25 @@ def _route_current_weight(weight: Tensor) -> LinearRoute | None:
         route.nodes.append(node)
         return new
     _NOT_CURRENT[weight] = True
+    return None
+
+
+def _current_dtensor_of(local: Tensor) -> Tensor | None:
+    """The DTensor parameter that a routed Linear holds now and whose local shard is ``local``
+    (FSDP2's unsharded parameter over tensor parallelism is a DTensor: its local shard is what
+    compiled code hands the op), else None. A DTensor parameter's shard needs no gradient, and
+    neither does anything else the op could get as a weight but a frozen one (whose gradient
+    nothing asks for): only such tensors are looked up, each scan remembered as for
+    :func:`_route_current_weight`."""
+    if local in _NOT_CURRENT:
+        return None
+    for route in list(_ROUTES.values()):  # type: ignore[no-untyped-call]
+        module = route.module()
+        now: Tensor | None = None if module is None else C.own_parameter(module, "weight")
+        if now is not None and C.is_dtensor(now) and C.local_tensor(now) is local:
+            _PARAM_OF_LOCAL[local] = weakref.ref(now)
+            return now
+    _NOT_CURRENT[local] = True
     return None
 
 
