@@ -27,7 +27,7 @@ from tests.engines._compile_every_cases import (
     batch,
     continuous_reference,
 )
-from zbpipe.engines import compiled_linear
+from zbpipe.engines import compiled_routes
 from zbpipe.testing import run_ranks
 
 pytestmark = pytest.mark.dist
@@ -85,7 +85,7 @@ def _compiled_under_hooks(rank: int, world: int) -> dict:
     return {
         # after the flush no leaf set lives: the routes left are the parameters' (a weight
         # version's leaf routed as an FSDP2-style stand-in was kept alive, and more each step)
-        "routes": len(compiled_linear._ROUTES),
+        "routes": len(compiled_routes._ROUTES),
         "gemms": gemms,
         "linears": sum(isinstance(m, torch.nn.Linear) for m in mods[rank].modules()),
         "worst": max(float((p - q).abs().max()) for p, q in zip(mods[rank].parameters(), want)),

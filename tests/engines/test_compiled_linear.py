@@ -323,7 +323,9 @@ def _dtensor_weights_case(rank: int, world: int, plan: str) -> dict[str, object]
     (``up`` column-wise and ``down`` row-wise split over the ranks with torch's tensor-parallel
     styles: the local products are the local shards of the weight gradients) or "rows"
     (replicated parameters, each rank a different half of the microbatch: the local products
-    are partial sums, which W could not reduce, so the weight gradients come in B).
+    are partial sums, which W could not reduce, so the weight gradients come in B) or
+    "fsdp-tp" ("tp", compiled, then under FSDP2 on a one-rank data-parallel mesh: FSDP2's
+    unsharded parameters, DTensors over the tensor-parallel mesh, are the ones B and W see).
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -333,9 +335,11 @@ def _dtensor_weights_case(rank: int, world: int, plan: str) -> dict[str, object]
         parallelize_module,
     )
 
-    mesh = init_device_mesh("cpu", (world,))
+    fsdp = plan == "fsdp-tp"
+    mesh_2d = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp")) if fsdp else None
+    mesh = mesh_2d["tp"] if mesh_2d is not None else init_device_mesh("cpu", (world,))
     block, ref = _pair()
-    if plan == "tp":
+    if plan in ("tp", "fsdp-tp"):
         # DTensor outputs: the block's residual adds them to its DTensor input
         styles = {
             "up": ColwiseParallel(use_local_output=False),
@@ -351,8 +355,15 @@ def _dtensor_weights_case(rank: int, world: int, plan: str) -> dict[str, object]
     counters = C.dynamo_counters()
     counters.clear()
     backend = "inductor" if plan == "replicate-inductor" else "aot_eager"
-    driven = Driven(_compiled(block, "in-place", backend=backend))
-    weights = (block.up.weight, block.down.weight)
+    block = _compiled(block, "in-place", backend=backend)
+    if mesh_2d is not None:  # compiled, then FSDP2 over it, torchtitan's order
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(block, mesh=mesh_2d["dp"], reshard_after_forward=False)
+        # gradients stay on the unsharded parameters (what a stage does between its B and W)
+        block.set_requires_gradient_sync(False)
+        block.set_reshard_after_backward(False)
+    driven = Driven(block)
     queued, none_after_b = [], []
     for mb in range(3):
         torch.manual_seed(mb)
@@ -362,6 +373,8 @@ def _dtensor_weights_case(rank: int, world: int, plan: str) -> dict[str, object]
         operands = (distribute_tensor(t, mesh, split) for t in (x, g))
         store = driven.step(*operands, exact=plan == "replicate-exact")
         queued.append(store.num_gemms)
+        # FSDP2's unsharded parameters, on the module since its forward
+        weights = (block.up.weight, block.down.weight)
         none_after_b.append([w.grad is None for w in weights])
         store.run()
         ref(x).backward(g)
@@ -388,6 +401,7 @@ def _dtensor_weights_case(rank: int, world: int, plan: str) -> dict[str, object]
         ("replicate-exact", 1),
         ("replicate-inductor", 1),
         ("tp", 2),
+        ("fsdp-tp", 2),
     ],
 )
 def test_compiled_linears_with_dtensor_weights_defer_their_gemms_to_w(plan, world):
