@@ -22,6 +22,16 @@ def _check(result: dict, eager: dict) -> None:
     assert result["graph_breaks"] == 0
 
 
+def _zbh1_and_zbv_split_like_eager(order: list[tuple[str, str, str]]) -> None:
+    """``order``: ZBH1 eager, ZBH1 compiled, ZBV eager, ZBV compiled (2 ranks)."""
+    per_rank = run_ranks(cases.compiled_cases, 2, order, timeout=300)
+    for h1_eager, h1_compiled, v_eager, v_compiled in per_rank:
+        _check(h1_compiled, h1_eager)
+        _check(v_compiled, v_eager)
+    for k in (0, 2):  # W ran GEMMs somewhere, for each schedule
+        assert sum(sum(rank[k]["w_gemms"]) for rank in per_rank) > 0
+
+
 def test_compiled_blocks_split_like_eager_ones():
     # ZBH1 (loop placement) with blocks compiled in place, ZBV (V placement) with
     # torch.compile(block) wrappers; each against the same schedule on eager blocks.
@@ -31,12 +41,7 @@ def test_compiled_blocks_split_like_eager_ones():
         ("ScheduleZBV", "eager", ""),
         ("ScheduleZBV", "wrapped", "aot_eager"),
     ]
-    per_rank = run_ranks(cases.compiled_cases, 2, order, timeout=300)
-    for h1_eager, h1_compiled, v_eager, v_compiled in per_rank:
-        _check(h1_compiled, h1_eager)
-        _check(v_compiled, v_eager)
-    for k in (0, 2):  # W ran GEMMs somewhere, for each schedule
-        assert sum(sum(rank[k]["w_gemms"]) for rank in per_rank) > 0
+    _zbh1_and_zbv_split_like_eager(order)
 
 
 def test_fsdp2_compiled_blocks_split_like_eager_ones():
@@ -50,12 +55,7 @@ def test_fsdp2_compiled_blocks_split_like_eager_ones():
         ("ScheduleZBV", "fsdp-eager", ""),
         ("ScheduleZBV", "fsdp-in-place", "aot_eager"),
     ]
-    per_rank = run_ranks(cases.compiled_cases, 2, order, timeout=300)
-    for h1_eager, h1_compiled, v_eager, v_compiled in per_rank:
-        _check(h1_compiled, h1_eager)
-        _check(v_compiled, v_eager)
-    for k in (0, 2):
-        assert sum(sum(rank[k]["w_gemms"]) for rank in per_rank) > 0
+    _zbh1_and_zbv_split_like_eager(order)
 
 
 def test_more_schedules_and_checkpointed_compiled_blocks_split_like_eager_ones():
