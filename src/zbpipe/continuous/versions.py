@@ -145,13 +145,14 @@ class WeightVersions:
         self.copies = 0
         self.params = {n: p for n, p in module.named_parameters() if p.requires_grad}
         self._names = list(self.params)
-        self._masters = [p.detach() for p in self.params.values()]
-        self.slots = ModuleSlots(module, list(self.params.values()))
+        self._params = list(self.params.values())
+        self._masters = [p.detach() for p in self._params]
+        self.slots = ModuleSlots(module, self._params)
         self.latest = 0
-        # stash (and 2bw on_master): the latest version is the master itself until a forward
-        # that a step will overtake needs it (then it gets its own copy, see acquire)
-        on = mode == "stash" or on_master
-        first = self._masters if on else [t.clone() for t in self._masters]
+        #: stash (and 2bw on_master): the latest version is the master itself until a forward
+        #: that a step will overtake needs it (then it gets its own copy, see acquire)
+        self._latest_on_master = mode == "stash" or on_master
+        first = self._masters if self._latest_on_master else [t.clone() for t in self._masters]
         self.store: dict[int, list[torch.Tensor]] = {0: first}
         self.uses: dict[int, int] = {}  # in-flight microbatch -> version
         self.peak = 1
@@ -161,7 +162,6 @@ class WeightVersions:
         self.leaf_sets: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._grad_spare: list[torch.Tensor | None] | None = None  # last step's gradients
         self._prepared: set[tuple[int, int]] = set()  # leaf sets offered gradient buffers
-        self._params = list(self.params.values())
         #: leaf set -> the AccumulateGrad nodes of its routed leaves (kept while the set lives)
         self._leaf_nodes: dict[tuple[int, int], list[object]] = {}
 
@@ -308,8 +308,8 @@ class WeightVersions:
                 weight = 1.0 + HORIZON[str(self.correction)]
                 for b, t in zip(new, self._masters):
                     b.lerp_(t, weight)
-            elif self.mode == "stash" or self.on_master:  # (stash: a copy only if a forward
-                new = self._masters  # the next step overtakes needs it, see acquire)
+            elif self._latest_on_master:  # (a copy only if a forward the next step overtakes
+                new = self._masters  # needs it, see acquire)
             else:
                 new = self._copy_master()
         self.latest += 1
@@ -360,11 +360,10 @@ class WeightVersions:
             int(v): [ts[n].detach().clone() for n in self._names]
             for v, ts in state["store"].items()
         }
-        if self.mode == "stash" or self.on_master:  # (the module loaded the master: it is latest)
+        if self._latest_on_master:  # (the module loaded the master: it is the latest)
             self.store[self.latest] = self._masters
         self.uses = {}
         self.forget_leaf_sets()
-        self._prepared = set()
         self._spare = self._before = self._grad_spare = None
         self.peak = max(self.peak, len(self.store))
 

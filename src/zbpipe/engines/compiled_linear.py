@@ -74,7 +74,7 @@ def linear_weight_grad(x: Tensor, grad_out: Tensor, weight: Tensor, kept: bool =
     ``kept``: the caller never reuses or overwrites ``x`` and ``grad_out`` (the twin op that
     inductor-compiled code calls), so they are queued without a copy.
     """
-    dtype = None if grad_out.dtype == x.dtype == weight.dtype else grad_out.dtype
+    dtype = _gemm_dtype(grad_out, x, weight)
     operand = weight  # a DTensor parameter's local shard: the placeholder has its shape
     route, weight = route_and_weight(weight)
     store = None if route is None else route.store()
@@ -85,6 +85,12 @@ def linear_weight_grad(x: Tensor, grad_out: Tensor, weight: Tensor, kept: bool =
     # W adds the product into the parameter's .grad (a DTensor parameter's: with its placements)
     store.put(weight, x, grad_out, dtype)
     return route.make_placeholder(operand, store)
+
+
+def _gemm_dtype(grad_out: Tensor, x: Tensor, weight: Tensor) -> torch.dtype | None:
+    """The dtype the weight GEMM runs in: None where the operands and the weight agree, else
+    the gradient's (autocast)."""
+    return None if grad_out.dtype == x.dtype == weight.dtype else grad_out.dtype
 
 
 def operand_copy(t: Tensor) -> Tensor:
@@ -175,8 +181,7 @@ class CompiledLinear(torch.autograd.Function):
             x2d = x.reshape(-1, x.shape[-1])
             if C.is_dtensor(weight) and not (C.is_dtensor(x2d) and rows_whole(x2d)):
                 # each rank's product would be a partial sum: DTensor's own ops, in B
-                dtype = None if g2d.dtype == x2d.dtype == weight.dtype else g2d.dtype
-                grad_w = weight_grad(g2d, x2d, dtype, weight.dtype)
+                grad_w = weight_grad(g2d, x2d, _gemm_dtype(g2d, x2d, weight), weight.dtype)
             else:
                 grad_w = _OP(x2d, g2d, weight)
         if need_b:
@@ -218,9 +223,7 @@ def register_dtensor_sharding() -> None:
     with the chosen weight placement. Where it has to redistribute the weight itself, the op
     receives a new tensor, not the parameter's local shard, which no route knows: it computes
     the gradient in B, correctly placed. Registered on import (again on a re-import: it
-    replaces the rule, the same one); a torch without ``torch.distributed`` has no DTensors."""
-    if not torch.distributed.is_available():  # pragma: no cover - every CI torch has it
-        return
+    replaces the rule, the same one)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.experimental import register_sharding
 

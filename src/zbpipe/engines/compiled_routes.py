@@ -15,13 +15,12 @@ op that is not the routed parameter itself:
   its leaf set is made.
 
 Each route's ``AccumulateGrad`` pre-hook holds the route that made its placeholders
-(:func:`_hook_for`), so a placeholder in flight is dropped even if the route was replaced.
+(:func:`_new_route`), so a placeholder in flight is dropped even if the route was replaced.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -108,8 +107,13 @@ def route_of(weight: Tensor) -> LinearRoute | None:
 # found by its address: (data pointer, shape) -> the routed parameter, rebuilt when a lookup
 # misses (parameters swapped or moved since), not again for an address known to be unrouted
 # until routes change; and it must share the parameter's AccumulateGrad node (_same_leaf).
-_BY_ADDRESS: dict[tuple[int, tuple[int, ...]], weakref.ref[Tensor]] = {}
-_UNROUTED: set[tuple[int, tuple[int, ...]]] = set()
+Address = tuple[int, tuple[int, ...]]
+_BY_ADDRESS: dict[Address, weakref.ref[Tensor]] = {}
+_UNROUTED: set[Address] = set()
+
+
+def _address(t: Tensor) -> Address:
+    return t.data_ptr(), tuple(t.shape)
 
 
 def route_and_weight(weight: Tensor) -> tuple[LinearRoute | None, Tensor]:
@@ -127,13 +131,13 @@ def route_and_weight(weight: Tensor) -> tuple[LinearRoute | None, Tensor]:
         if (param := _current_dtensor_of(weight)) is not None:  # FSDP2's unsharded, over TP
             return _route_current_weight(param), param
         return None, weight
-    key = (weight.data_ptr(), tuple(weight.shape))
+    key = _address(weight)
     if key in _UNROUTED:
         return None, weight
     for rebuilt in (False, True):
         ref = _BY_ADDRESS.get(key)
         param = None if ref is None else ref()
-        if param is not None and (param.data_ptr(), tuple(param.shape)) == key:
+        if param is not None and _address(param) == key:
             route = route_of(param) or _route_current_weight(param)
             if route is None:
                 break
@@ -146,24 +150,22 @@ def route_and_weight(weight: Tensor) -> tuple[LinearRoute | None, Tensor]:
             routes = list(_ROUTES.items())  # type: ignore[no-untyped-call]
             for p, _ in routes:  # DTensors: by identity (above)
                 if not C.is_dtensor(p):
-                    _BY_ADDRESS[(p.data_ptr(), tuple(p.shape))] = weakref.ref(p)
+                    _BY_ADDRESS[_address(p)] = weakref.ref(p)
             for _, r in routes:  # the Linear's weight now (FSDP2's unsharded one), if not routed
                 module = r.module()
                 now = None if module is None else C.own_parameter(module, "weight")
                 if isinstance(now, nn.Parameter) and not C.is_dtensor(now):
-                    _BY_ADDRESS.setdefault((now.data_ptr(), tuple(now.shape)), weakref.ref(now))
+                    _BY_ADDRESS.setdefault(_address(now), weakref.ref(now))
     _UNROUTED.add(key)
     return None, weight
 
 
-def _route_of_alias_among_others(
-    alias: Tensor, key: tuple[int, tuple[int, ...]]
-) -> tuple[LinearRoute | None, Tensor]:
+def _route_of_alias_among_others(alias: Tensor, key: Address) -> tuple[LinearRoute | None, Tensor]:
     """The route of the tensor ``alias`` is an alias of, among every routed one on its memory
     ``key`` (several leaves can share it: a weight version's leaf sets of two mini-batches, or
     stash's leaves on the master), which the address table then names; unrouted if none."""
     for routed in list(_ROUTES.keys()):  # type: ignore[no-untyped-call]
-        if (routed.data_ptr(), tuple(routed.shape)) == key and _same_leaf(alias, routed):
+        if _address(routed) == key and _same_leaf(alias, routed):
             _BY_ADDRESS[key] = weakref.ref(routed)
             return route_of(routed), routed
     return None, alias
@@ -209,11 +211,8 @@ def _route_current_weight(weight: Tensor) -> LinearRoute | None:
         if module is None or routed is weight or C.own_parameter(module, "weight") is not weight:
             continue
         _drop_stand_in(module)
-        new = _ROUTES[weight] = LinearRoute(module)
+        new, node = _new_route(weight, module)
         _UNROUTED.clear()
-        with torch.enable_grad():
-            node = C.grad_accumulator(weight)
-        node.register_prehook(_hook_for(new))
         _STAND_INS[module] = (weakref.ref(weight), node)
         return new
     _NOT_CURRENT[weight] = True
@@ -253,17 +252,15 @@ def route_parameter(lin: nn.Module, weight: Tensor) -> Any:
     """Route ``weight``, the patched Linear ``lin``'s, to its stage's store; returns its
     ``AccumulateGrad`` node, which carries the pre-hook (the caller keeps it alive: autograd
     holds a leaf's node weakly and would make a new one, without hooks)."""
-    # A fresh route: whether placeholders arrive alone is learnt again (one zeros placeholder)
-    route = _ROUTES[weight] = LinearRoute(lin)
+    # A fresh route: whether placeholders arrive alone is learnt again (one zeros placeholder).
+    # A second schedule on the same modules adds a second hook: harmless, each hook drops only
+    # the placeholders of its own route and lets anything else through.
+    _, node = _new_route(weight, lin)
     _drop_stand_in(lin)
     _UNROUTED.clear()
     _NOT_CURRENT.clear()
     if C.is_dtensor(weight):
         _PARAM_OF_LOCAL[C.local_tensor(weight)] = weakref.ref(weight)
-    node = C.grad_accumulator(weight)
-    # A second schedule on the same modules adds a second hook: harmless, the first one to see
-    # a placeholder consumes it and the next sees an ordinary gradient.
-    node.register_prehook(_hook_for(route))
     return node
 
 
@@ -282,25 +279,23 @@ def route_leaves(params: list[Tensor], leaves: list[Tensor]) -> list[Any]:
         module = None if route is None else route.module()
         if module is None or not leaf.requires_grad:
             continue
-        leaf_route = _ROUTES[leaf] = LinearRoute(module)
+        leaf_route, node = _new_route(leaf, module)
         # the same compiled graph: whether its placeholders arrive alone is known already (no
         # zeros placeholder per leaf set once it is)
         leaf_route.alone = route.alone  # type: ignore[union-attr]
-        node = C.grad_accumulator(leaf)
-        node.register_prehook(_hook_for(leaf_route))
         nodes.append(node)
     if nodes:
         _UNROUTED.clear()  # a recycled version buffer's address may have been seen unrouted
     return nodes
 
 
-def _hook_for(route: LinearRoute) -> Callable[[tuple[Tensor | None, ...]], Any]:
-    """The ``AccumulateGrad`` pre-hook of the weight ``route`` was made for: it holds that route
-    (which holds no tensor), so a placeholder its op returned is dropped even if the weight's
-    route has been replaced since (a second schedule, a stand-in's route dropped); a hook whose
-    route made no placeholder lets the gradient through to the next hook."""
-
-    def hook(grads: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...] | None:
-        return route.on_accumulate(grads)
-
-    return hook
+def _new_route(weight: Tensor, module: nn.Module) -> tuple[LinearRoute, Any]:
+    """A route for ``weight`` (``module``'s Linear's) in the table, and its ``AccumulateGrad``
+    node with the route's pre-hook. The hook is the route's own bound method: it drops only the
+    placeholders that route made, even after the weight's route is replaced (a second schedule,
+    a stand-in dropped), and lets anything else through to the node's next hook."""
+    route = _ROUTES[weight] = LinearRoute(module)
+    with torch.enable_grad():  # (a stand-in is met during a backward)
+        node = C.grad_accumulator(weight)
+    node.register_prehook(route.on_accumulate)
+    return route, node
