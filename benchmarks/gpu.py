@@ -512,10 +512,18 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise SystemExit("no CUDA device here: pass --device cpu for the smoke test")
+        if device.index is None:  # torch 2.11's set_device wants an index
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(1)  # the CPU run is a smoke test: keep it off the other cores
     dtype = getattr(torch, cfg.dtype)
+    if cfg.compile:
+        # Every schedule builds fresh blocks (and a separate fp32 copy) from the one Block class:
+        # dynamo counts their compiles against one code object, past its default limit of 8,
+        # which a training script that compiles its model once never meets.
+        torch._dynamo.config.recompile_limit = 512
+        torch._dynamo.config.accumulated_recompile_limit = 4096
     init_one_rank_group(device)
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"zbpipe GPU benchmark on {machine}, torch {torch.__version__}, {cfg.dtype}")
