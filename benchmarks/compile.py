@@ -142,6 +142,13 @@ def _rank_main(rank: int, world: int, cfg: Config) -> dict | None:
     from zbpipe import _compat as C
     from zbpipe.observe.trace import Trace
 
+    # Every schedule compiles fresh blocks of a class of its own (_blocks defines it per call), so
+    # dynamo counts all three schedules' compiles against the one Block.forward code object. Per
+    # schedule, the first rank's blocks need 3 entries on torch 2.11 (its shape inference runs
+    # the stage under no_grad; the first block's input does not require grad, the others' do)
+    # and 2 on 2.13: 9 in all on 2.11, past the default limit of 8. A script that builds one
+    # pipeline meets 3; set here, in the rank, as config does not cross the fork server.
+    torch._dynamo.config.recompile_limit = 64
     pairs = [(mode, name) for mode in MODES for name in SCHEDULES]
     runs = {pair: _build(*pair, rank, world, cfg) for pair in pairs}
     torch.manual_seed(1)

@@ -93,6 +93,7 @@ def _build(name: str, rank: int, world: int, cfg: Config) -> tuple[Any, list, An
         ScheduleZBVZeroBubble,
     )
 
+    from zbpipe._compat import with_local_stage_init
     from zbpipe.memory import SavedActivationMeter
     from zbpipe.observe.trace import Tracer, attach_stage_tracer
     from zbpipe.planning import loop_placement, v_placement
@@ -141,6 +142,13 @@ def _build(name: str, rank: int, world: int, cfg: Config) -> tuple[Any, list, An
             "torch:Interleaved1F1B": ScheduleInterleaved1F1B,
             "torch:ZBVZeroBubble": ScheduleZBVZeroBubble,
         }[name]
+        if cls is not Schedule1F1B:
+            # torch 2.11's own stage set-up sends a dummy tensor to every neighbour stage, its own
+            # rank included; gloo has no link to itself, so torch's ScheduleZBVZeroBubble (the
+            # last rank holds stages p-1 and p) fails in its first step on any number of ranks
+            # ("Pair is not connected"). zbpipe's fix of that set-up: the one-time link warm-up
+            # leaves out same-rank neighbours, compute untouched; torch's class itself on >= 2.13.
+            cls = with_local_stage_init(cls)
         # torch computes the loss outside the stage's forward: the meter counts it through this
         counted_loss = meter.watch_loss(loss_fn) if cfg.meter else loss_fn
         sched = cls(stages[0] if cls is Schedule1F1B else stages, m, loss_fn=counted_loss)

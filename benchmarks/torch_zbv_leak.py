@@ -81,7 +81,8 @@ def _input_buffers(stages: list, handed: bool) -> set:
         if (st.stage_index - 1 in local) == handed
         for infos in st.args_recv_info.values()
         for info in infos
-        if isinstance(info.buffer, torch.Tensor)
+        # torch 2.11's first stage holds placeholders for the model's inputs, with no buffer
+        if isinstance(getattr(info, "buffer", None), torch.Tensor)
     }
 
 
@@ -91,6 +92,7 @@ def measure(rank: int, world: int, schedule: str, steps: int) -> list[dict]:
     from torch.distributed.pipelining import PipelineStage, ScheduleZBVZeroBubble
 
     import zbpipe
+    from zbpipe._compat import with_local_stage_init
     from zbpipe.memory import SavedActivationMeter
     from zbpipe.memory.saved import SavedTensors, storage_ptr
 
@@ -111,7 +113,9 @@ def measure(rank: int, world: int, schedule: str, steps: int) -> list[dict]:
         for st in stages:
             meter.attach(st)  # its saved tensors
             _count_sends(st, meter)  # and, as zbpipe's seam reports them, what it sends
-        sched = ScheduleZBVZeroBubble(stages, M, loss_fn=_loss)
+        # torch 2.11's own stage set-up sends to the neighbour stage on its own rank, which
+        # gloo cannot: zbpipe's fix of that one-time set-up (torch's class on >= 2.13)
+        sched = with_local_stage_init(ScheduleZBVZeroBubble)(stages, M, loss_fn=_loss)
     else:
         memory = {"ZBV": "zb", "ZBVHalf": "half", "ZBVMin": "min"}[schedule]
         sched = zbpipe.ScheduleZBV(stages, M, loss_fn=_loss, memory=memory)

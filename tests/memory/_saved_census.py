@@ -105,7 +105,9 @@ def stage_input_buffers(stages: Iterable[PipelineStage]) -> set[int]:
         if st.stage_index - 1 not in local
         for infos in st.args_recv_info.values()
         for info in infos
-        if isinstance(info.buffer, torch.Tensor) and (s := _storage(info.buffer)) is not None
+        # torch 2.11's first stage holds placeholders for the model's inputs, with no buffer
+        if isinstance(b := getattr(info, "buffer", None), torch.Tensor)
+        and (s := _storage(b)) is not None
     }
 
 
