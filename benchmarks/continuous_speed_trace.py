@@ -20,7 +20,9 @@ schedule's classes in the rank processes, so it costs two clock reads per piece)
   transport loop), from ``/proc/self/task/*/schedstat`` (Linux; nanoseconds).
 
 For each mode and rank it prints the median over rounds of each piece, per mini-batch, and the
-round's wall time per mini-batch. ``--dump`` keeps every round's events (per mode and rank).
+round's wall time per mini-batch; then the CPU time summed over the ranks (the ranks' own
+threads and their other threads, and the whole process's, paired with sync's round by round).
+``--dump`` keeps every round's events (per mode and rank).
 
 Then it replays each mode's plan with those costs (``continuous_speed_model.replay``: F, B, W
 per rank, the sends, bookkeeping and the rest spread over them, the step and copy after each
@@ -261,6 +263,44 @@ def replays(rows: dict[str, Any], m: int, n: int, modes: tuple[str, ...]) -> dic
     return out
 
 
+def _both_ranks(gathered: list[Any], modes: tuple[str, ...]) -> dict[str, Any]:
+    """CPU time per mini-batch summed over the ranks, per piece (each round's sum, then the
+    median over rounds), the ranks' own threads and their other threads apart; with sync among
+    the modes, each mode's total paired with sync's round by round (rounds run interleaved)."""
+    out: dict[str, Any] = {}
+    keys = (*PIECES, "wall", "threads")
+    for name in modes:
+        n = len(gathered[0][name])
+        sums = [
+            {k: sum(per[name][i]["cpu"][k] for per in gathered) for k in keys} for i in range(n)
+        ]
+        med = {k: statistics.median(x[k] for x in sums) * 1e3 for k in keys}
+        totals = [x["wall"] + x["threads"] for x in sums]
+        row: dict[str, Any] = {"median_ms": med, "total_ms": statistics.median(totals) * 1e3}
+        row["total_rounds_ms"] = [t * 1e3 for t in totals]
+        out[name] = row
+    if "sync" in out:
+        base = out["sync"]["total_rounds_ms"]
+        for row in out.values():
+            row["total_ratio_to_sync"] = statistics.median(
+                t / b for t, b in zip(row["total_rounds_ms"], base)
+            )
+    return out
+
+
+def _print_both_ranks(m: int, both: dict[str, Any]) -> None:
+    print(f"\nm={m}, CPU time summed over the ranks, ms per mini-batch (median of the rounds)")
+    cols = (*PIECES, "wall", "threads")
+    heads = (*PIECES, "thread", "others")
+    print(f"{'mode':>8} " + " ".join(f"{k:>7}" for k in heads) + "   process  vs sync")
+    for name, row in both.items():
+        print(
+            f"{name:>8} "
+            + " ".join(f"{row['median_ms'][k]:7.2f}" for k in cols)
+            + f"   {row['total_ms']:7.2f}  {row.get('total_ratio_to_sync', float('nan')):.3f}"
+        )
+
+
 def _print_replays(m: int, rep: dict[str, Any]) -> None:
     for which, res in rep.items():
         print(f"\nm={m}, plans replayed with the {which.replace('_', ' ')} (ms per mini-batch)")
@@ -332,6 +372,8 @@ def main() -> None:
                     ]
                     row["events"] = [x["events"] for x in rounds]
                     print(f"{name:>8} {r:>4} " + " ".join(f"{med[k]:7.2f}" for k in cols))
+        rows["both_ranks"] = _both_ranks(gathered, a.modes)
+        _print_both_ranks(m, rows["both_ranks"])
         rows["replay"] = replays(rows, m, a.minibatches, a.modes)
         _print_replays(m, rows["replay"])
         results[f"m={m}"] = rows
