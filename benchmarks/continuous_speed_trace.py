@@ -7,17 +7,22 @@ schedule's classes in the rank processes, so it costs two clock reads per piece)
 
 * ``F`` / ``B`` / ``W``: an action's own time, without what is listed below;
 * ``recv``: waiting for a receive (the peer has not sent yet: idle);
-* ``send``: posting a send; ``step``: the optimizer step (gradients handed over, ``div_``,
-  ``optimizer.step()``), ``copy``: the weight versions' update after it (2bw: one copy of the
-  weights); ``prep``: the versions' per-microbatch work (acquire + install at F, the gradient
-  buffers at B, release at W);
+* ``send``: posting a send; ``opt``: ``optimizer.step()`` itself; ``step``: the rest of the
+  schedule's optimizer step (gradients handed over, ``div_``, ``.grad`` reset); ``copy``: the
+  weight versions' work around the step (``before_step`` / ``updated``: 2bw's one copy of the
+  weights, a correction's extrapolation); the versions' per-microbatch work: ``acquire`` (the
+  leaf set at F), ``install`` (the parameter slots, at F, B and W), ``grads`` (the gradient
+  buffers offered at B, withdrawn at the last W, summed and recycled at the step) and
+  ``release`` (at W);
 * ``other``: the rest of the round (``step()``'s input split and bookkeeping, the stream
   frontier, ``flush()``'s waits, Python between actions);
 * ``threads`` (CPU table only): the CPU time of the rank process's other threads (gloo's
-  transport loop), from ``/proc/self/task`` (Linux; 10 ms ticks: the mean over the rounds).
+  transport loop), from ``/proc/self/task/*/schedstat`` (Linux; nanoseconds).
 
 For each mode and rank it prints the median over rounds of each piece, per mini-batch, and the
-round's wall time per mini-batch. ``--dump`` keeps every round's events (per mode and rank).
+round's wall time per mini-batch; then the CPU time summed over the ranks (the ranks' own
+threads and their other threads, and the whole process's, paired with sync's round by round).
+``--dump`` keeps every round's events (per mode and rank).
 
 Then it replays each mode's plan with those costs (``continuous_speed_model.replay``: F, B, W
 per rank, the sends, bookkeeping and the rest spread over them, the step and copy after each
@@ -42,7 +47,23 @@ import threading
 import time
 from typing import Any
 
-PIECES = ("F", "B", "W", "recv", "send", "prep", "step", "copy", "other")
+PIECES = (
+    "F",
+    "B",
+    "W",
+    "recv",
+    "send",
+    "acquire",
+    "install",
+    "grads",
+    "release",
+    "opt",
+    "step",
+    "copy",
+    "other",
+)
+#: the versions' per-microbatch pieces (``prep`` in results stored before they were split)
+PREP = ("prep", "acquire", "install", "grads", "release")
 
 
 class _Clock:
@@ -79,7 +100,8 @@ class _Clock:
 
 
 def _other_threads_cpu() -> float:
-    """CPU seconds of this process's threads other than the calling one (Linux; else 0)."""
+    """CPU seconds of this process's threads other than the calling one (Linux; else 0), from
+    each thread's ``schedstat`` (nanoseconds)."""
     me = str(threading.get_native_id())
     total = 0
     try:
@@ -90,18 +112,19 @@ def _other_threads_cpu() -> float:
         if tid == me:
             continue
         try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
             continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
-    return total / os.sysconf("SC_CLK_TCK")
+    return total / 1e9
 
 
 def _instrument(clock: _Clock) -> None:
     """Timers on the continuous runtime's pieces (in this rank process only)."""
+    import torch
+
     from zbpipe.continuous import actions
-    from zbpipe.continuous.versions import WeightVersions
+    from zbpipe.continuous.versions import ModuleSlots, WeightVersions
     from zbpipe.schedules.sends import PendingSends
 
     class _TimedWork:
@@ -122,10 +145,20 @@ def _instrument(clock: _Clock) -> None:
     ):
         setattr(cls, attr, clock.wrap(name, getattr(cls, attr)))
     PendingSends.post = clock.wrap("send", PendingSends.post)  # type: ignore[method-assign]
-    WeightVersions.updated = clock.wrap("copy", WeightVersions.updated)  # type: ignore[method-assign]
-    WeightVersions.before_step = clock.wrap("copy", WeightVersions.before_step)  # type: ignore[method-assign]
-    for attr in ("acquire", "prepare_grads", "release"):
-        setattr(WeightVersions, attr, clock.wrap("prep", getattr(WeightVersions, attr)))
+    for attr, name in (
+        ("updated", "copy"),
+        ("before_step", "copy"),
+        ("acquire", "acquire"),
+        ("prepare_grads", "grads"),
+        ("withdraw_offers", "grads"),
+        ("take_grads", "grads"),
+        ("recycle_grads", "grads"),
+        ("release", "release"),
+    ):
+        setattr(WeightVersions, attr, clock.wrap(name, getattr(WeightVersions, attr)))
+    ModuleSlots.install = clock.wrap("install", ModuleSlots.install)  # type: ignore[method-assign]
+    ModuleSlots.restore = clock.wrap("install", ModuleSlots.restore)  # type: ignore[method-assign]
+    torch.optim.SGD.step = clock.wrap("opt", torch.optim.SGD.step)  # type: ignore[method-assign]
 
 
 def _rank_main(rank: int, world: int, m: int, a: argparse.Namespace) -> dict | None:
@@ -186,8 +219,9 @@ def _rank_main(rank: int, world: int, m: int, a: argparse.Namespace) -> dict | N
 def _costs(med: dict[str, float], m: int) -> tuple[dict[str, float], float]:
     """Per-microbatch F, B, W (the sends, bookkeeping and the rest spread over them), and what
     follows each step (the step and the copy), from one rank's medians per mini-batch."""
-    extra = (med["send"] + med["prep"] + med["other"]) / 3
-    return {k.lower(): (med[k] + extra) / m for k in "FBW"}, med["step"] + med["copy"]
+    extra = (med["send"] + sum(med.get(k, 0.0) for k in PREP) + med["other"]) / 3
+    after = med["step"] + med.get("opt", 0.0) + med["copy"]
+    return {k.lower(): (med[k] + extra) / m for k in "FBW"}, after
 
 
 def replays(rows: dict[str, Any], m: int, n: int, modes: tuple[str, ...]) -> dict[str, Any]:
@@ -227,6 +261,44 @@ def replays(rows: dict[str, Any], m: int, n: int, modes: tuple[str, ...]) -> dic
                 r["ratio_to_sync"] = r["ms_per_minibatch"] / res["sync"]["ms_per_minibatch"]
         out["wall_costs" if key == "median_ms" else "cpu_costs"] = res
     return out
+
+
+def _both_ranks(gathered: list[Any], modes: tuple[str, ...]) -> dict[str, Any]:
+    """CPU time per mini-batch summed over the ranks, per piece (each round's sum, then the
+    median over rounds), the ranks' own threads and their other threads apart; with sync among
+    the modes, each mode's total paired with sync's round by round (rounds run interleaved)."""
+    out: dict[str, Any] = {}
+    keys = (*PIECES, "wall", "threads")
+    for name in modes:
+        n = len(gathered[0][name])
+        sums = [
+            {k: sum(per[name][i]["cpu"][k] for per in gathered) for k in keys} for i in range(n)
+        ]
+        med = {k: statistics.median(x[k] for x in sums) * 1e3 for k in keys}
+        totals = [x["wall"] + x["threads"] for x in sums]
+        row: dict[str, Any] = {"median_ms": med, "total_ms": statistics.median(totals) * 1e3}
+        row["total_rounds_ms"] = [t * 1e3 for t in totals]
+        out[name] = row
+    if "sync" in out:
+        base = out["sync"]["total_rounds_ms"]
+        for row in out.values():
+            row["total_ratio_to_sync"] = statistics.median(
+                t / b for t, b in zip(row["total_rounds_ms"], base)
+            )
+    return out
+
+
+def _print_both_ranks(m: int, both: dict[str, Any]) -> None:
+    print(f"\nm={m}, CPU time summed over the ranks, ms per mini-batch (median of the rounds)")
+    cols = (*PIECES, "wall", "threads")
+    heads = (*PIECES, "thread", "others")
+    print(f"{'mode':>8} " + " ".join(f"{k:>7}" for k in heads) + "   process  vs sync")
+    for name, row in both.items():
+        print(
+            f"{name:>8} "
+            + " ".join(f"{row['median_ms'][k]:7.2f}" for k in cols)
+            + f"   {row['total_ms']:7.2f}  {row.get('total_ratio_to_sync', float('nan')):.3f}"
+        )
 
 
 def _print_replays(m: int, rep: dict[str, Any]) -> None:
@@ -293,8 +365,6 @@ def main() -> None:
                 for r, per in enumerate(gathered):
                     rounds = per[name]
                     med = {k: statistics.median(x[what][k] for x in rounds) * 1e3 for k in cols}
-                    if what == "cpu":  # (10 ms ticks: a mean over the rounds, not a median)
-                        med["threads"] = statistics.mean(x[what]["threads"] for x in rounds) * 1e3
                     row = rows.setdefault(f"{name}/rank{r}", {})
                     row["median_ms" if what == "pieces" else "cpu_median_ms"] = med
                     row["rounds_ms" if what == "pieces" else "cpu_rounds_ms"] = [
@@ -302,6 +372,8 @@ def main() -> None:
                     ]
                     row["events"] = [x["events"] for x in rounds]
                     print(f"{name:>8} {r:>4} " + " ".join(f"{med[k]:7.2f}" for k in cols))
+        rows["both_ranks"] = _both_ranks(gathered, a.modes)
+        _print_both_ranks(m, rows["both_ranks"])
         rows["replay"] = replays(rows, m, a.minibatches, a.modes)
         _print_replays(m, rows["replay"])
         results[f"m={m}"] = rows

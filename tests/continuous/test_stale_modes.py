@@ -107,6 +107,61 @@ def test_2bw_on_the_master_applies_each_update_a_minibatch_late():
     assert kept[0].data_ptr() != lin.weight.data_ptr() and kept[0].item() == pytest.approx(0.71)
 
 
+@pytest.mark.parametrize("odd_layout", [False, True], ids=["same-layout", "odd-layout"])
+def test_the_flush_copy_of_a_lagged_stage_goes_into_the_last_gradient_buffers(odd_layout):
+    """flush() on a lagged stage copies the version the next stream's first mini-batch needs
+    into the buffers of the gradient stepped before (no fresh pages), and training across the
+    flush follows the hand-computed 2bw weights: W(k + 1) = W(k) - 0.1 W(k - 1) (dL/dw = w on
+    W(k - 1)), from 1, 0.9: 0.8, 0.71, 0.63, then 0.559, 0.496 in the second stream. A buffer
+    whose layout is not its weight's is not taken: that weight gets a buffer of its own."""
+    lin = nn.Linear(2, 2, bias=False)
+    with torch.no_grad():
+        lin.weight.fill_(1.0)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    versions = WeightVersions(lin, "2bw", on_master=True)
+    out, grads = [], []
+
+    def step(k, next_minibatch):
+        (g,) = versions.take_grads(k)
+        if odd_layout:  # a gradient in another layout than the weight's
+            g = g.t().contiguous().t()
+        lin.weight.grad = g
+        grads.append(g)
+        versions.before_step(next_minibatch)
+        opt.step()
+        versions.recycle_grads([lin.weight.grad])
+        lin.weight.grad = None
+        versions.updated(next_minibatch)
+        out.append(lin.weight[0, 0].item())
+
+    def run(k):
+        key, (w,) = versions.acquire(k, k, overtaken=False)
+        versions.prepare_grads(key)
+        (0.5 * w.square()).sum().backward()
+        versions.release(k, next_minibatch=k + 1)
+
+    for k in range(4):
+        run(k)
+        if k >= 1:
+            step(k - 1, next_minibatch=k + 1)
+    version_3 = lin.weight.detach().clone()
+    step(3, next_minibatch=4)  # flush(): mini-batch 4 will run on version 3
+    kept = versions.store[versions.version_for(4)][0]
+    same = kept.data_ptr() == grads[-2].data_ptr()  # the gradient of mini-batch 2
+    assert same is not odd_layout, "the copy goes into the gradient buffer iff it fits"
+    assert kept.stride() == lin.weight.stride()
+    assert torch.equal(kept, version_3) and kept[0, 0].item() == pytest.approx(0.71)
+    versions.forget_leaf_sets()  # the stream's end (ScheduleContinuous._reset_stream)
+    versions.drop_spare_grads()
+    for k in range(4, 6):
+        run(k)
+        if k >= 5:
+            step(k - 1, next_minibatch=k + 1)
+    step(5, next_minibatch=6)
+    assert out == pytest.approx([0.9, 0.8, 0.71, 0.63, 0.559, 0.496], rel=1e-6)
+    assert versions.copies == 2
+
+
 def test_on_master_is_plain_2bw_only():
     lin = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="on_master is for mode='2bw' without a correction"):

@@ -23,7 +23,9 @@ microbatch):
   ``k``'s last W), so every forward of ``k`` finds version ``k - 1`` in the master itself; the
   price is one gradient held for a mini-batch (the memory the copy took), and one copy per
   :meth:`flush` (the next stream's first mini-batch still needs the version before the last
-  update), let go once that mini-batch's passes are done.
+  update), let go once that mini-batch's passes are done. That copy goes into the buffers of
+  the gradient stepped before (handed back for the next backward pass, which this stream will
+  not run): no fresh pages to fault in at every flush.
   **stash: a copy only for a step that overtakes a forward** (the first such forward
   copies the latest version out of the master); on a stage whose forwards all finish their
   backward passes before the next step (the last stage of the plans zbpipe makes), none;
@@ -298,7 +300,9 @@ class WeightVersions:
             and self.store.get(self.latest) is self._masters
             and self.latest in {*self.uses.values(), max(next_minibatch - 1, 0)}
         ):
-            self.store[self.latest] = self._copy_master()
+            # (the flush's copy: into the last step's gradient buffers, which no backward pass
+            # of this stream will take and the stream's end lets go of, not into fresh pages)
+            self.store[self.latest] = self._copy_master(self._take_grad_spare())
 
     def updated(self, next_minibatch: int) -> None:
         """The optimizer stepped the master weights: they become version ``latest + 1``."""
@@ -316,9 +320,15 @@ class WeightVersions:
         self.store[self.latest] = new
         self._prune(next_minibatch)
 
-    def _copy_master(self) -> list[torch.Tensor]:
-        """The master weights copied into a recycled (else new) set of buffers."""
-        own = self._take_spare()
+    def _copy_master(self, into: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
+        """The master weights copied into a recycled (else new) set of buffers; ``into``: buffers
+        to use first (aligned with the masters; ``None`` where none fits)."""
+        if into is not None and all(b is not None for b in into):
+            own = [b for b in into if b is not None]
+        else:
+            own = self._take_spare()
+            if into is not None:
+                own = [b if b is not None else t for b, t in zip(into, own)]
         with torch.no_grad():
             for b, t in zip(own, self._masters):
                 b.copy_(t)
@@ -330,6 +340,25 @@ class WeightVersions:
         if spare is not None:
             return spare
         return [torch.empty_like(t) for t in self._masters]
+
+    def _take_grad_spare(self) -> list[torch.Tensor | None] | None:
+        """The last step's gradient buffers as weight buffers (taken: no B offers them again),
+        each where it has its weight's layout (plain tensor, shape, strides, dtype, device)."""
+        grads, self._grad_spare = self._grad_spare, None
+        if grads is None:
+            return None
+        return [
+            g
+            if g is not None
+            and type(g) is torch.Tensor
+            and type(t) is torch.Tensor
+            and g.shape == t.shape
+            and g.stride() == t.stride()
+            and g.dtype == t.dtype
+            and g.device == t.device
+            else None
+            for g, t in zip(grads, self._masters)
+        ]
 
     def _prune(self, next_minibatch: int) -> None:
         keep = set(self.uses.values()) | {self.latest}
