@@ -386,7 +386,7 @@ def rerun_at(rev: str) -> None:
 
 def compare(args: argparse.Namespace) -> dict[str, Any]:
     rev = _short(args.before)
-    rows = list(COMPARED)
+    rows = args.rows.split(",")
     sides: dict[str, list[dict[str, list[int]]]] = {"before": [], "after": []}
     with tempfile.TemporaryDirectory() as tmp:
         srcs = {"before": _extract(args.before, Path(tmp)), "after": ROOT / "src"}
@@ -430,11 +430,18 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
             "before_vs_torch": _paired(before, [p["torch:1F1B"] for p in med["before"]]),
             "after_vs_torch": _paired(after, [p["torch:1F1B"] for p in med["after"]]),
         }
+        # each side against the torch row of its own child (the control the change cannot touch,
+        # timed in the same process), then after over before, pair by pair
+        rel = {s: [p[row] / p["torch:1F1B"] for p in med[s]] for s in med}
+        results[row]["after_over_before_vs_torch"] = _paired(rel["after"], rel["before"])
     return {"before_rev": rev, "results": results, "step_ns": sides}
 
 
 def print_compare(res: dict[str, Any]) -> None:
-    print(f"before = {res['before_rev']}, after = this checkout; medians of per-child medians")
+    print(
+        f"before = {res['before_rev']}, after = this checkout; medians of per-child medians; "
+        "'norm': after/before of each side's ratio to torch's 1F1B in its own child"
+    )
     print(
         f"{'schedule':18} {'before ms':>9} {'after ms':>9} {'after/before (min-max)':>26} "
         f"{'vs torch before':>15} {'after':>7}"
@@ -444,7 +451,8 @@ def print_compare(res: dict[str, Any]) -> None:
         print(
             f"{row:18} {r['before_step_ms']:9.2f} {r['after_step_ms']:9.2f} "
             f"{q['median']:10.3f} ({q['min']:.3f}-{q['max']:.3f}) "
-            f"{r['before_vs_torch']['median']:15.3f} {r['after_vs_torch']['median']:7.3f}"
+            f"{r['before_vs_torch']['median']:15.3f} {r['after_vs_torch']['median']:7.3f} "
+            f"norm {r['after_over_before_vs_torch']['median']:.3f}"
         )
 
 
@@ -461,7 +469,7 @@ def main() -> None:
     ap.add_argument("--first-reps", type=int, default=6, help="fresh schedules for the first step")
     ap.add_argument("--before", default="HEAD", help="compare: the git revision to measure against")
     ap.add_argument("--pairs", type=int, default=8, help="compare: before/after child pairs")
-    ap.add_argument("--rows", default=",".join(COMPARED), help="child: the rows to time")
+    ap.add_argument("--rows", default=",".join(COMPARED), help="compare: the rows to time")
     ap.add_argument("--out", default=None, help="results file name (benchmarks/results/)")
     ap.add_argument(
         "--rev", default=None, help="attribute: measure the zbpipe of this git revision instead"
