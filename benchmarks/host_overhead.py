@@ -30,6 +30,7 @@ Writes benchmarks/results/<--out>.json; docs/benchmarks.md (host overhead) quote
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -39,7 +40,7 @@ import tarfile
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,12 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     "1F1BMulti exact": ("Schedule1F1BMulti", {"exact": True}),
     "ZBH1": ("ScheduleZBH1", {}),
     "ZBH1 graph": ("ScheduleZBH1", {"split": "graph"}),
+    "1F1BMulti without profiler ranges": ("Schedule1F1BMulti", {}),
 }
+#: rows whose steps run with torch's action runtime opening no ``record_function`` range per
+#: action (the benchmark swaps the name torch's schedules module calls, for those steps only):
+#: what torch's runtime loop costs zbpipe's schedules, which run on it
+NO_PROFILER_RANGES = {"1F1BMulti without profiler ranges"}
 COMPARED = ("torch:1F1B", "1F1BMulti", "1F1BMulti exact", "ZBH1", "ZBH1 graph")
 
 
@@ -173,7 +179,8 @@ def step_times(
     for rep in range(args.reps):
         k = rep % len(rows)
         for row in rows[k:] + rows[:k]:
-            steps[row].append(_step(*runs[row], x, y))
+            with _profiler_ranges(row not in NO_PROFILER_RANGES):
+                steps[row].append(_step(*runs[row], x, y))
             if timed is not None:
                 ns, n = timed.take()
                 pieces[row].append(ns)
@@ -181,9 +188,25 @@ def step_times(
     return {"step_ns": steps, "pieces_ns": pieces, "calls": calls}
 
 
+@contextlib.contextmanager
+def _profiler_ranges(on: bool) -> Iterator[None]:
+    """With ``on=False``, torch's schedules module opens no ``record_function`` range."""
+    import torch.distributed.pipelining.schedules as torch_schedules
+
+    if on:
+        yield
+        return
+    kept = torch_schedules.record_function
+    torch_schedules.record_function = lambda name: contextlib.nullcontext()  # type: ignore
+    try:
+        yield
+    finally:
+        torch_schedules.record_function = kept
+
+
 def first_step_times(args: argparse.Namespace, reps: int) -> dict[str, list[int]]:
-    """The first step() of a fresh 1F1BMulti with and without measure_memory (the probed step),
-    after each schedule's shape inference has run once on a throwaway copy."""
+    """The first step() of a fresh 1F1BMulti with and without measure_memory (the probed step;
+    shape inference runs in both)."""
     x, y = _batch(args)
     out: dict[str, list[int]] = {"measure_memory=True": [], "measure_memory=False": []}
     for rep in range(reps):
@@ -301,9 +324,30 @@ def attribute(args: argparse.Namespace) -> dict[str, Any]:
         table[row] = entry
     for entry in table.values():
         entry["F_minus_torch_F_us"] = entry["F_us"] - (torch_f or 0)
+    exact, multi = table["1F1BMulti exact"], table["1F1BMulti"]
+    linears = 5 * args.blocks  # LlamaBlock: qkv, proj, gate, up, down
+    fn_in_f = multi["forward_mb>0_us"] - exact["forward_mb>0_us"]
+    ranges = (
+        multi["outside_actions_us"]
+        - table["1F1BMulti without profiler ranges"]["outside_actions_us"]
+    )
+    derived = {
+        "linears_per_F": linears,
+        # a microbatch after the first: 1F1BMulti's F runs the patched Linears' Function (its BW
+        # goes through the store), exact's runs plain Linears; the same forward otherwise
+        "patched_linear_function_in_F_us": fn_in_f,
+        "patched_linear_function_per_linear_us": fn_in_f / linears,
+        "F_minus_torch_F_us": multi["F_us"] - table["torch:1F1B"]["F_us"],
+        "torch_profiler_ranges_per_step_us": ranges,
+        # one rank: UNSHARD, m F, m BW, REDUCE_GRAD, RESHARD
+        "torch_profiler_ranges_per_action_us": ranges / (2 * m + 3),
+        "outside_actions_minus_torch_us": multi["outside_actions_us"]
+        - table["torch:1F1B"]["outside_actions_us"],
+    }
     first = first_step_times(args, args.first_reps)
     return {
         "rows": table,
+        "derived": derived,
         "step_ns": res["step_ns"],
         "first_step_ms": {k: statistics.median(v) / 1e6 for k, v in first.items()},
         "first_step_ns": first,
@@ -345,6 +389,7 @@ def print_attribution(res: dict[str, Any], args: argparse.Namespace) -> None:
             )
         else:
             print(f"{row:32} outside actions {e['outside_actions_us']:6.0f} us/step")
+    print("derived:", {k: round(v, 1) for k, v in res["derived"].items()})
     print("first step ms:", {k: round(v, 2) for k, v in res["first_step_ms"].items()})
     print("per Linear call us:", {k: round(v, 2) for k, v in res["linear_us"].items()})
     print(f"non-finite loss check per step: {res['nonfinite_check_us']:.1f} us")
