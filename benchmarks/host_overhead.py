@@ -400,7 +400,11 @@ def child(args: argparse.Namespace) -> None:
     import zbpipe
 
     res = step_times(list(args.rows.split(",")), args)
-    print("RESULT " + json.dumps({"zbpipe": zbpipe.__file__, "step_ns": res["step_ns"]}))
+    linear = linear_pieces(args)
+    print(
+        "RESULT "
+        + json.dumps({"zbpipe": zbpipe.__file__, "step_ns": res["step_ns"], "linear_us": linear})
+    )
 
 
 def _extract(rev: str, into: Path) -> Path:
@@ -433,6 +437,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     rev = _short(args.before)
     rows = args.rows.split(",")
     sides: dict[str, list[dict[str, list[int]]]] = {"before": [], "after": []}
+    linear: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
     with tempfile.TemporaryDirectory() as tmp:
         srcs = {"before": _extract(args.before, Path(tmp)), "after": ROOT / "src"}
         for pair in range(args.pairs):
@@ -461,6 +466,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
                 if not got["zbpipe"].startswith(str(srcs[side])):
                     raise RuntimeError(f"{side}: the child imported {got['zbpipe']}")
                 sides[side].append(got["step_ns"])
+                linear[side].append(got["linear_us"])
     med = {
         s: [{r: statistics.median(v[r]) for r in rows} for v in runs] for s, runs in sides.items()
     }
@@ -479,7 +485,24 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         # timed in the same process), then after over before, pair by pair
         rel = {s: [p[row] / p["torch:1F1B"] for p in med[s]] for s in med}
         results[row]["after_over_before_vs_torch"] = _paired(rel["after"], rel["before"])
-    return {"before_rev": rev, "results": results, "step_ns": sides}
+    pieces = {
+        piece: {
+            "before_us": statistics.median(p[piece] for p in linear["before"]),
+            "after_us": statistics.median(p[piece] for p in linear["after"]),
+            "after_over_before": _paired(
+                [p[piece] for p in linear["after"]], [p[piece] for p in linear["before"]]
+            ),
+        }
+        for piece in linear["after"][0]
+    }
+    after_rev = _short("HEAD")
+    return {
+        "before_rev": rev,
+        "after_rev": after_rev,
+        "results": results,
+        "linear_us": pieces,
+        "step_ns": sides,
+    }
 
 
 def print_compare(res: dict[str, Any]) -> None:
@@ -498,6 +521,12 @@ def print_compare(res: dict[str, Any]) -> None:
             f"{q['median']:10.3f} ({q['min']:.3f}-{q['max']:.3f}) "
             f"{r['before_vs_torch']['median']:15.3f} {r['after_vs_torch']['median']:7.3f} "
             f"norm {r['after_over_before_vs_torch']['median']:.3f}"
+        )
+    for piece, r in res["linear_us"].items():
+        q = r["after_over_before"]
+        print(
+            f"{piece:40} before {r['before_us']:6.2f} us after {r['after_us']:6.2f} us "
+            f"after/before {q['median']:.3f} ({q['min']:.3f}-{q['max']:.3f})"
         )
 
 
