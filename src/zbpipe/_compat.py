@@ -261,6 +261,38 @@ def local_tensor(t: Any) -> Any:
     return t._local_tensor
 
 
+def autograd_function_apply(cls: type[torch.autograd.Function]) -> Callable[..., Any]:
+    """``cls.apply`` for an ``autograd.Function`` subclass without ``setup_context``, entering
+    torch's C++ entry point (``torch._C._FunctionBase.apply``) as torch 2.14's ``apply`` does.
+
+    torch 2.11 and 2.13 wrap that entry point in Python: ``Function.apply`` checks for
+    ``setup_context``, then, with no functorch transform active, unwraps dead functorch
+    wrappers among the arguments (``torch._functorch.utils.unwrap_dead_wrappers``) and calls
+    it. This does the same, minus the wrapper's own calls (about 2 us a call on this
+    project's CPU, paid by every patched Linear in every F): under an active transform it calls
+    ``cls.apply`` (torch's path, and its error for a Function without ``setup_context``), else
+    unwraps each tensor argument (``torch._C._functorch.unwrap_if_dead``) and enters C++. On
+    torch 2.14, where ``Function.apply`` is the entry point itself, it returns that.
+    """
+    entry = torch._C._FunctionBase.__dict__["apply"]
+    fast = entry.__get__(None, cls)
+    if torch.autograd.Function.__dict__.get("apply") is entry:
+        return fast  # type: ignore[no-any-return]
+    if cls.setup_context is not torch.autograd.function._SingleLevelFunction.setup_context:
+        return cls.apply  # torch binds its defaults
+    transforms_active = torch._C._are_functorch_transforms_active
+    unwrap = torch._C._functorch.unwrap_if_dead
+    slow = cls.apply
+    tensor = torch.Tensor
+
+    def apply(*args: Any) -> Any:
+        if transforms_active():
+            return slow(*args)  # type: ignore[no-untyped-call]  # torch's apply is untyped
+        return fast(*[unwrap(a) if isinstance(a, tensor) else a for a in args])
+
+    return apply
+
+
 def grad_accumulator(leaf: Any) -> Any:
     """The ``AccumulateGrad`` node of the leaf tensor ``leaf`` (autograd keeps it only while a
     graph or the caller holds it, so hooks on it last as long as the caller keeps it)."""
@@ -678,6 +710,13 @@ TORCH_INTERNAL_ATTRIBUTES: tuple[tuple[str, str], ...] = (
     ("schedules", "n_local_stages"),
     ("schedules", "number_of_rounds"),
     ("schedules", "microbatches_per_round"),
+)
+#: torch's private autograd entry points :func:`autograd_function_apply` calls (module, name)
+PRIVATE_AUTOGRAD_NAMES: tuple[tuple[str, str], ...] = (
+    ("torch._C._FunctionBase", "apply"),
+    ("torch._C", "_are_functorch_transforms_active"),
+    ("torch._C._functorch", "unwrap_if_dead"),
+    ("torch.autograd.function._SingleLevelFunction", "setup_context"),
 )
 #: private attributes of autograd nodes, tensors and modules the helpers above read (checked by
 #: behaviour in tests/test_compat_names.py: they are C++ or set lazily, without a signature)

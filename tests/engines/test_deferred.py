@@ -669,6 +669,55 @@ def test_seam_runs_every_bw_but_a_stages_first_through_the_store(engine, exact, 
     assert seam.store_bw_keys == store_bw
 
 
+class _Meter:
+    """Counts the bytes the seam's saved-tensor holders report (an Observer)."""
+
+    def __init__(self) -> None:
+        self.packed = 0
+
+    def on_pack(self, storage: int, nbytes: int) -> None:
+        self.packed += nbytes
+
+    def on_free(self, storage: int, nbytes: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    "key, meter, deferred, holders",
+    [
+        ((0, 0), False, False, False),  # the stage's first BW: torch's, nothing around F
+        ((0, 1), False, True, False),  # a BW through the store: the engine's scope only
+        ((0, 0), True, False, True),  # a meter: holders, no engine
+        ((0, 1), True, True, True),  # both
+    ],
+    ids=["none", "engine", "meter", "engine+meter"],
+)
+def test_seam_forward_installs_only_what_the_key_needs(key, meter, deferred, holders):
+    """What F runs under: the patched Linear's own autograd Function only for a key whose
+    backward goes through the store, saved-tensor holders only with a meter; afterwards the
+    slot is empty and the Linear an ordinary one again. The gradient is the plain Linear's
+    whichever way F ran (fused BW: torch's backward)."""
+    torch.manual_seed(0)
+    lin, ref = nn.Linear(4, 3), nn.Linear(4, 3)
+    ref.load_state_dict(lin.state_dict())
+    stage = types.SimpleNamespace(stage_index=0, submod=lin, has_backward=True)
+    seam = StageSeam([stage], choose_engine("deferred", [stage], "Test"))
+    seam.assign(_acts("0F0 0F1 0BW0 0BW1"))
+    counted = _Meter() if meter else None
+    seam.meter = counted
+    x = torch.randn(2, 4)
+    with seam.forward(stage, key[1], given=(x,)):
+        y = lin(x)
+    assert (type(y.grad_fn).__name__ == "_LinearFunctionBackward") == deferred
+    assert (counted is not None and counted.packed > 0) == holders
+    assert type(lin(x).grad_fn).__name__ != "_LinearFunctionBackward"  # slot empty again
+    y.sum().backward()
+    ref(x).sum().backward()
+    assert torch.equal(lin.weight.grad, ref.weight.grad)
+    assert torch.equal(lin.bias.grad, ref.bias.grad)
+    seam.clear()
+
+
 def test_fuse_v_turn_on_one_rank():
     """V placement: stage 1's input gradient goes to stage 0 on the same rank, so fusing its
     adjacent B and W delays no one."""

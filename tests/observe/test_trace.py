@@ -42,3 +42,21 @@ def test_bubble_rate_of_a_hand_worked_trace():
     assert t.bubble_rate == pytest.approx(1 - 4 / 6)
     assert t.makespan == pytest.approx(3.0)
     assert t.busy() == {0: 2.0, 1: 2.0} and t.busy("F") == {0: 1.0, 1: 1.0}
+
+
+def test_a_span_whose_body_raises_is_recorded_and_the_error_propagates():
+    tr = Tracer(rank=0)
+    with pytest.raises(ZeroDivisionError), tr.span("BW", 2, 5):
+        1 / 0  # noqa: B018
+    (e,) = tr.events
+    assert (e.kind, e.stage, e.microbatch) == ("BW", 2, 5) and e.start <= e.end
+
+
+def test_nested_spans_each_record_their_own_interval():
+    tr = Tracer(rank=0)
+    with tr.span("F", 0, 0):
+        with tr.span("B", 0, 1):
+            pass
+    inner, outer = tr.events  # the inner span ends first
+    assert (inner.kind, outer.kind) == ("B", "F")
+    assert outer.start <= inner.start <= inner.end <= outer.end

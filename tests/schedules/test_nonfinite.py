@@ -7,6 +7,7 @@ which runs a step under ``torch.cuda.set_sync_debug_mode("error")``.
 
 import logging
 
+import pytest
 import torch
 
 from zbpipe.schedules.nonfinite import NonfiniteLosses
@@ -39,3 +40,33 @@ def test_each_record_replaces_the_last_steps_answer():
     assert check.resolve() == []
     check.record([])
     assert check.resolve() == []
+
+
+def _reference(losses):
+    """Per loss, in Python: non-finite when any element is NaN/Inf (the documented rule)."""
+    return [
+        i
+        for i, x in enumerate(losses)
+        if isinstance(x, torch.Tensor) and not bool(torch.isfinite(x).all())
+    ]
+
+
+@pytest.mark.parametrize(
+    "losses",
+    [
+        # scalars of one dtype: checked stacked
+        [torch.tensor(v) for v in (0.5, float("inf"), -2.0, float("-inf"), float("nan"))],
+        [torch.tensor(1.0, dtype=torch.bfloat16), torch.tensor(float("nan"), dtype=torch.bfloat16)],
+        [torch.tensor(3.0, requires_grad=True) * 2, torch.tensor(float("nan"))],
+        # any other mix: checked loss by loss
+        [torch.tensor(1.0), torch.tensor([1.0, float("nan")]), torch.tensor([2.0, 3.0])],
+        [torch.tensor(float("inf"), dtype=torch.float64), torch.tensor(1.0)],
+        [torch.tensor(1.0), torch.tensor(float("nan"), dtype=torch.bfloat16), None],
+        [torch.tensor(2), torch.tensor(float("inf"))],
+    ],
+    ids=["scalars", "bf16", "with-graph", "vector", "mixed-dtype", "bf16-and-none", "int"],
+)
+def test_flags_match_a_per_loss_reference(losses):
+    check = NonfiniteLosses(rank=0)
+    check.record(losses)
+    assert check.resolve() == _reference(losses)

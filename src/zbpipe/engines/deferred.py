@@ -24,9 +24,9 @@ store per (stage, microbatch) around F and hands it to the Linears during B.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -253,8 +253,9 @@ class DeferredEngine:
         """Nothing to refuse: a compiled region's Linears defer their W too
         (:mod:`zbpipe.engines.compiled_linear`); its other weight gradients come in B."""
 
-    @contextlib.contextmanager
-    def forward_scope(self, key: Key, meter: Observer | None, *, fused: bool) -> Iterator[None]:
+    def forward_scope(
+        self, key: Key, meter: Observer | None, *, fused: bool
+    ) -> AbstractContextManager[None]:
         """Around F of ``key``: open its store and put it in the stage's slot.
 
         ``fused``: its backward is a fused BW run as B then W at once, so each GEMM is computed
@@ -262,8 +263,7 @@ class DeferredEngine:
         """
         store = self._stores[key] = WeightGradStore(meter, exact=self.exact)
         store.immediate = fused
-        with self._slot_holding(key[0], store):
-            yield
+        return _SlotHolding(self._slots[key[0]], store)
 
     def backward_input(
         self,
@@ -305,11 +305,23 @@ class DeferredEngine:
         self._pending.clear()
         self._stores.clear()
 
-    @contextlib.contextmanager
-    def _slot_holding(self, stage_index: int, store: WeightGradStore) -> Iterator[None]:
-        slot = self._slots[stage_index]
-        slot.store = store
-        try:
-            yield
-        finally:
-            slot.store = None
+    def _slot_holding(self, stage_index: int, store: WeightGradStore) -> _SlotHolding:
+        return _SlotHolding(self._slots[stage_index], store)
+
+
+class _SlotHolding:
+    """``with``: the stage's slot holds ``store``; empty again afterwards, whatever happened.
+
+    A plain object, not a generator: it runs around every F and B of a deferred key.
+    """
+
+    __slots__ = ("_slot", "_store")
+
+    def __init__(self, slot: StoreSlot, store: WeightGradStore) -> None:
+        self._slot, self._store = slot, store
+
+    def __enter__(self) -> None:
+        self._slot.store = self._store
+
+    def __exit__(self, *exc: object) -> None:
+        self._slot.store = None

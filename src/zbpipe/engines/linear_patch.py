@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._compat import (
+    autograd_function_apply,
     has_grad_hooks,
     is_compiled,
     is_plain_or_dtensor,
@@ -137,6 +138,11 @@ class _LinearFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
+#: ``_LinearFunction.apply`` entering torch's C++ directly (``_compat.autograd_function_apply``):
+#: called once per Linear in every F of a deferred microbatch
+_apply_linear = autograd_function_apply(_LinearFunction)
+
+
 class DeferredLinear(nn.Linear):
     """An ``nn.Linear`` whose weight gradient W can compute later (see the module docstring).
 
@@ -156,12 +162,11 @@ class DeferredLinear(nn.Linear):
                 return F.linear(input, self.weight, self.bias)
             return compiled_linear(input, self.weight, self.bias)
         store = self._zbpipe_slot.store
+        weight = self.weight  # once: a module attribute lookup costs as much as a check
         # Complex weights: autograd's gradients take conjugates, which this engine's GEMMs do not.
-        if store is None or self.weight.is_complex():
-            return F.linear(input, self.weight, self.bias)
-        out: Tensor = _LinearFunction.apply(  # type: ignore[no-untyped-call]  # torch's is untyped
-            input, self.weight, self.bias, store
-        )
+        if store is None or weight.is_complex():
+            return F.linear(input, weight, self.bias)
+        out: Tensor = _apply_linear(input, weight, self.bias, store)
         return out
 
 

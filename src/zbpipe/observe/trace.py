@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,32 +50,19 @@ class Tracer:
             self._resolve_cuda()
         return self._events
 
-    @contextmanager
-    def span(self, kind: str, stage: int, microbatch: int) -> Iterator[None]:
+    def span(self, kind: str, stage: int, microbatch: int) -> AbstractContextManager[None]:
+        """Time the ``with`` body as one action (recorded even when the body raises).
+
+        A plain object with ``__enter__``/``__exit__``, not a generator: it runs around every
+        compute action, where a generator-based context manager's few microseconds of host time
+        are paid per microbatch (docs/benchmarks.md, host overhead); disabled, it is a shared
+        no-op.
+        """
         if not self.enabled:
-            yield
-            return
+            return _NO_SPAN
         if self._cuda:
-            start_evt, end_evt = (
-                torch.cuda.Event(enable_timing=True),
-                torch.cuda.Event(enable_timing=True),
-            )
-            start_evt.record()
-            if self._anchor is None:
-                self._anchor = (start_evt, time.perf_counter())
-            try:
-                yield
-            finally:
-                end_evt.record()
-                self._pending.append((kind, stage, microbatch, start_evt, end_evt))
-            return
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._events.append(
-                Event(self.rank, kind, stage, microbatch, start, time.perf_counter())
-            )
+            return _CudaSpan(self, kind, stage, microbatch)
+        return _HostSpan(self, kind, stage, microbatch)
 
     def _resolve_cuda(self) -> None:
         torch.cuda.synchronize()
@@ -99,6 +85,48 @@ class Tracer:
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, (self.rank, self.events), group=group)
         return Trace({rank: list(evs) for rank, evs in gathered})
+
+
+_NO_SPAN = nullcontext()
+
+
+class _HostSpan:
+    """One action timed by the host clock (CPU devices)."""
+
+    __slots__ = ("_tracer", "_kind", "_at_stage", "_mb", "_start")
+
+    def __init__(self, tracer: Tracer, kind: str, stage: int, microbatch: int) -> None:
+        self._tracer, self._kind, self._at_stage, self._mb = tracer, kind, stage, microbatch
+
+    def __enter__(self) -> None:
+        self._start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        t = self._tracer
+        t._events.append(
+            Event(t.rank, self._kind, self._at_stage, self._mb, self._start, time.perf_counter())
+        )
+
+
+class _CudaSpan:
+    """One action timed by a pair of CUDA events (resolved when ``Tracer.events`` is read)."""
+
+    __slots__ = ("_tracer", "_kind", "_at_stage", "_mb", "_start", "_end")
+
+    def __init__(self, tracer: Tracer, kind: str, stage: int, microbatch: int) -> None:
+        self._tracer, self._kind, self._at_stage, self._mb = tracer, kind, stage, microbatch
+
+    def __enter__(self) -> None:
+        t = self._tracer
+        self._start = torch.cuda.Event(enable_timing=True)
+        self._end = torch.cuda.Event(enable_timing=True)
+        self._start.record()
+        if t._anchor is None:
+            t._anchor = (self._start, time.perf_counter())
+
+    def __exit__(self, *exc: object) -> None:
+        self._end.record()
+        self._tracer._pending.append((self._kind, self._at_stage, self._mb, self._start, self._end))
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -51,6 +52,8 @@ from ..memory.saved import (
 )
 
 logger = logging.getLogger(__name__)
+
+_NO_SCOPE = contextlib.nullcontext()
 
 
 class _EveryKey:
@@ -118,13 +121,15 @@ class StageSeam:
         self.engine.claim_linears()
 
     # ------------------------------------------------------------------ F
-    @contextlib.contextmanager
-    def forward(self, stage: Any, mb: int, given: Any = ()) -> Iterator[None]:
+    def forward(self, stage: Any, mb: int, given: Any = ()) -> AbstractContextManager[None]:
         """Around the forward of ``stage`` on ``mb`` (and its loss, on the last stage).
 
         ``given``: what the caller handed in for this microbatch (the first stage's inputs, the
         last stage's target): slices of batches the caller holds for the whole step, each
         counted as its own slice (:func:`~zbpipe.memory.saved.input_storages`).
+
+        Runs once per F: a forward that needs no scope (no saved-tensor holders, no engine)
+        gets a shared no-op, one that needs only the engine's gets that scope itself.
         """
         key = (stage.stage_index, mb)
         split = (
@@ -135,13 +140,24 @@ class StageSeam:
         observer = self.meter
         if self.probe is not None and stage.has_backward:
             observer = self._observers[key] = KeyBytes(self.meter)
+        holders = stage.has_backward and (
+            (split and self.engine.uses_saved_holders) or observer is not None
+        )
+        if holders:
+            return self._forward_holding(stage, key, given, observer, split)
+        if split:
+            return self.engine.forward_scope(key, observer, fused=key in self.store_bw_keys)
+        return _NO_SCOPE
+
+    @contextlib.contextmanager
+    def _forward_holding(
+        self, stage: Any, key: Key, given: Any, observer: Observer | None, split: bool
+    ) -> Iterator[None]:
+        """:meth:`forward` with the saved-tensor holders installed (and the engine's scope)."""
+        skip = param_storages(stage.submod.parameters())
+        saved = self._saved[key] = SavedTensors(observer, skip, input_storages(given))
         with contextlib.ExitStack() as scope:
-            if stage.has_backward and (
-                (split and self.engine.uses_saved_holders) or observer is not None
-            ):
-                skip = param_storages(stage.submod.parameters())
-                saved = self._saved[key] = SavedTensors(observer, skip, input_storages(given))
-                scope.enter_context(saved.hooks())
+            scope.enter_context(saved.hooks())
             if split:
                 fused = key in self.store_bw_keys
                 scope.enter_context(self.engine.forward_scope(key, observer, fused=fused))
