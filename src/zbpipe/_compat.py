@@ -270,9 +270,10 @@ def autograd_function_apply(cls: type[torch.autograd.Function]) -> Callable[...,
     wrappers among the arguments (``torch._functorch.utils.unwrap_dead_wrappers``) and calls
     it. This does the same, minus the wrapper's own calls (about 2 us a call on this
     project's CPU, paid by every patched Linear in every F): under an active transform it calls
-    ``cls.apply`` (torch's path, and its error for a Function without ``setup_context``), else
-    unwraps each tensor argument (``torch._C._functorch.unwrap_if_dead``) and enters C++. On
-    torch 2.14, where ``Function.apply`` is the entry point itself, it returns that.
+    ``cls.apply`` (torch's path, and its error for a Function without ``setup_context``), as it
+    does for keyword arguments and while dynamo traces, else unwraps each tensor argument
+    (``torch._C._functorch.unwrap_if_dead``) and enters C++. On torch 2.14, where
+    ``Function.apply`` is the entry point itself, it returns that.
     """
     entry = torch._C._FunctionBase.__dict__["apply"]
     fast = entry.__get__(None, cls)
@@ -285,9 +286,14 @@ def autograd_function_apply(cls: type[torch.autograd.Function]) -> Callable[...,
     slow = cls.apply
     tensor = torch.Tensor
 
-    def apply(*args: Any) -> Any:
-        if transforms_active():
-            return slow(*args)  # type: ignore[no-untyped-call]  # torch's apply is untyped
+    compiling = torch.compiler.is_compiling
+
+    def apply(*args: Any, **kwargs: Any) -> Any:
+        # torch's own path for what its wrapper does beyond unwrapping: keyword arguments (it
+        # binds them), functorch transforms, and dynamo, which traces cls.apply but skips the
+        # C++ entry point (a graph break; an error under fullgraph=True on torch 2.11)
+        if kwargs or transforms_active() or compiling():
+            return slow(*args, **kwargs)  # type: ignore[no-untyped-call]  # torch's is untyped
         return fast(*[unwrap(a) if isinstance(a, tensor) else a for a in args])
 
     return apply

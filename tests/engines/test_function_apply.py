@@ -104,3 +104,28 @@ def test_the_private_autograd_names_exist(owner, name):
     for part in parts[1:]:
         obj = getattr(obj, part)
     assert hasattr(obj, name) or name in getattr(obj, "__dict__", {}), f"{owner}.{name}"
+
+
+def test_keyword_arguments_take_torchs_path():
+    """A keyword argument goes to ``Fn.apply`` (torch 2.13 binds it; the C++ entry takes none;
+    torch 2.11 refuses it, and so must the helper)."""
+    try:
+        ref = _run(lambda x, w: Scale.apply(x, w, tag="t"), ())
+    except TypeError:
+        with pytest.raises(TypeError):
+            _run(lambda x, w: C.autograd_function_apply(Scale)(x, w, tag="t"), ())
+        return
+    ours = _run(lambda x, w: C.autograd_function_apply(Scale)(x, w, tag="t"), ())
+    for a, b in zip(ours, ref):
+        assert torch.equal(a, b)
+
+
+def test_traced_by_dynamo_as_fn_apply_with_fullgraph():
+    """Under torch.compile the helper calls ``Fn.apply``, which dynamo traces (it skips the C++
+    entry point: a graph break, an error under fullgraph=True on torch 2.11)."""
+    apply = C.autograd_function_apply(Scale)
+    compiled = torch.compile(lambda x, w: apply(x, w, None), backend="eager", fullgraph=True)
+    ours = _run(lambda x, w, _tag: compiled(x, w), (None,))
+    ref = _run(Scale.apply, (None,))
+    for a, b in zip(ours, ref):
+        assert torch.equal(a, b)

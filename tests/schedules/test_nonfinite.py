@@ -70,3 +70,15 @@ def test_flags_match_a_per_loss_reference(losses):
     check = NonfiniteLosses(rank=0)
     check.record(losses)
     assert check.resolve() == _reference(losses)
+
+
+@pytest.mark.dist
+def test_dtensor_losses_are_checked_as_their_full_values():
+    """A DTensor loss (loss_parallel under tensor parallelism) is checked as the value it
+    stands for: the flags are gathered on the mesh, where .tolist() of a DTensor raised."""
+    from tests.schedules import _nonfinite_cases as cases
+    from zbpipe.testing import run_ranks
+
+    # expected, from the full values: replicated [1, nan]; partial sums [1 + 2, 1 + inf]
+    expected = {"replicate": [1], "partial": [1]}
+    assert run_ranks(cases.dtensor_losses, 2, timeout=120) == [expected, expected]

@@ -139,7 +139,8 @@ class ScheduleContinuous(ContinuousActions, C.PipelineScheduleMultiBase):
     ``optimizer``: an optimizer over this stage's parameters, or a factory
     ``callable(params) -> Optimizer`` called with them (either works in every mode: the
     optimizer always steps the module's own parameters; 2bw/stash keep their weight versions
-    as separate copies). The schedule owns the step and the gradients (it sets them to None).
+    as separate copies). The schedule owns the step and the gradients (it sets them to None;
+    2bw/stash reuse their memory afterwards, so a hook that keeps one must copy it).
     ``mode``: ``"sync"`` (default, exact synchronous semantics), ``"2bw"`` or ``"stash"``.
     ``post_validate``: keyword arguments of :class:`~zbpipe.continuous.optim.PostValidatedStep`
     (``max_norm``, ``check_finite``) to clip by the global gradient norm / skip non-finite steps

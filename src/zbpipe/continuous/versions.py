@@ -323,12 +323,10 @@ class WeightVersions:
     def _copy_master(self, into: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
         """The master weights copied into a recycled (else new) set of buffers; ``into``: buffers
         to use first (aligned with the masters; ``None`` where none fits)."""
-        if into is not None and all(b is not None for b in into):
-            own = [b for b in into if b is not None]
-        else:
+        if into is None:
             own = self._take_spare()
-            if into is not None:
-                own = [b if b is not None else t for b, t in zip(into, own)]
+        else:  # fresh memory only where no buffer fits
+            own = [torch.empty_like(t) if b is None else b for b, t in zip(into, self._masters)]
         with torch.no_grad():
             for b, t in zip(own, self._masters):
                 b.copy_(t)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 
 import torch
+from torch.distributed.tensor import DTensor
 
 # The logger docs/errors.md names: the runtime's (the warning moved here from runtime.py).
 logger = logging.getLogger("zbpipe.schedules.runtime")
@@ -76,5 +77,9 @@ def _nonfinite_flags(losses: list[torch.Tensor]) -> torch.Tensor:
         if all(
             x.dim() == 0 and x.dtype == first.dtype and x.device == first.device for x in losses
         ):
-            return torch.isfinite(torch.stack(losses)).logical_not_()
-        return torch.stack([~torch.isfinite(x).all() for x in losses])
+            flags = torch.isfinite(torch.stack(losses)).logical_not_()
+        else:
+            flags = torch.stack([~torch.isfinite(x).all() for x in losses])
+        # A DTensor loss (tensor parallelism's loss_parallel) gives DTensor flags, which
+        # .tolist() refuses: every rank of its mesh reaches this point, so gather them here.
+        return flags.full_tensor() if isinstance(flags, DTensor) else flags
