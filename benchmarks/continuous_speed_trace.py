@@ -136,26 +136,23 @@ def _instrument(clock: _Clock) -> None:
 
     post = actions._post
     actions._post = lambda op: _TimedWork(post(op))  # type: ignore[assignment]
-    cls = actions.ContinuousActions
-    for attr, name in (
-        ("_forward", "F"),
-        ("_backward_input", "B"),
-        ("_backward_weight", "W"),
-        ("_optimizer_step", "step"),
+    acts, wv = actions.ContinuousActions, WeightVersions
+    for owner, attr, name in (
+        (acts, "_forward", "F"),
+        (acts, "_backward_input", "B"),
+        (acts, "_backward_weight", "W"),
+        (acts, "_optimizer_step", "step"),
+        (wv, "updated", "copy"),
+        (wv, "before_step", "copy"),
+        (wv, "acquire", "acquire"),
+        (wv, "prepare_grads", "grads"),
+        (wv, "withdraw_offers", "grads"),
+        (wv, "take_grads", "grads"),
+        (wv, "recycle_grads", "grads"),
+        (wv, "release", "release"),
     ):
-        setattr(cls, attr, clock.wrap(name, getattr(cls, attr)))
+        setattr(owner, attr, clock.wrap(name, getattr(owner, attr)))
     PendingSends.post = clock.wrap("send", PendingSends.post)  # type: ignore[method-assign]
-    for attr, name in (
-        ("updated", "copy"),
-        ("before_step", "copy"),
-        ("acquire", "acquire"),
-        ("prepare_grads", "grads"),
-        ("withdraw_offers", "grads"),
-        ("take_grads", "grads"),
-        ("recycle_grads", "grads"),
-        ("release", "release"),
-    ):
-        setattr(WeightVersions, attr, clock.wrap(name, getattr(WeightVersions, attr)))
     ModuleSlots.install = clock.wrap("install", ModuleSlots.install)  # type: ignore[method-assign]
     ModuleSlots.restore = clock.wrap("install", ModuleSlots.restore)  # type: ignore[method-assign]
     torch.optim.SGD.step = clock.wrap("opt", torch.optim.SGD.step)  # type: ignore[method-assign]
