@@ -285,7 +285,6 @@ def autograd_function_apply(cls: type[torch.autograd.Function]) -> Callable[...,
     unwrap = torch._C._functorch.unwrap_if_dead
     slow = cls.apply
     tensor = torch.Tensor
-
     compiling = torch.compiler.is_compiling
 
     def apply(*args: Any, **kwargs: Any) -> Any:

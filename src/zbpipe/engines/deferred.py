@@ -263,7 +263,7 @@ class DeferredEngine:
         """
         store = self._stores[key] = WeightGradStore(meter, exact=self.exact)
         store.immediate = fused
-        return _SlotHolding(self._slots[key[0]], store)
+        return self._slot_holding(key[0], store)
 
     def backward_input(
         self,

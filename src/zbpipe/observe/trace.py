@@ -90,13 +90,19 @@ class Tracer:
 _NO_SPAN = nullcontext()
 
 
-class _HostSpan:
-    """One action timed by the host clock (CPU devices)."""
+class _Span:
+    """One action of ``tracer``: what it is (kind, stage, microbatch); subclasses time it."""
 
-    __slots__ = ("_tracer", "_kind", "_at_stage", "_mb", "_start")
+    __slots__ = ("_tracer", "_kind", "_at_stage", "_mb")
 
     def __init__(self, tracer: Tracer, kind: str, stage: int, microbatch: int) -> None:
         self._tracer, self._kind, self._at_stage, self._mb = tracer, kind, stage, microbatch
+
+
+class _HostSpan(_Span):
+    """One action timed by the host clock (CPU devices)."""
+
+    __slots__ = ("_start",)
 
     def __enter__(self) -> None:
         self._start = time.perf_counter()
@@ -108,13 +114,10 @@ class _HostSpan:
         )
 
 
-class _CudaSpan:
+class _CudaSpan(_Span):
     """One action timed by a pair of CUDA events (resolved when ``Tracer.events`` is read)."""
 
-    __slots__ = ("_tracer", "_kind", "_at_stage", "_mb", "_start", "_end")
-
-    def __init__(self, tracer: Tracer, kind: str, stage: int, microbatch: int) -> None:
-        self._tracer, self._kind, self._at_stage, self._mb = tracer, kind, stage, microbatch
+    __slots__ = ("_start", "_end")
 
     def __enter__(self) -> None:
         t = self._tracer

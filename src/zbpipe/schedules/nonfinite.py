@@ -18,7 +18,8 @@ from __future__ import annotations
 import logging
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from .. import _compat as C
 
 # The logger docs/errors.md names: the runtime's (the warning moved here from runtime.py).
 logger = logging.getLogger("zbpipe.schedules.runtime")
@@ -82,4 +83,4 @@ def _nonfinite_flags(losses: list[torch.Tensor]) -> torch.Tensor:
             flags = torch.stack([~torch.isfinite(x).all() for x in losses])
         # A DTensor loss (tensor parallelism's loss_parallel) gives DTensor flags, which
         # .tolist() refuses: every rank of its mesh reaches this point, so gather them here.
-        return flags.full_tensor() if isinstance(flags, DTensor) else flags
+        return flags.full_tensor() if C.is_dtensor(flags) else flags
