@@ -20,8 +20,8 @@ from paper_table5 import profiled_costs
 from results_io import write_result
 
 from zbpipe.planning import Costs
-from zbpipe.planning.auto import plan_zb1p, plan_zb2p
-from zbpipe.planning.zbv import plan_zbv
+from zbpipe.planning.loop.heuristic import plan_zb1p, plan_zb2p
+from zbpipe.planning.v.zbv import plan_zbv
 
 COSTS_28B = profiled_costs("28.3B", (10.402, 10.248, 7.698, 0.460))  # the paper's Table 9
 CASES = [  # (label, generator, p, m, costs)

@@ -1,4 +1,5 @@
-"""The continuous schedule against flushed steps, from the simulator (docs/continuous.md's table).
+"""The continuous schedule against flushed steps, from the simulator (the table of
+docs/use/continuous.md).
 
 For each (p, m, N mini-batches, costs) it simulates
   * ``continuous``: ``plan_continuous`` in sync mode, and in 2bw / stash mode;
@@ -21,13 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from results_io import write_result
 
-from zbpipe.planning.continuous_plan import plan_continuous
+from zbpipe.planning.continuous.periods import plan_continuous
 from zbpipe.planning.core import Action, loop_placement, make_plan
 from zbpipe.planning.costs import Costs
+from zbpipe.planning.loop.onef1b import plan_1f1b
+from zbpipe.planning.loop.zbh1 import plan_zbh1
 from zbpipe.planning.metrics import bubble_rate
-from zbpipe.planning.onef1b import plan_1f1b
 from zbpipe.planning.simulator import simulate
-from zbpipe.planning.zbh1 import plan_zbh1
 
 CASES = [  # (p, m, N, costs label, costs)
     (4, 8, 20, "unit", Costs()),

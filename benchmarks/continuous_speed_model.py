@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from results_io import write_result
 
-from zbpipe.planning.continuous_plan import ContinuousParts, plan_continuous, step_positions
-from zbpipe.planning.continuous_stream import minibatches_apart, stream_parts
+from zbpipe.planning.continuous.periods import ContinuousParts, plan_continuous, step_positions
+from zbpipe.planning.continuous.stale_orders import minibatches_apart, stream_parts
 from zbpipe.planning.core import Plan, loop_placement, make_plan
 
 

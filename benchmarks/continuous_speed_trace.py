@@ -225,7 +225,7 @@ def replays(rows: dict[str, Any], m: int, n: int, modes: tuple[str, ...]) -> dic
     """The plans replayed with the measured costs (see the module docstring)."""
     from continuous_speed_model import replay
 
-    from zbpipe.planning.continuous_plan import plan_continuous
+    from zbpipe.planning.continuous.periods import plan_continuous
 
     out: dict[str, Any] = {}
     for key in ("median_ms", "cpu_median_ms"):

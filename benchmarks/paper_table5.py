@@ -30,13 +30,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from zbpipe.planning.auto import plan_zb1p, plan_zb2p  # noqa: E402
 from zbpipe.planning.costs import Costs  # noqa: E402
-from zbpipe.planning.milp import refine, warmup_bound  # noqa: E402
-from zbpipe.planning.onef1b import plan_1f1b  # noqa: E402
+from zbpipe.planning.loop.heuristic import plan_zb1p, plan_zb2p  # noqa: E402
+from zbpipe.planning.loop.onef1b import plan_1f1b  # noqa: E402
+from zbpipe.planning.loop.zbh1 import plan_zbh1  # noqa: E402
+from zbpipe.planning.loop.zbh2 import plan_zbh2  # noqa: E402
+from zbpipe.planning.search.milp import refine, warmup_bound  # noqa: E402
 from zbpipe.planning.simulator import simulate  # noqa: E402
-from zbpipe.planning.zbh1 import plan_zbh1  # noqa: E402
-from zbpipe.planning.zbh2 import plan_zbh2  # noqa: E402
 
 # Table 3 (model, layers L, heads a, hidden h, seq s, microbatch b, p) and Table 5 (m, bubble rates
 # 1F1B, 1F1B-I, ZB-H1, ZB-H2, ZB-1p, ZB-2p) and Table 9 (profiled T_F, T_B, T_W, T_comm).

@@ -1,6 +1,7 @@
 """Memory against bubbles for every schedule zbpipe knows, from the simulator.
 
-Writes the table in docs/choosing-a-schedule.md's appendix (docs/schedule-table.md) and JSON.
+Writes the table in docs/use/choosing-a-schedule.md's appendix
+(docs/reference/schedule-table.md) and JSON.
 Costs describe the model cut into p stages; V and interleaved schedules get half-size chunks,
 so every row is the same model. Memory is the busiest rank's peak in units of one stage's
 activations for one microbatch (1F1B holds p of them).
@@ -53,7 +54,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("-p", type=int, default=8)
     ap.add_argument("-m", type=int, default=24)
-    ap.add_argument("--md", default="docs/schedule-table.md")
+    ap.add_argument("--md", default="docs/reference/schedule-table.md")
     ap.add_argument("--json", default="benchmarks/results/schedule_table.json")
     args = ap.parse_args()
     t0 = time.perf_counter()

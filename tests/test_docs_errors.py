@@ -1,7 +1,8 @@
-"""docs/errors.md stays true to the code: every phrase it lists occurs in a message under
+"""docs/reference/errors.md stays true to the code: every phrase it lists occurs in a message under
 src/zbpipe, and every error message raised with a literal text under src/zbpipe is listed there.
 
-Format read from docs/errors.md: each markdown table whose header's first cell is ``message``;
+Format read from docs/reference/errors.md: each markdown table whose header's first cell is
+``message``;
 in each data row the first cell holds one phrase in backticks. ``{}`` in a phrase stands for a
 run-time value (an f-string replacement field); ``\\|`` is a ``|`` escaped for the table.
 Messages are compared as the code's string literals, with adjacent literals joined and each
@@ -20,7 +21,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "zbpipe"
-DOC = ROOT / "docs" / "errors.md"
+DOC = ROOT / "docs" / "reference" / "errors.md"
 
 #: exception types whose literal messages must be documented
 CHECKED = {"ValueError", "RuntimeError", "PlanError", "ImportError", "TypeError"}
@@ -64,7 +65,8 @@ def raised_messages(src: Path) -> list[tuple[str, str]]:
 
 
 def doc_phrases(doc_text: str) -> list[str]:
-    """The stable phrases of docs/errors.md (first cell of every row of a ``message`` table)."""
+    """The stable phrases of docs/reference/errors.md (first cell of every row of a ``message``
+    table)."""
     phrases = []
     in_table = False
     for line in doc_text.splitlines():
@@ -99,13 +101,13 @@ def test_the_doc_lists_many_phrases_and_no_duplicates():
     # A format change that silently makes the parser find nothing must fail here.
     assert len(PHRASES) >= 100, len(PHRASES)
     dup = {p for p in PHRASES if PHRASES.count(p) > 1}
-    assert not dup, f"listed twice in docs/errors.md: {sorted(dup)}"
+    assert not dup, f"listed twice in docs/reference/errors.md: {sorted(dup)}"
 
 
 def test_every_listed_phrase_occurs_in_the_source():
     missing = missing_phrases(PHRASES, SRC)
     assert not missing, (
-        "docs/errors.md lists messages no longer in src/zbpipe (update the rows): "
+        "docs/reference/errors.md lists messages no longer in src/zbpipe (update the rows): "
         + "; ".join(missing)
     )
 
@@ -116,7 +118,9 @@ def test_every_raised_message_is_listed():
         for where, text in raised_messages(SRC)
         if not any(p in text for p in PHRASES)
     ]
-    assert not undocumented, "add these messages to docs/errors.md:\n" + "\n".join(undocumented)
+    assert not undocumented, "add these messages to docs/reference/errors.md:\n" + "\n".join(
+        undocumented
+    )
 
 
 def test_removing_a_phrase_from_the_code_is_detected(tmp_path):

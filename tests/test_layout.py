@@ -1,10 +1,10 @@
 """The package's folders are its layers: imports only go down, no file imports itself back.
 
-docs/architecture.md has the map. Each folder (or top-level module) of ``src/zbpipe`` has a layer;
-a module may import from its own folder or from a lower layer, never from a higher one, and the
-files import no circle (a ``TYPE_CHECKING`` import and an import inside a function count too:
-both are the same dependency, paid later). The checks read the source with :mod:`ast`, so they
-need no torch; each is also run on a small hand-made package where it must find the fault.
+docs/design/architecture.md has the map. Each folder (or top-level module) of ``src/zbpipe`` has
+a layer; a module may import from its own folder or from a lower layer, never from a higher one,
+and the files import no circle (a ``TYPE_CHECKING`` import and an import inside a function count
+too: both are the same dependency, paid later). The checks read the source with :mod:`ast`, so
+they need no torch; each is also run on a small hand-made package where it must find the fault.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
-#: layer of each folder / top-level module (docs/architecture.md): lower never imports higher
+#: layer of each folder / top-level module (docs/design/architecture.md): lower never imports higher
 LAYERS: dict[str, int] = {
     "planning": 0,  # plans, costs, simulator: pure Python
     "_compat": 1,  # every private torch name
@@ -26,8 +26,8 @@ LAYERS: dict[str, int] = {
     "testing": 1,  # multi-process launcher and tiny models (no zbpipe import)
     "memory": 2,  # saved tensors, meter, probe
     "engines": 3,  # how B and W run
-    "observe": 4,  # traces, timelines, pictures, profiling and re-planning
-    "schedules": 5,  # public classes, planned runtime, stage seam, sends, inputs, validation
+    "observe": 4,  # traces, timelines, pictures, measured costs, rank agreement
+    "schedules": 5,  # public classes, runtime, seam, sends, inputs, validation, re-planning
     "continuous": 6,  # the flush-free schedule
     "integrations": 7,  # schedule names, torch's plans, torchtitan
     "torchtitan": 7,  # the public name of integrations.torchtitan
@@ -208,7 +208,7 @@ def test_every_module_named_in_a_string_exists():
 
 
 def test_the_architecture_map_gives_every_folder_its_layer():
-    table = (SRC.parent / "docs" / "architecture.md").read_text()
+    table = (SRC.parent / "docs" / "design" / "architecture.md").read_text()
     rows = re.findall(r"^\| (\d) \| (.+?) \|", table, flags=re.M)
     documented = {
         name.strip("`/").removesuffix(".py"): int(layer)
@@ -224,6 +224,76 @@ def test_no_import_circle_between_files():
 
 def test_long_modules_and_functions_say_why():
     assert too_long_without_reason(SRC, "zbpipe") == []
+
+
+#: hard limit on a module's length, reason or not (issue 36)
+HARD_MODULE_LINES = 600
+
+
+def test_no_module_is_over_the_hard_limit():
+    long = {
+        str(p.relative_to(SRC)): n
+        for p in (SRC / "zbpipe").rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > HARD_MODULE_LINES
+    }
+    assert long == {}, f"split these modules (over {HARD_MODULE_LINES} lines): {long}"
+
+
+def test_no_two_modules_share_a_file_name():
+    """A file name says which module it is: ``choose.py`` in two folders said nothing."""
+    seen: dict[str, list[str]] = {}
+    for p in (SRC / "zbpipe").rglob("*.py"):
+        if p.name != "__init__.py":
+            seen.setdefault(p.name, []).append(str(p.relative_to(SRC)))
+    assert {n: ps for n, ps in seen.items() if len(ps) > 1} == {}
+
+
+def attributes_defined(path: Path) -> set[str]:
+    """Methods and annotated attributes of the classes in ``path``, and ``self.x`` it assigns."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ClassDef):
+            for f in node.body:
+                if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    out.add(f.name)
+                elif isinstance(f, ast.AnnAssign) and isinstance(f.target, ast.Name):
+                    out.add(f.target.id)
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Store)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "self"
+        ):
+            out.add(node.attr)
+    return out
+
+
+#: attribute names that zbpipe's higher layers define but that also name a builtin's, torch's or
+#: a library's attribute, which lower layers read on those objects (a set's ``add``, a process
+#: group's ``group``, scipy's ``status``, a queue's ``put``, a socket's ``bind``)
+SHARED_ATTRIBUTE_NAMES = {"add", "clear", "group", "status", "put", "bind", "scale_grads"}
+
+
+def upward_attribute_uses(root: Path, package: str, layers: dict[str, int]) -> list[str]:
+    """Attribute reads, writes and calls in a module of names that only classes of higher
+    layers define: a call made through ``Any`` (a schedule's ``build_plan`` from observe/, say)
+    that the import check cannot see, because nothing was imported."""
+    files = {_module_name(root, p): p for p in (root / package).rglob("*.py")}
+    defined = {m: attributes_defined(p) for m, p in files.items()}
+    layer = {m: layers[_unit(m)] for m in files}
+    out = []
+    for module, path in sorted(files.items()):
+        own = set().union(*(defined[m] for m in files if layer[m] <= layer[module]))
+        higher = set().union(*(defined[m] for m in files if layer[m] > layer[module]))
+        only_higher = higher - own - SHARED_ATTRIBUTE_NAMES
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in only_higher:
+                out.append(f"{module}:{node.lineno} .{node.attr}")
+    return out
+
+
+def test_no_module_reaches_an_attribute_only_a_higher_layer_defines():
+    assert upward_attribute_uses(SRC, "zbpipe", LAYERS) == []
 
 
 @pytest.fixture
@@ -289,3 +359,12 @@ def test_the_length_check_wants_a_reason(toy: Path):
     ]
     (toy / "toy/low/a.py").write_text(f'def f():\n    """Long because it must."""\n{body}')
     assert too_long_without_reason(toy, "toy") == []
+
+
+def test_the_upward_attribute_check_finds_a_call_through_any(toy: Path):
+    (toy / "toy/high/b.py").write_text(
+        "class Sched:\n    def build_plan(self):\n        return 1\n"
+    )
+    assert upward_attribute_uses(toy, "toy", TOY_LAYERS) == []
+    (toy / "toy/low/a.py").write_text("def replan(sched):\n    return sched.build_plan()\n")
+    assert upward_attribute_uses(toy, "toy", TOY_LAYERS) == ["toy.low.a:2 .build_plan"]

@@ -34,10 +34,10 @@ _LAZY: dict[str, str] = {
     "ProfileConfig": "zbpipe.observe.profile",
     "SavedActivationMeter": "zbpipe.memory",
     "register": "zbpipe.integrations.names",
-    "ScheduleAuto": "zbpipe.schedules.auto",
-    "ScheduleAutoV": "zbpipe.schedules.auto",
-    "choose_schedule": "zbpipe.schedules.auto",
-    "choose_plan": "zbpipe.planning.choose",
+    "ScheduleAuto": "zbpipe.schedules.chooser",
+    "ScheduleAutoV": "zbpipe.schedules.chooser",
+    "choose_schedule": "zbpipe.schedules.chooser",
+    "choose_plan": "zbpipe.planning.search.within_budget",
 }
 
 __all__ = ["Action", "Costs", "Plan", "PlanError", "SimResult", "simulate", *_LAZY]

@@ -1,4 +1,5 @@
-"""``zbpipe.backward``, the public name of the graph split backward (docs/api.md); it lives in
+"""``zbpipe.backward``, the public name of the graph split backward (docs/reference/api.md); it
+lives in
 :mod:`zbpipe.engines` now, this module only keeps the documented import working."""
 
 from .engines.fused import backward_full

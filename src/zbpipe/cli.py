@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from .integrations.plans import plan  # zbpipe's names and torch's ("torch:<Name>"), one lookup
 from .planning import Costs, Plan, PlanError, SimResult, known_names, plan_to_csv, simulate
-from .planning.continuous_tradeoff import continuous_tradeoff
+from .planning.continuous.tradeoff import continuous_tradeoff
 
 
 def _costs_arg(text: str) -> Costs:
@@ -142,7 +142,7 @@ def chunk_costs(costs: Costs, p: Plan) -> Costs:
     """Costs of one chunk when ``p`` cuts the same model into more stages than ranks.
 
     ``--costs`` describe the model split into ``num_ranks`` stages; a plan with ``k`` stages per
-    rank gets each stage's cost divided by ``k`` (docs/architecture.md: comparisons keep the
+    rank gets each stage's cost divided by ``k`` (docs/design/architecture.md: comparisons keep the
     model fixed).
     """
     k = p.num_stages // p.num_ranks
@@ -221,7 +221,7 @@ def _cmd_choose(args: argparse.Namespace) -> int:
     import dataclasses
 
     from .planning.budget import format_bytes, is_budget_string, parse_budget
-    from .planning.choose import choose_plan
+    from .planning.search.within_budget import choose_plan
 
     p = args.num_ranks
     in_bytes = is_budget_string(args.budget) and not args.budget.strip().replace(".", "").isdigit()

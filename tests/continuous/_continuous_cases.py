@@ -255,7 +255,7 @@ def stash_versions(world: int, m: int, n: int) -> Callable[[int, int], int]:
     The version of microbatch g on stage s is the number of optimizer steps stage s has taken
     before F(s, g) in its order; a step follows the m-th W of a mini-batch.
     """
-    from zbpipe.planning.continuous_plan import plan_continuous
+    from zbpipe.planning.continuous.periods import plan_continuous
 
     plan = plan_continuous(world, m, n_minibatches=n, mode="stash")
     table: dict[tuple[int, int], int] = {}

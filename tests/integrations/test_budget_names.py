@@ -7,7 +7,7 @@ import pytest
 
 import zbpipe
 from zbpipe.integrations.names import lookup_zbpipe, register, unregister
-from zbpipe.schedules.auto import ScheduleAuto, ScheduleAutoV
+from zbpipe.schedules.chooser import ScheduleAuto, ScheduleAutoV
 from zbpipe.schedules.classes import ScheduleZBAuto
 
 

@@ -9,7 +9,7 @@ import pytest
 import zbpipe
 from tests.integrations import _profile_name_cases as cases
 from zbpipe.integrations.names import lookup_zbpipe, register, unregister
-from zbpipe.schedules.auto import ScheduleAuto, ScheduleAutoV
+from zbpipe.schedules.chooser import ScheduleAuto, ScheduleAutoV
 from zbpipe.schedules.classes import ScheduleZBH1, ScheduleZBV
 from zbpipe.testing import run_ranks
 

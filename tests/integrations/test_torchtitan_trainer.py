@@ -17,7 +17,7 @@ Needs torch >= 2.14 (torchtitan 0.3.0's Trainer calls ``step(arg_mbs=...)``, whi
 built-in schedules lack) and torchtitan's training dependencies; CI runs it in its torch 2.14.1
 environment (``pytest -m torchtitan_trainer``). Deselected by default, never skipped: a missing
 package fails the run. With ``ZBPIPE_WRITE_RESULTS=1`` the losses are stored in
-benchmarks/results/torchtitan_trainer_losses.json (docs/torchtitan.md quotes them).
+benchmarks/results/torchtitan_trainer_losses.json (docs/use/torchtitan.md quotes them).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ RUNS = {
     "torchtitan 1F1B, compiled": ("1F1B", "full", True),
     "torchtitan 1F1B, compiled, selective AC": ("1F1B", "selective", True),
     # ":profile" (costs measured on the first steps, the plan re-made for them) on a compiled
-    # run: the name form a torchtitan config uses (docs/torchtitan.md), in a launch that exists
+    # run: the name form a torchtitan config uses (docs/use/torchtitan.md), in a launch that exists
     # anyway
     "zbpipe ZBV:profile, compiled": ("ZBV:profile", "full", True),
 }
@@ -145,7 +145,7 @@ def assert_w_has_the_weight_gemms(log: str) -> None:
     (every weight GEMM in B) W measured 0.1-0.3 ms against B's 66-124 ms, W / B about 0.002;
     with the split, on this model with full AC (B also recomputes each block), 0.07. The
     compiled run too: before its Linears' weight GEMMs reached W (FSDP2 hands compiled code its
-    unsharded parameters, not the sharded DTensors routed; docs/torchtitan.md) its W held only
+    unsharded parameters, not the sharded DTensors routed; docs/use/torchtitan.md) its W held only
     the eager Linears' GEMMs, W / B about 0.01; with them, 0.09 to 0.22. A functional check
     read off one run's own times, far from the broken values (not a speed threshold)."""
     found = re.search(r"B=\[([^\]]*)\] W=\[([^\]]*)\]", log)

@@ -15,7 +15,8 @@ import zbpipe
 from tests.schedules._losses import mse
 from zbpipe.memory import SavedActivationMeter
 
-D, R, M = 8, 4, 2  # R != D: stage 0's rule for activation nodes reads shapes (docs/backward.md)
+# R != D: stage 0's rule for activation nodes reads shapes (docs/design/backward.md)
+D, R, M = 8, 4, 2
 UNIT = R * D * 4  # bytes of one activation
 
 

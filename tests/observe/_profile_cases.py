@@ -15,8 +15,8 @@ import zbpipe
 from tests.schedules._dist_cases import reference_grads
 from zbpipe.observe.agree import config_fingerprint
 from zbpipe.observe.profile import ProfileConfig
-from zbpipe.observe.replan import agree_on_plan
 from zbpipe.planning import Costs, plan
+from zbpipe.schedules.replan import agree_on_plan
 from zbpipe.testing.models import Block, TinyGPTConfig, build_stages, lm_loss, synthetic_batch
 
 # Wide enough that a block's compute, not the runtime's per-action overhead, dominates F.
@@ -57,7 +57,7 @@ def profiled_training(rank, world, schedule, m, steps, extra_last_blocks=0, opti
     mods = build_model(num_stages, extra_last_blocks, seed)
     mine = sorted(s for s, r in cls.stage_index_to_rank(world).items() if r == rank)
     stages = [PipelineStage(mods[s], s, num_stages, torch.device("cpu")) for s in mine]
-    log = logging.getLogger("zbpipe.observe.replan")
+    log = logging.getLogger("zbpipe.schedules.replan")
     handler = _Collect()
     log.addHandler(handler)
     log.setLevel(logging.INFO)

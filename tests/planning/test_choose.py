@@ -15,7 +15,7 @@ import pytest
 
 from zbpipe.planning import Costs, plan, simulate
 from zbpipe.planning.budget import parse_budget
-from zbpipe.planning.choose import choose_plan
+from zbpipe.planning.search.within_budget import choose_plan
 
 P, M = 4, 8
 

@@ -3,12 +3,12 @@
 import pytest
 
 from zbpipe.planning import Costs
-from zbpipe.planning.continuous_tradeoff import continuous_tradeoff
+from zbpipe.planning.continuous.tradeoff import continuous_tradeoff
 
 
 def test_few_microbatches_sync_pays_the_round_trip_and_2bw_saves_it():
     """p = 4, m = 4 < 2p - 1, unit costs: sync continuous is N flushed ZB-H1 steps (15 per
-    mini-batch, docs/continuous.md); the 2bw stream (1F1B, W after B) needs 3m = 12 per
+    mini-batch, docs/use/continuous.md); the 2bw stream (1F1B, W after B) needs 3m = 12 per
     mini-batch plus its warm-up and drain spread over the 8 joined mini-batches."""
     t = continuous_tradeoff(4, 4)
     assert t.sync_per_minibatch == pytest.approx(15.0)

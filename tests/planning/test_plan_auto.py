@@ -7,7 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zbpipe.planning.auto import (
+from zbpipe.planning.core import loop_placement, make_plan
+from zbpipe.planning.costs import Costs
+from zbpipe.planning.loop.heuristic import (
     STRATEGIES,
     AutoStrategy,
     list_schedule,
@@ -15,12 +17,10 @@ from zbpipe.planning.auto import (
     plan_zb1p,
     plan_zb2p,
 )
-from zbpipe.planning.core import loop_placement, make_plan
-from zbpipe.planning.costs import Costs
-from zbpipe.planning.onef1b import plan_1f1b
+from zbpipe.planning.loop.onef1b import plan_1f1b
+from zbpipe.planning.loop.zbh1 import plan_zbh1
+from zbpipe.planning.loop.zbh2 import plan_zbh2
 from zbpipe.planning.simulator import simulate
-from zbpipe.planning.zbh1 import plan_zbh1
-from zbpipe.planning.zbh2 import plan_zbh2
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import paper_table5 as t5  # noqa: E402

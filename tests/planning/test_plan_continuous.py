@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zbpipe.planning.continuous_plan import (
+from zbpipe.planning.continuous.periods import (
     MODES,
     check_continuous,
     continuous_parts,
@@ -13,10 +13,10 @@ from zbpipe.planning.continuous_plan import (
 )
 from zbpipe.planning.core import Action, PlanError, loop_placement, make_plan
 from zbpipe.planning.costs import Costs
+from zbpipe.planning.loop.onef1b import plan_1f1b
+from zbpipe.planning.loop.zbh1 import plan_zbh1
 from zbpipe.planning.metrics import bubble_rate
-from zbpipe.planning.onef1b import plan_1f1b
 from zbpipe.planning.simulator import simulate
-from zbpipe.planning.zbh1 import plan_zbh1
 
 
 def idle(result):
@@ -274,7 +274,7 @@ def test_deferred_w_on_the_last_rank_shortens_the_stream(mode):
 
 def test_minibatches_apart_on_hand_written_orders():
     """A rank's mini-batches are apart when no pass of k + 1 comes before a pass of k (m = 2)."""
-    from zbpipe.planning.continuous_stream import minibatches_apart
+    from zbpipe.planning.continuous.stale_orders import minibatches_apart
 
     def order(text):
         return [Action(0, t[0], int(t[1:])) for t in text.split()]
@@ -291,7 +291,7 @@ def test_minibatches_apart_on_hand_written_orders():
 def test_the_last_rank_of_a_2bw_stream_runs_its_minibatches_apart(p, m):
     """Where the runtime can run 2bw on the master (zbpipe.continuous.versions): the last rank
     of a stream plan runs no forward ahead, the others do."""
-    from zbpipe.planning.continuous_stream import minibatches_apart
+    from zbpipe.planning.continuous.stale_orders import minibatches_apart
 
     parts = continuous_parts(p, m, mode="2bw")
     assert parts.source.startswith("stream")

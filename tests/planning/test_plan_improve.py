@@ -9,11 +9,11 @@ from hypothesis import strategies as st
 from tests.planning._strategies import costs_st
 from zbpipe.planning.core import Action, PlanError, loop_placement, make_plan
 from zbpipe.planning.costs import Costs
-from zbpipe.planning.improve import improve
-from zbpipe.planning.onef1b import plan_1f1b
+from zbpipe.planning.loop.onef1b import plan_1f1b
+from zbpipe.planning.loop.zbh1 import plan_zbh1
+from zbpipe.planning.search.improve import improve
 from zbpipe.planning.simulator import simulate
-from zbpipe.planning.zbh1 import plan_zbh1
-from zbpipe.planning.zbv import plan_zbv
+from zbpipe.planning.v.zbv import plan_zbv
 
 
 def span(result) -> float:

@@ -4,10 +4,10 @@ import itertools
 
 import pytest
 
-from zbpipe.planning.auto import plan_zb1p, plan_zb2p
 from zbpipe.planning.core import Action, PlanError, loop_placement, make_plan
 from zbpipe.planning.costs import Costs
-from zbpipe.planning.milp import refine, warmup_bound
+from zbpipe.planning.loop.heuristic import plan_zb1p, plan_zb2p
+from zbpipe.planning.search.milp import refine, warmup_bound
 from zbpipe.planning.simulator import simulate
 
 COSTS = [Costs(), Costs(f=1, b=1.5, w=0.7, comm=0.2), Costs(f=1, b=1, w=2, comm=0.5)]

@@ -2,7 +2,8 @@
 
 ZB-H1, ZB-H2, ZB-1p, ZB-2p and ZB-V: never slower than 1F1B on the same model (simulated makespan).
 V-Half and V-Min: within their memory budget, (p+2)/2 and (p+4)/3 units of one p-stage microbatch.
-Their makespan against 1F1B is *not* promised (docs/zbv-tables.md reports it): the last test
+Their makespan against 1F1B is *not* promised (docs/reference/zbv-tables.md reports it): the last
+test
 records one case where they are slower, so the README cannot drift back to promising it.
 """
 
@@ -14,11 +15,11 @@ from hypothesis import strategies as st
 
 from tests.planning._strategies import costs_st
 from zbpipe.planning import Costs, simulate
-from zbpipe.planning.auto import plan_zb1p, plan_zb2p
-from zbpipe.planning.onef1b import plan_1f1b
-from zbpipe.planning.zbh1 import plan_zbh1
-from zbpipe.planning.zbh2 import plan_zbh2
-from zbpipe.planning.zbv import plan_zbv
+from zbpipe.planning.loop.heuristic import plan_zb1p, plan_zb2p
+from zbpipe.planning.loop.onef1b import plan_1f1b
+from zbpipe.planning.loop.zbh1 import plan_zbh1
+from zbpipe.planning.loop.zbh2 import plan_zbh2
+from zbpipe.planning.v.zbv import plan_zbv
 
 EPS = 1e-9  # simulated times are sums of the same floats: only rounding can differ
 

@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 
 from tests.planning._strategies import costs_st
 from zbpipe.planning.costs import Costs
-from zbpipe.planning.onef1b import plan_1f1b
+from zbpipe.planning.loop.onef1b import plan_1f1b
 from zbpipe.planning.simulator import simulate
-from zbpipe.planning.zbv import plan_zbv
+from zbpipe.planning.v.zbv import plan_zbv
 
 UNIT = Costs()
 CASES = [(p, m) for p in (2, 3, 4, 6, 8) for m in (2 * p, 3 * p)]
@@ -48,7 +48,8 @@ HEADLINE = dict(f=1, b=1.2, w=0.6, comm=0.05)
 @pytest.mark.parametrize("k", [2, 3, 4])
 def test_zbv_strictly_below_torch_zbv_at_unequal_costs(p, k) -> None:
     # The issue's grid: ZB-V must never be above torch's fixed ZBVZeroBubble order and should be
-    # strictly below in most points. Measured (docs/zbv-tables.md): strictly below on all 12, so
+    # strictly below in most points. Measured (docs/reference/zbv-tables.md): strictly below on all
+    # 12, so
     # every point asserts it. The reference is torch's own order, simulated on the same costs.
     from zbpipe import plan  # torch's order, built by torch
 
@@ -122,7 +123,7 @@ def test_zbv_with_one_microbatch_can_lose_to_1f1b() -> None:
 def test_v_half_min_faster_than_1f1b_with_equal_costs(p, mode) -> None:
     # The controllable-memory paper's claim, at equal costs and m >= 2p. With unequal costs and
     # a third of the memory the greedy can lose to 1F1B (e.g. p=4, m=3, f=1, b=2, w=0.5,
-    # V-Min): docs/zbv-tables.md records it.
+    # V-Min): docs/reference/zbv-tables.md records it.
     costs = Costs()
     for m in (2 * p, 3 * p):
         r = simulate(plan_zbv(p, m, costs, memory=mode), costs)
@@ -153,7 +154,7 @@ def test_v_half_min_paper_table_at_equal_costs(p, mode, units) -> None:
 def test_building_block_is_a_valid_periodic_block(p, costs, w_last) -> None:
     # The block of one microbatch, repeated every period, must respect every dependency (with comm
     # across ranks) and never overlap itself on a rank modulo the period (checked on the timeline).
-    from zbpipe.planning.vblocks import block_offsets
+    from zbpipe.planning.v.blocks import block_offsets
 
     sc = costs.per_stage(2 * p)
     work = max(sum(sc[s].f + sc[s].b + sc[s].w for s in (r, 2 * p - 1 - r)) for r in range(p))
@@ -191,7 +192,7 @@ def test_v_min_block_unit_costs_hand_worked_p2() -> None:
     # B3 4, B0 1 (distinct), on rank 1 F1 1, F2 2, B2 5, B1 0 (distinct). Then each W (w_last) at
     # the first free residue after its B: rank 0 W3 at 5, W0 at 8 (residue 2); rank 1 W2 at 6 is
     # residue 0 (B1's), 7 and 8 are F1's and F2's, so 9 (3); W1 at 7 is taken, so 10 (4).
-    from zbpipe.planning.vblocks import block_offsets
+    from zbpipe.planning.v.blocks import block_offsets
 
     off = block_offsets(2, UNIT.per_stage(4), 6.0, w_last=True)
     want = {
@@ -217,8 +218,8 @@ def test_greedy_candidates_equal_separate_greedy_runs(p, memory) -> None:
     # greedy_candidates skips runs it can prove equal to an earlier one (the same strategy, or a
     # lead cap no rank reaches) and gives up on a run once its longest rank span is certain to
     # exceed the bar; every other strategy must get exactly what its own run gives.
-    from zbpipe.planning.vshape import greedy_candidates, greedy_v
-    from zbpipe.planning.zbv import _budget, _strategies
+    from zbpipe.planning.v.greedy import greedy_candidates, greedy_v
+    from zbpipe.planning.v.zbv import _budget, _strategies
 
     costs = Costs(**HEADLINE)
     sc = costs.per_stage(2 * p)

@@ -2,12 +2,13 @@
 
 Execution model
 ---------------
-The plan is :func:`zbpipe.planning.continuous_plan.continuous_parts`: per rank a warm-up, a
+The plan is :func:`zbpipe.planning.continuous.periods.continuous_parts`: per rank a warm-up, a
 period per mini-batch boundary and a drain, over global microbatch indices ``g = k * m + j``
 (mini-batch ``k`` of the current stream, microbatch ``j``). The user hands in one mini-batch per
 :meth:`ScheduleContinuous.step` call. Every rank keeps the same
-:class:`~zbpipe.continuous.stream.StreamFrontier`: the orders of all ranks grown by one period
-per mini-batch, and a fixed point telling how far each rank can run with the data given so far.
+:class:`~zbpipe.planning.continuous.frontier.StreamFrontier`: the orders of all ranks grown by
+one period per mini-batch, and a fixed point telling how far each rank can run with the data
+given so far.
 ``step(k)`` runs, on this rank, exactly the new part of its own order: everything that needs only
 mini-batches ``0..k`` (directly, or through a peer that needs a later one), then returns.
 Actions that need mini-batch ``k + 1`` wait for the next call; :meth:`flush` swaps the last
@@ -29,7 +30,7 @@ caches are keyed by the global index ``g``: each receive gets a fresh buffer (a 
 autograd input of its microbatch until that microbatch's W, so buffers are never reused across
 microbatches), and the stage is told its chunk count is unbounded.
 
-Modes (see docs/continuous.md)
+Modes (see docs/use/continuous.md)
 ------------------------------
 * ``sync``: each stage steps its optimizer for mini-batch ``k`` right after its last W of
   ``k`` (the plan's ``step_after``), and its first F of ``k + 1`` runs after that step.
@@ -66,16 +67,16 @@ from .. import _compat as C
 from ..engines import EngineName, Split, choose_engine
 from ..observe.agree import check_peers_agree, config_fingerprint
 from ..planning import Costs
-from ..planning.continuous_plan import MODES, continuous_parts, plan_continuous, version_bound
-from ..planning.continuous_stream import minibatches_apart
-from ..planning.continuous_tradeoff import continuous_tradeoff
+from ..planning.continuous.frontier import StreamFrontier
+from ..planning.continuous.periods import MODES, continuous_parts, plan_continuous, version_bound
+from ..planning.continuous.stale_orders import minibatches_apart
+from ..planning.continuous.tradeoff import continuous_tradeoff
 from ..schedules.inputs import drop_inputs_off_stage0, microbatch_inputs
 from ..schedules.sends import ChainProofs, PendingSends
 from ..schedules.stage_seam import EVERY_KEY, StageSeam
 from ..schedules.validation import check_schedule_args, check_step_args
 from .actions import ContinuousActions
 from .optim import PostValidatedStep, StepReport
-from .stream import StreamFrontier
 from .versions import CORRECTIONS, WeightVersions
 
 log = logging.getLogger(__name__)
@@ -154,7 +155,7 @@ class ScheduleContinuous(ContinuousActions, C.PipelineScheduleMultiBase):
     ``correction`` (2bw only): ``None`` (default: PipeDream-2BW's update, as published),
     ``"predict"`` (mini-batch ``k`` runs on ``W(k-1) + (W(k-1) - W(k-2))``, a prediction of the
     ``W(k)`` sync would use: weight prediction) or ``"nesterov"`` (``W(k-1) + 2 (W(k-1) -
-    W(k-2))``: that prediction plus a one-step look-ahead); docs/continuous.md has the
+    W(k-2))``: that prediction plus a one-step look-ahead); docs/use/continuous.md has the
     literature and what each earns back.
     """
 

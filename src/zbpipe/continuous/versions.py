@@ -49,7 +49,7 @@ mini-batch ``k`` runs on ``P(k - 1)``:
 * ``"predict"``, ``h = 1``: an estimate of the ``W(k)`` a synchronous run would use (weight
   prediction, as SpecTrain and PipeMare do);
 * ``"nesterov"``, ``h = 2``: that estimate plus one more step, so the gradient is taken one step
-  ahead of the weights it is applied to, as Nesterov's momentum takes it (see docs/continuous.md
+  ahead of the weights it is applied to, as Nesterov's momentum takes it (see docs/use/continuous.md
   for the literature and the measurements).
 
 It costs one more pass over the weights per step (the master is copied before the step; the

@@ -4,7 +4,7 @@ The stage seam (:mod:`zbpipe.schedules.stage_seam`) owns what an action does to 
 ``PipelineStage`` (caches, hand-offs, FSDP preparation, torch's own path for ``dw_builder`` stages)
 and calls one :class:`SplitEngine` for the part that differs between engines: what F must set up,
 how B computes the input gradients while keeping the weight pass pending, and how W runs it.
-docs/backward.md says when each engine is right:
+docs/design/backward.md says when each engine is right:
 
 * **deferred** (:mod:`zbpipe.engines.deferred`, its Linears in
   :mod:`zbpipe.engines.linear_patch`): B is one ordinary autograd pass in which patched
@@ -18,7 +18,7 @@ Keys are ``(stage_index, microbatch)``, the microbatch being whatever index the 
 use (the step's for planned schedules, a global one for continuous).
 """
 
-from .choose import choose_engine
+from .auto_split import choose_engine
 from .protocol import SPLITS, EngineName, Key, Split, SplitEngine
 
 __all__ = ["SPLITS", "EngineName", "Key", "Split", "SplitEngine", "choose_engine"]

@@ -38,7 +38,7 @@ weight reaches the op through its sharding rule (:func:`register_dtensor_shardin
 local shard, found by identity; FSDP2's unsharded parameter, which FSDP2 puts on the Linear
 around forward and backward in place of the sharded one routing saw, gets a route of its own
 when the op first meets it (the routes: :mod:`zbpipe.engines.compiled_routes`).
-docs/backward.md says why this and not a partition of the compiled backward graph.
+docs/design/backward.md says why this and not a partition of the compiled backward graph.
 """
 
 from __future__ import annotations

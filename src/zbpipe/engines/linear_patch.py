@@ -84,7 +84,7 @@ class _LinearFunction(torch.autograd.Function):
     """``F.linear`` whose weight gradient waits in a :class:`WeightGradStore` during B.
 
     Runs once per Linear call in F and in B, so it is written for speed: one context attribute,
-    no reshape of 2-D tensors (docs/backward.md has the per-call costs).
+    no reshape of 2-D tensors (docs/design/backward.md has the per-call costs).
     """
 
     @staticmethod

@@ -45,7 +45,7 @@ from types import ModuleType
 
 from ..continuous.schedule import ScheduleContinuous
 from ..patching import rebind
-from ..schedules import auto
+from ..schedules import chooser
 from ..schedules import classes as c
 from ..schedules.runtime import PlannedSchedule
 
@@ -62,15 +62,15 @@ SCHEDULE_CLASSES: dict[str, type] = {
     "ZBV": c.ScheduleZBV,
     "ZBVHalf": c.ScheduleZBVHalf,
     "ZBVMin": c.ScheduleZBVMin,
-    "Auto": auto.ScheduleAuto,
-    "AutoV": auto.ScheduleAutoV,
+    "Auto": chooser.ScheduleAuto,
+    "AutoV": chooser.ScheduleAutoV,
     "Continuous": ScheduleContinuous,
 }
 
 #: classes that take ``memory_limit=``: a name ``"<name>:<budget>"`` (``"Auto:40GiB"``,
 #: ``"ZBAuto:512MiB"``, ``"AutoV:80%"``) gives the budget where only a name can be configured
 #: (torchtitan's ``pipeline_parallel_schedule``)
-BUDGETED: tuple[type, ...] = (c.ScheduleZBAuto, auto.ScheduleAuto)
+BUDGETED: tuple[type, ...] = (c.ScheduleZBAuto, chooser.ScheduleAuto)
 
 #: the name option that fixes ``costs="profile"`` (``"ZBV:profile"``): the first steps measure
 #: the stages' costs and bytes and the plan is re-made for them (:mod:`zbpipe.observe.profile`)

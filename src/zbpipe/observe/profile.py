@@ -1,6 +1,6 @@
 """Profile-guided re-planning: measure real per-stage costs, agree on them, re-plan identically.
 
-This module measures; :mod:`zbpipe.observe.replan` is the runtime side that re-plans.
+This module measures; :mod:`zbpipe.schedules.replan` is the runtime side that re-plans.
 
 A schedule built with ``costs="profile"`` starts with the plan for equal costs. It skips
 ``warmup_steps`` steps (the first step infers shapes and warms allocators), records the traced
@@ -18,7 +18,7 @@ those steps and on every pipeline rank together:
    exchange its fingerprint once; any difference, or a rank that failed to plan, raises on
    every rank (never a silent divergence, never a hang);
 5. the schedule switches to the new plan (unless it simulates slower than the old one under
-   the measured costs) and logs one info line (see ``docs/profiling.md``).
+   the measured costs) and logs one info line (see ``docs/use/profiling.md``).
 
 :func:`measure_stage_costs` is the same measurement for offline use on recorded events.
 

@@ -55,7 +55,8 @@ class Tracer:
 
         A plain object with ``__enter__``/``__exit__``, not a generator: it runs around every
         compute action, where a generator-based context manager's few microseconds of host time
-        are paid per microbatch (docs/benchmarks.md, host overhead); disabled, it is a shared
+        are paid per microbatch (docs/results/benchmarks.md, host overhead); disabled, it is a
+        shared
         no-op.
         """
         if not self.enabled:

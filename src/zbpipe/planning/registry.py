@@ -13,14 +13,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import cast
 
-from .auto import plan_zb1p, plan_zb2p
-from .continuous_plan import plan_continuous
+from .continuous.periods import plan_continuous
 from .core import Plan
 from .costs import Costs
-from .onef1b import plan_1f1b
-from .zbh1 import plan_zbh1
-from .zbh2 import plan_zbh2
-from .zbv import plan_zbv, plan_zbv_half, plan_zbv_min
+from .loop.heuristic import plan_zb1p, plan_zb2p
+from .loop.onef1b import plan_1f1b
+from .loop.zbh1 import plan_zbh1
+from .loop.zbh2 import plan_zbh2
+from .v.zbv import plan_zbv, plan_zbv_half, plan_zbv_min
 
 Generator = Callable[..., Plan]
 
@@ -91,7 +91,7 @@ def plan(
 
     torch's schedules (``"torch:ZBVZeroBubble"``) are built by :func:`zbpipe.plan`, which takes the
     same arguments: a ``torch:`` name here is a ValueError saying so. ``refine=True`` improves the
-    plan with the exact MILP (:func:`zbpipe.planning.milp.refine`, needs scipy);
+    plan with the exact MILP (:func:`zbpipe.planning.search.milp.refine`, needs scipy);
     ``refine_time_limit`` bounds it in seconds, ``refine_objective`` is ``"makespan"`` (default) or
     ``"span"`` (the bubble rate's). The proven lower bound and the gap are in
     ``result.meta["refine"]``.
@@ -114,7 +114,7 @@ def plan(
                 num_ranks, n_microbatches, costs=costs, memory_limit=memory_limit, **options
             )
             if refine:
-                from .milp import refine as refine_plan
+                from .search.milp import refine as refine_plan
 
                 limit = memory_limit
                 if limit is None:

@@ -4,7 +4,7 @@ plan with torch's action runtime (``runtime``), the stage seam (``stage_seam``),
 NaN/Inf loss report (``nonfinite``); the schedule chooser (``auto``).
 """
 
-from .auto import ScheduleAuto, ScheduleAutoV, choose_schedule
+from .chooser import ScheduleAuto, ScheduleAutoV, choose_schedule
 from .classes import (
     Schedule1F1BMulti,
     ScheduleZB1P,

@@ -127,7 +127,7 @@ class ScheduleZBAuto(PlannedSchedule):
 
     def build_plan(self, num_ranks: int, n_microbatches: int, costs: Costs, **options: Any) -> Plan:
         from ..planning import plan
-        from ..planning.auto import minimum_memory, onef1b_peak
+        from ..planning.loop.heuristic import minimum_memory, onef1b_peak
 
         if self.byte_budget is not None:
             return plan_for_byte_budget(
@@ -160,8 +160,8 @@ def plan_for_byte_budget(
     """The plan ``name`` within ``sched.byte_budget``: one microbatch in flight until the bytes
     are measured (``sched.memory_unit_bytes``), then the generator's plan at that budget."""
     from ..planning import plan
-    from ..planning.auto import minimum_memory
     from ..planning.budget import format_bytes
+    from ..planning.loop.heuristic import minimum_memory
     from ..planning.one_in_flight import plan_one_in_flight
 
     if sched.memory_unit_bytes is None:

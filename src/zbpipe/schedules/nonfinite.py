@@ -21,7 +21,7 @@ import torch
 
 from .. import _compat as C
 
-# The logger docs/errors.md names: the runtime's (the warning moved here from runtime.py).
+# The logger docs/reference/errors.md names: the runtime's (the warning moved here from runtime.py).
 logger = logging.getLogger("zbpipe.schedules.runtime")
 
 

@@ -31,14 +31,14 @@ from .. import _compat as C
 from ..engines import EngineName, Split, choose_engine
 from ..memory.meter import SavedActivationMeter
 from ..observe.agree import check_peers_agree, config_fingerprint
-from ..observe.memory_replan import MemoryReplanner
 from ..observe.profile import ProfileConfig
-from ..observe.replan import CostProfiler
 from ..observe.trace import Tracer
 from ..planning import Costs, Layout, Plan
 from ..planning.fuse import fuse_adjacent_backward
 from .inputs import FirstStageKeywords, drop_inputs_off_stage0, microbatch_inputs
+from .memory_replan import MemoryReplanner
 from .nonfinite import NonfiniteLosses
+from .replan import CostProfiler
 from .sends import PendingSends, proven_sends
 from .stage_seam import StageSeam
 from .validation import (
@@ -135,7 +135,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         #: bytes per memory unit of ``measured_costs`` (None until memory was measured)
         self.memory_unit_bytes: float | None = None
         #: the costs the plan was re-made for after the first step measured bytes: the given
-        #: times with the measured memory fields (None until then; see zbpipe.observe.memory_replan)
+        #: times with the measured memory fields (None until then; zbpipe.schedules.memory_replan)
         self.memory_costs: Costs | None = None
         self.plan: Plan = self.build_plan(
             self.pp_group_size, n_microbatches, self.costs, **plan_options
@@ -167,7 +167,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
             CostProfiler(profile or ProfileConfig(), keep_tracing=trace) if profiling else None
         )
         # Memory promises by default: the first step measures bytes, the plan is re-made for
-        # them (zbpipe.observe.memory_replan); costs="profile" measures them in its own steps.
+        # them (zbpipe.schedules.memory_replan); costs="profile" measures them in its own steps.
         self._memory_replanner = (
             MemoryReplanner()
             if measure_memory and not profiling and type(self).memory_planned
@@ -205,7 +205,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         """Run ``new_plan`` from the next step on (call between steps, on every rank, same plan).
 
         Lowers it to torch's action lists again (torch re-inserts the communication). The caller
-        guarantees the ranks agree (``zbpipe.observe.replan`` exchanges the fingerprint first).
+        guarantees the ranks agree (``zbpipe.schedules.replan`` exchanges the fingerprint first).
         """
         check_plan_for_runtime(new_plan, self._stages)
         if new_plan.uses_split_backward():

@@ -1,0 +1,79 @@
+"""What zbpipe reads of autograd: hooks on tensors, views, a node's input metadata, the C++ entry
+of an ``autograd.Function`` and a leaf's ``AccumulateGrad`` node."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def post_accumulate_grad_hooks(t: Any) -> dict[Any, Any] | None:
+    """The dict of ``t``'s post-accumulate-grad hooks (autograd reads it when the hooks run)."""
+    return getattr(t, "_post_accumulate_grad_hooks", None)
+
+
+def has_post_accumulate_grad_hooks(t: Any) -> bool:
+    """Whether ``register_post_accumulate_grad_hook`` put a hook on the leaf ``t``."""
+    return bool(post_accumulate_grad_hooks(t))
+
+
+def has_grad_hooks(t: Any) -> bool:
+    """Whether ``t.register_hook`` put a hook on ``t``'s gradient (autograd calls it first)."""
+    return bool(getattr(t, "_backward_hooks", None))
+
+
+def is_view(t: Any) -> bool:
+    """Whether tensor ``t`` is a view of another tensor's storage (autograd's ``_is_view()``)."""
+    return bool(t._is_view())
+
+
+def node_input_metadata(node: Any) -> Any:
+    """The metadata (``.shape``...) of each gradient an autograd graph node receives, one per
+    output of the forward op (``Node._input_metadata``). Raises AttributeError or RuntimeError
+    where a node has none."""
+    return node._input_metadata
+
+
+def autograd_function_apply(cls: type[torch.autograd.Function]) -> Callable[..., Any]:
+    """``cls.apply`` for an ``autograd.Function`` subclass without ``setup_context``, entering
+    torch's C++ entry point (``torch._C._FunctionBase.apply``) as torch 2.14's ``apply`` does.
+
+    torch 2.11 and 2.13 wrap that entry point in Python: ``Function.apply`` checks for
+    ``setup_context``, then, with no functorch transform active, unwraps dead functorch
+    wrappers among the arguments (``torch._functorch.utils.unwrap_dead_wrappers``) and calls
+    it. This does the same, minus the wrapper's own calls (about 2 us a call on this
+    project's CPU, paid by every patched Linear in every F): under an active transform it calls
+    ``cls.apply`` (torch's path, and its error for a Function without ``setup_context``), as it
+    does for keyword arguments and while dynamo traces, else unwraps each tensor argument
+    (``torch._C._functorch.unwrap_if_dead``) and enters C++. On torch 2.14, where
+    ``Function.apply`` is the entry point itself, it returns that.
+    """
+    entry = torch._C._FunctionBase.__dict__["apply"]
+    fast = entry.__get__(None, cls)
+    if torch.autograd.Function.__dict__.get("apply") is entry:
+        return fast  # type: ignore[no-any-return]
+    if cls.setup_context is not torch.autograd.function._SingleLevelFunction.setup_context:
+        return cls.apply  # torch binds its defaults
+    transforms_active = torch._C._are_functorch_transforms_active
+    unwrap = torch._C._functorch.unwrap_if_dead
+    slow = cls.apply
+    tensor = torch.Tensor
+    compiling = torch.compiler.is_compiling
+
+    def apply(*args: Any, **kwargs: Any) -> Any:
+        # torch's own path for what its wrapper does beyond unwrapping: keyword arguments (it
+        # binds them), functorch transforms, and dynamo, which traces cls.apply but skips the
+        # C++ entry point (a graph break; an error under fullgraph=True on torch 2.11)
+        if kwargs or transforms_active() or compiling():
+            return slow(*args, **kwargs)  # type: ignore[no-untyped-call]  # torch's is untyped
+        return fast(*[unwrap(a) if isinstance(a, tensor) else a for a in args])
+
+    return apply
+
+
+def grad_accumulator(leaf: Any) -> Any:
+    """The ``AccumulateGrad`` node of the leaf tensor ``leaf`` (autograd keeps it only while a
+    graph or the caller holds it, so hooks on it last as long as the caller keeps it)."""
+    return leaf.view_as(leaf).grad_fn.next_functions[0][0]

@@ -1,0 +1,110 @@
+"""The census: every private (underscore) torch name zbpipe touches, with what zbpipe relies on.
+
+tests/test_compat_names.py checks each against the installed torch, and scans zbpipe's other
+modules for private torch names this package does not list."""
+
+from __future__ import annotations
+
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    ScheduleDualPipeV,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.pipelining.schedules import (
+    _PipelineScheduleRuntime as _TorchPipelineScheduleRuntime,
+)
+from torch.distributed.pipelining.stage import PipelineStage, _PipelineStageBase
+
+# =====================================================================================
+# Every private (underscore) torch name zbpipe touches, with what zbpipe relies on.
+# tests/test_compat_names.py checks each against the installed torch: a rename or a changed
+# signature fails there, naming this table, instead of deep inside a pipeline step. It also
+# scans zbpipe's other modules: a private torch name outside this file that INHERITED_API and
+# PRIVATE_SCHEDULE_ATTRIBUTES do not list, or a TORCH_INTERNAL_ATTRIBUTES name, fails it.
+# (owner, name, parameters zbpipe passes by name/position)
+# =====================================================================================
+#: methods zbpipe's schedules (subclasses of torch's) override or call as their own
+INHERITED_API: tuple[tuple[type, str, tuple[str, ...]], ...] = (
+    (
+        _TorchPipelineScheduleRuntime,
+        "_step_microbatches",
+        ("arg_mbs", "kwarg_mbs", "target_mbs", "losses"),
+    ),
+    (_TorchPipelineScheduleRuntime, "_prepare_schedule_with_comms", ("actions",)),
+    (_TorchPipelineScheduleRuntime, "_assert_unsharded", ("stage",)),
+    (PipelineScheduleMulti, "_initialize_stages", ("args", "kwargs")),
+    (PipelineScheduleMulti, "_maybe_compute_loss", ("stage", "output", "target_mbs", "mb_index")),
+    (PipelineScheduleMulti, "_maybe_get_loss", ("stage", "mb_index")),
+    (PipelineScheduleMulti, "_update_losses", ("stages", "losses")),
+    (PipelineScheduleMulti, "_split_inputs", ("args", "kwargs")),
+)
+#: methods and functions only this module's helpers call
+HELPER_API: tuple[tuple[type | None, str, tuple[str, ...]], ...] = (
+    (PipelineScheduleMulti, "_merge_outputs", ("output_chunks",)),
+    (PipelineScheduleSingle, "_get_pipeline_order", ()),
+    (ScheduleInterleaved1F1B, "_calculate_single_rank_operations", ("rank",)),
+    (ScheduleInterleavedZeroBubble, "_calculate_single_rank_operations", ("rank",)),
+    (ScheduleZBVZeroBubble, "_calculate_single_rank_operations", ("rank",)),
+    (ScheduleDualPipeV, "_calculate_single_rank_operations", ("rank",)),
+    # methods called on torch's stages
+    (_PipelineStageBase, "_retrieve_recv_grads", ("bwd_chunk_id",)),
+    (_PipelineStageBase, "_retrieve_recv_activations", ("fwd_chunk_id",)),
+    (_PipelineStageBase, "_create_grad_send_info", ("args_recv_info",)),
+    (PipelineStage, "_prepare_forward_infra", ("num_microbatches", "args", "kwargs")),
+    # module-level helpers
+    (None, "_wait_batch_p2p", ("work",)),
+    (None, "_batch_p2p", ("p2p_ops",)),
+    (None, "_Action", ("stage_index", "computation_type", "microbatch_index")),
+)
+PRIVATE_API = INHERITED_API + HELPER_API
+#: instance attributes zbpipe's schedules read as their own (torch's schedules set them in
+#: __init__); the helpers above read or set some of them on other schedule objects too
+PRIVATE_SCHEDULE_ATTRIBUTES = (
+    "_n_microbatches",
+    "_num_stages",
+    "_stages",
+    "_loss_fn",
+    "_has_backward",
+    "_internal_losses",
+    "_backward_requires_autograd",
+)
+#: torch's internal state with public-looking names, reached only through the helpers above:
+#: (torch module that sets it on ``self``, attribute). Not documented by torch; zbpipe's other
+#: modules never name them (tests/test_compat_names.py).
+TORCH_INTERNAL_ATTRIBUTES: tuple[tuple[str, str], ...] = (
+    ("stage", "fwd_cache"),
+    ("stage", "bwd_cache"),
+    ("stage", "dw_builder"),
+    ("stage", "dw_runner"),
+    ("stage", "args_recv_info"),
+    ("stage", "grad_recv_info"),
+    ("stage", "grad_send_info"),
+    ("stage", "chunks"),
+    ("schedules", "fwd_recv_ops"),
+    ("schedules", "bwd_recv_ops"),
+    ("schedules", "backward_counter"),
+    ("schedules", "n_local_stages"),
+    ("schedules", "number_of_rounds"),
+    ("schedules", "microbatches_per_round"),
+)
+#: torch's private autograd entry points :func:`autograd_function_apply` calls (module, name)
+PRIVATE_AUTOGRAD_NAMES: tuple[tuple[str, str], ...] = (
+    ("torch._C._FunctionBase", "apply"),
+    ("torch._C", "_are_functorch_transforms_active"),
+    ("torch._C._functorch", "unwrap_if_dead"),
+    ("torch.autograd.function._SingleLevelFunction", "setup_context"),
+)
+#: private attributes of autograd nodes, tensors and modules the helpers above read (checked by
+#: behaviour in tests/test_compat_names.py: they are C++ or set lazily, without a signature)
+PRIVATE_OBJECT_ATTRIBUTES = (
+    ("autograd Node", "_input_metadata"),
+    ("Tensor", "_is_view"),
+    ("Tensor", "_backward_hooks"),
+    ("Tensor", "_post_accumulate_grad_hooks"),
+    ("nn.Module", "_parameters"),
+    ("nn.Module", "_compiled_call_impl"),
+    ("DTensor", "_local_tensor"),
+)

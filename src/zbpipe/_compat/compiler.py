@@ -1,0 +1,46 @@
+"""What zbpipe asks of torch.compile's internals: an inductor lowering that keeps a custom op's
+operands, and dynamo's counters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def lower_with_operands_kept(op: Any, kept_op: Any) -> None:
+    """Have inductor lower calls of the custom op ``op`` to calls of ``kept_op`` (same schema)
+    whose first two tensor operands' buffers it never reuses nor writes in place afterwards
+    (``GraphLowering.never_reuse_buffers``, as its own lowerings of ``resize_storage_bytes_``
+    and ``set_`` do). Once per process; a no-op without inductor. Graphs compiled earlier, and
+    graphs compiled for CUDA graphs (whose static buffers a later replay overwrites), keep
+    calling ``op``."""
+    try:
+        from torch._inductor import ir
+        from torch._inductor.lowering import fallback_handler, lowerings, register_lowering
+        from torch._inductor.virtualized import V
+    except ImportError:  # pragma: no cover - inductor ships with every torch zbpipe supports
+        return
+    if op in lowerings:
+        return
+    emit = fallback_handler(kept_op, add_to_fallback_set=False)  # type: ignore[no-untyped-call]
+    emit_copying = fallback_handler(op, add_to_fallback_set=False)  # type: ignore[no-untyped-call]
+
+    def lower(x: Any, grad_out: Any, weight: Any) -> Any:
+        from torch._inductor import config
+
+        if config.triton.cudagraphs:
+            # CUDA graphs (mode="reduce-overhead") replay their partitions into static buffers,
+            # which the next replay overwrites whatever inductor's allocator was told
+            return emit_copying(x, grad_out, weight)
+        x, grad_out = (ir.ExternKernel.realize_input(t) for t in (x, grad_out))
+        V.graph.never_reuse_buffers.update((x.get_name(), grad_out.get_name()))
+        return emit(x, grad_out, weight)
+
+    register_lowering(op, type_promotion_kind=None)(lower)
+
+
+def dynamo_counters() -> Any:
+    """dynamo's event counters (``torch._dynamo.utils.counters``): ``["stats"]["unique_graphs"]``
+    counts compiled graphs (a recompile adds one), ``["graph_break"]`` the graph breaks."""
+    from torch._dynamo.utils import counters
+
+    return counters

@@ -1,0 +1,142 @@
+"""Memory promises by default: the first step measures bytes, the ranks agree, the plan is re-made.
+
+Every plan's memory budget (1F1B's peak for ZB-H1, ZB-1p and ZB-V; the V-Half and V-Min
+formulas; a ``memory_limit``) is a count of "memory units". Planned for one unit per
+microbatch of any stage, a heavy stage (the LM head of a large vocabulary) holds as many
+microbatches as a light one, and ZB-H1 on a 4096-token head held 1.42x torch 1F1B's peak. So,
+unless ``measure_memory=False``, a planned schedule without ``costs="profile"``:
+
+1. runs its first step with the plan for equal bytes per stage (or, for a byte budget, the
+   one-microbatch-in-flight plan: the least memory any plan holds), while the memory probe
+   (:mod:`zbpipe.memory.probe`) records what each of its stages' microbatches holds right after
+   F and right after B;
+2. exchanges the per-stage medians with one ``all_gather_object`` over the pipeline group, so
+   every rank holds the same bytes (rounded to 3 significant digits);
+3. re-makes the plan with the *time* costs it was given (equal by default: step times stay
+   what they were) and the measured memory fields, and exchanges the plan's fingerprint once:
+   any difference, or a rank that failed to plan, raises on every rank;
+4. logs one INFO line (rank 0): the predicted peak per rank and its ratio to 1F1B's.
+
+A budget the measured bytes cannot meet (a byte ``memory_limit`` below one microbatch in flight)
+raises ``ValueError`` on every rank at the end of that first step; a numeric one in units keeps
+the plan of step 1 with a warning, as ``costs="profile"`` does. ``costs="profile"`` measures the
+same bytes (and times) in its own profiled steps (:mod:`zbpipe.schedules.replan`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from ..memory.probe import MemoryProbe
+from ..observe.profile import gather_stage_values, memory_costs
+from ..planning import Costs, Plan, simulate
+from ..planning.budget import format_bytes
+from .replan import agree_on_plan
+
+logger = logging.getLogger(__name__)
+
+#: significant digits the measured bytes are rounded to (so every rank plans the same)
+DIGITS = 3
+
+
+class MemoryReplanner:
+    """Probes the first step that has a backward, then re-plans once for the measured bytes."""
+
+    def __init__(self) -> None:
+        self.probe = MemoryProbe()
+        self.done = False
+
+    def before_step(self, sched: Any) -> None:
+        """Call on every rank before each step: the probe watches the first one.
+
+        Compiled stages too, in the step that compiles them: a compiled region's autograd node
+        saves its tensors through the probe's saved-tensor hooks, what dynamo traces is not
+        counted (the compiling step measures what later steps hold), and the hooks make dynamo
+        compile nothing more (tests/observe/test_memory_replan_compiled.py).
+        """
+        if not self.done:
+            sched.seam.probe = self.probe
+
+    def after_step(self, sched: Any) -> None:
+        """Call on every rank after a step with a backward: re-plans once (a collective)."""
+        if self.done:
+            return
+        self.done = True
+        sched.seam.probe = None
+        self.replan(sched)
+
+    def replan(self, sched: Any) -> None:
+        group = sched._stages[0].group
+        mine = [st.stage_index for st in sched._stages]
+        held = gather_stage_values(self.probe.medians(mine), group)
+        measured = memory_costs(held, sched._num_stages, DIGITS)
+        if measured is None:
+            logger.debug(
+                "zbpipe memory: %s: no bytes measured on some stage; the plan keeps one memory "
+                "unit per microbatch",
+                type(sched).__name__,
+            )
+            return
+        fields, unit_bytes = measured
+        costs = dataclasses.replace(sched.costs, **fields)
+        sched.memory_unit_bytes = unit_bytes
+        new = self._plan(sched, costs)
+        if new is None:
+            sched.memory_unit_bytes = None
+            return
+        old = sched.plan
+        sched.memory_costs = costs
+        if new.order != old.order or new.placement != old.placement:
+            sched.replan(new)
+        if sched.rank == 0:
+            logger.info("%s", predicted_memory_line(sched, new, costs, unit_bytes, held))
+
+    def _plan(self, sched: Any, costs: Costs) -> Plan | None:
+        """The plan for the measured bytes, agreed by every rank; None to keep the old one."""
+        group = sched._stages[0].group
+        try:
+            new: Plan = sched.build_plan(
+                sched.pp_group_size, sched._n_microbatches, costs, **sched._plan_options
+            )
+        except ValueError as e:
+            agree_on_plan(sched, str(e), group)  # every rank failed alike, or this raises
+            if getattr(sched, "byte_budget", None) is not None:
+                raise  # a byte budget the measured bytes cannot meet: on every rank
+            logger.warning(
+                "zbpipe memory: %s cannot be planned for the measured bytes (%s); keeping the "
+                "plan for one memory unit per microbatch: its memory promise is not checked "
+                "against the measured bytes",
+                type(sched).__name__,
+                e,
+            )
+            return None
+        agree_on_plan(sched, new, group)
+        return new
+
+
+def predicted_memory_line(
+    sched: Any, plan: Plan, costs: Costs, unit_bytes: float, held: dict[int, Any] | None = None
+) -> str:
+    """``zbpipe memory: ScheduleZBH1 ...: predicted peak per rank 35.1 / 34.8 MiB (max 1.00x
+    1F1B's 35.3 MiB)``: the log line of a re-plan for measured bytes."""
+    from ..planning.loop.heuristic import onef1b_peak
+
+    peaks = simulate(plan, costs).peak_memory
+    per_rank = " / ".join(format_bytes(peaks[r] * unit_bytes) for r in sorted(peaks))
+    text = (
+        f"zbpipe memory: {type(sched).__name__} planned {plan.name} for the measured bytes per "
+        f"microbatch; predicted peak per rank {per_rank}"
+    )
+    chunks = sched._num_stages // sched.pp_group_size
+    if chunks == 1 or (chunks == 2 and plan.layout == "v"):
+        base = onef1b_peak(sched.pp_group_size, sched._n_microbatches, costs.joined(chunks))
+        text += (
+            f" (max {max(peaks.values()) / base:.2f}x 1F1B's {format_bytes(base * unit_bytes)} "
+            "on the same model)"
+        )
+    if held:
+        after_f = ", ".join(f"{format_bytes(v.get('F', 0.0))}" for v in held.values())
+        text += f"; held after F per stage: {after_f}"
+    return text

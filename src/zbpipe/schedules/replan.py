@@ -1,0 +1,216 @@
+"""Profile-guided re-planning, the runtime side: count a schedule's steps, keep the traced events
+of the profiling window, measure, agree on the costs and re-plan once, identically on every rank
+(the steps are listed in :mod:`zbpipe.observe.profile`, which measures).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from ..memory.probe import MemoryProbe
+from ..observe.agree import config_fingerprint, disagreement
+from ..observe.profile import (
+    ProfileConfig,
+    costs_from_medians,
+    gather_stage_values,
+    measure_comm,
+    memory_costs,
+    round_sig,
+    stage_medians,
+)
+from ..planning import Costs, Plan, SimResult
+
+logger = logging.getLogger(__name__)
+
+
+def agree_on_plan(sched: Any, plan_or_error: Plan | str, group: Any) -> None:
+    """Exchange the re-planned fingerprint once; on every rank, raise ``RuntimeError`` if they
+    differ.
+
+    ``plan_or_error`` is a rank's new plan, or the message of the error it hit while planning
+    (so a rank that failed does not leave the others waiting).
+    """
+    if isinstance(plan_or_error, Plan):
+        mine = config_fingerprint(
+            type(sched), sched._n_microbatches, sched._num_stages, plan_or_error
+        )
+    else:
+        mine = f"error: {plan_or_error}"
+    lines = disagreement(group, sched.rank, mine, mine)
+    if lines:
+        raise RuntimeError(
+            f"{type(sched).__name__}: pipeline ranks re-planned differently "
+            f"from the profiled costs:\n{lines}\n"
+            "the plan generator must be deterministic; "
+            "keeping the previous plan is not safe, so the run stops"
+        )
+
+
+class CostProfiler:
+    """Counts a schedule's steps, keeps the traced events of the profiling window, re-plans once."""
+
+    def __init__(self, config: ProfileConfig, keep_tracing: bool) -> None:
+        self.config = config
+        self.keep_tracing = (
+            keep_tracing  # the user's trace= choice, restored once profiling is done
+        )
+        self.steps_seen = 0
+        self.events: list[Any] = []
+        self.done = False
+        self.memory = MemoryProbe()
+        #: bytes per memory unit of the measured costs (None: memory not measured)
+        self.memory_unit_bytes: float | None = None
+
+    def before_step(self, sched: Any) -> None:
+        """Call on every rank before each step: memory is probed in one step of its own.
+
+        The last warm-up step (the first profiled one if there is none): the probe's hooks cost
+        time, which must not enter the timed steps. Compiled stages are probed too: a compiled
+        region's autograd node saves its tensors through the same saved-tensor hooks, and the
+        hooks do not make dynamo trace again (tests/engines/test_compiled_schedules.py).
+        """
+        probe_step = max(self.config.warmup_steps - 1, 0)
+        probing = self.config.memory and self.steps_seen == probe_step
+        sched.seam.probe = self.memory if probing else None
+
+    def after_step(self, sched: Any) -> None:
+        """Call on every rank after each successful step (re-plans after the last profiled one)."""
+        if self.done:
+            return
+        self.steps_seen += 1
+        sched.seam.probe = None
+        if self.steps_seen > self.config.warmup_steps:
+            self.events.extend(sched.tracer.events)
+        if self.steps_seen == self.config.warmup_steps + self.config.profile_steps:
+            self.done = True
+            sched.tracer.enabled = self.keep_tracing
+            self.replan(sched)
+
+    def measured_costs(self, sched: Any) -> Costs:
+        """The agreed per-stage costs (a collective over the pipeline group)."""
+        cfg, group = self.config, sched._stages[0].group
+        mine = [st.stage_index for st in sched._stages]
+        medians = gather_stage_values(stage_medians(self.events, mine), group)
+        if cfg.comm == "measure":
+            comm_s = measure_comm(sched._stages, sched.plan.placement, group, cfg.comm_repeats)
+            comm_s = {s: round_sig(c, cfg.digits + 2) for s, c in comm_s.items()}
+            comm = list(gather_stage_values(comm_s, group).values())
+        else:
+            comm = [float(cfg.comm) * cfg.unit] * sched._num_stages
+        costs = costs_from_medians(
+            medians, sched._num_stages, comm, unit=cfg.unit, digits=cfg.digits
+        )
+        if not cfg.memory:
+            return costs
+        held = gather_stage_values(self.memory.medians(mine), group)
+        measured = memory_costs(held, sched._num_stages, cfg.digits)
+        if measured is None:
+            return costs
+        fields, self.memory_unit_bytes = measured
+        sched.memory_unit_bytes = self.memory_unit_bytes  # a byte budget plans in these units
+        return dataclasses.replace(costs, **fields)
+
+    def replan(self, sched: Any) -> None:
+        from ..planning import simulate
+
+        new, costs = self._plan_or_fall_back(sched, self.measured_costs(sched))
+        agree_on_plan(sched, new, sched._stages[0].group)
+        old = sched.plan
+        r_old, r_new = simulate(old, costs), simulate(new, costs)
+        # The generator optimises its cost model; it is not guaranteed to beat the equal-cost plan
+        # under every cost vector, so a faster old plan is kept, if it holds no more than the
+        # new one's peak under the measured memory: the new plan meets the schedule's memory
+        # budget, and the old one was planned for equal bytes per stage. Both makespans and
+        # peaks are identical on every rank, so is the choice.
+        old_fits = max(r_old.peak_memory.values()) <= (1 + 1e-9) * max(r_new.peak_memory.values())
+        if r_new.makespan <= r_old.makespan * (1 + 1e-9):
+            chosen, outcome = new, "switched"
+        elif old_fits:
+            chosen, outcome = old, "kept"
+        else:
+            chosen, outcome = new, "switched: the old plan holds more memory"
+        if chosen.order == old.order:
+            outcome = "unchanged"
+        sched.measured_costs = costs
+        sched.memory_unit_bytes = self.memory_unit_bytes
+        if chosen is not old:
+            sched.replan(chosen)
+        fp = lambda p: config_fingerprint(type(sched), sched._n_microbatches, sched._num_stages, p)  # noqa: E731
+        memory = self._predicted_memory(sched, r_new if chosen is new else r_old, costs)
+        unit = "ms" if self.config.unit == 1e-3 else f"{self.config.unit:g} s"
+        level = logging.INFO if sched.rank == 0 else logging.DEBUG
+        logger.log(
+            level,
+            "zbpipe profile: %s measured costs (%s) F=%s B=%s W=%s comm=%s; plan %s %s -> %s: "
+            "simulated makespan %.4g -> %.4g %s, bubble rate %.1f%% -> %.1f%% (%s)%s",
+            type(sched).__name__,
+            unit,
+            _fmt(costs.f),
+            _fmt(costs.b),
+            _fmt(costs.w),
+            _fmt(costs.comm),
+            new.name,
+            fp(old),
+            fp(new),
+            r_old.makespan,
+            r_new.makespan,
+            unit,
+            100 * r_old.bubble_rate,
+            100 * r_new.bubble_rate,
+            outcome,
+            memory,
+        )
+
+    def _plan_or_fall_back(self, sched: Any, costs: Costs) -> tuple[Plan, Costs]:
+        """The generator's plan for ``costs``, and the costs it was planned for. If the measured
+        bytes make it fail (a numeric ``memory_limit`` below what they need), every rank fails
+        alike: it warns and plans for one unit per microbatch instead, as without the
+        measurement. Other failures are reported to the peers and raised."""
+
+        def build(c: Costs) -> tuple[Plan, Costs]:
+            try:
+                plan: Plan = sched.build_plan(
+                    sched.pp_group_size, sched._n_microbatches, c, **sched._plan_options
+                )
+                return plan, c
+            except ValueError as e:  # PlanError included: report it to the peers, then raise
+                agree_on_plan(sched, str(e), sched._stages[0].group)
+                raise
+
+        try:
+            return build(costs)
+        except ValueError as e:
+            if self.memory_unit_bytes is None or getattr(sched, "byte_budget", None) is not None:
+                raise  # (a byte budget the measured bytes cannot meet: on every rank)
+            logger.warning(
+                "zbpipe profile: %s cannot be planned for the measured memory (%s); planning "
+                "for one memory unit per microbatch instead, as without the measurement: its "
+                "memory promise is not checked against the measured bytes",
+                type(sched).__name__,
+                e,
+            )
+            self.memory_unit_bytes = sched.memory_unit_bytes = None
+            return build(dataclasses.replace(costs, mem_f=1.0, mem_b=0.0, mem_w=-1.0))
+
+    def _predicted_memory(self, sched: Any, sim: SimResult, costs: Costs) -> str:
+        """The log line's memory part: the running plan's predicted peak (``sim``, its
+        simulation under ``costs``), and its ratio to 1F1B's on the same model (the same stages,
+        joined in pairs for a V placement)."""
+        if self.memory_unit_bytes is None:
+            return ""
+        from ..planning.loop.heuristic import onef1b_peak
+
+        peak = max(sim.peak_memory.values())
+        text = f"; predicted peak memory {peak * self.memory_unit_bytes / 2**20:.3g} MiB per rank"
+        chunks = sched._num_stages // sched.pp_group_size
+        if chunks == 1 or (chunks == 2 and sched.layout == "v"):
+            base = onef1b_peak(sched.pp_group_size, sched._n_microbatches, costs.joined(chunks))
+            text += f" ({peak / base:.2f}x 1F1B's)"
+        return text
+
+
+def _fmt(values: Any) -> str:
+    vals = values if isinstance(values, tuple) else (values,)
+    return "[" + ",".join(f"{v:g}" for v in vals) + "]"
