@@ -24,7 +24,7 @@ repetitions interleaved.
 
 Run:  PYTHONPATH=src python benchmarks/compile.py [--reps 10]
       [--part pipeline|split|all] [--ac 1 --out benchmarks/results/compile_ac.json]
-Writes benchmarks/results/compile.json; docs/results/benchmarks.md records what we saw.
+Writes benchmarks/results/compile.json; docs/results/compile.md records what we saw.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ Two modes:
     PYTHONPATH=src python benchmarks/host_overhead.py --out host_overhead_attribution
     PYTHONPATH=src python benchmarks/host_overhead.py compare --before HEAD~1 --out host_overhead
 
-Writes benchmarks/results/<--out>.json; docs/results/benchmarks.md (host overhead) quotes them.
+Writes benchmarks/results/<--out>.json; docs/results/host-time.md quotes them.
 """
 
 from __future__ import annotations

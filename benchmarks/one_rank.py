@@ -11,7 +11,7 @@ with a fused backward, so the ratios show the split's cost and nothing else; tor
 
     PYTHONPATH=src python benchmarks/one_rank.py [--reps 30]
 
-Writes benchmarks/results/one_rank.json; docs/results/benchmarks.md records what we saw.
+Writes benchmarks/results/one_rank.json; docs/results/host-time.md records what we saw.
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ compute intervals, and the peak bytes of saved activations per rank.
 Run:  PYTHONPATH=src python benchmarks/real_run.py [--ranks 2] [--reps 10] [--microbatches 4]
       [--hidden 512]
 Writes benchmarks/results/real_run.json (2 ranks) or real_run_<N>ranks.json;
-docs/results/benchmarks.md
-records what we saw. Each rank needs a core of its own: measure 4 and 8 ranks only on a machine
-with at least that many cores (on fewer, the ratios measure the OS scheduler, not the schedules).
+docs/results/real-runs.md records what we saw. Each rank needs a core of its own: measure 4
+and 8 ranks only on a machine with at least that many cores (on fewer, the ratios measure the
+OS scheduler, not the schedules).
 """
 
 from __future__ import annotations

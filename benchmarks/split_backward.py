@@ -26,8 +26,8 @@ time (the Python and launch cost, which a fast GPU cannot hide when it exceeds t
     PYTHONPATH=src python benchmarks/split_backward.py [--reps 15] [--quick]
     PYTHONPATH=src python benchmarks/split_backward.py --device cuda --dtype bfloat16
 
-Writes benchmarks/results/split_backward[_cuda].json; docs/results/benchmarks.md records what we
-saw.
+Writes benchmarks/results/split_backward[_cuda].json; docs/results/split-backward.md records what
+we saw.
 """
 
 from __future__ import annotations

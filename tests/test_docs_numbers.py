@@ -1,4 +1,4 @@
-"""Every measured number in README.md and docs/*.md appears in a stored benchmark result.
+"""Every measured number in README.md, docs/ and benchmarks/ (*.md) appears in a stored result.
 
 What counts as a number (the rule, so it stays simple to follow):
   * a decimal with a fractional part, with or without a unit: ``0.934``, ``1193.7``, ``20.7%``,
@@ -39,7 +39,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+# the user-facing pages, and benchmarks/README.md (and the archive's), which quote headline numbers
+DOCS = [
+    ROOT / "README.md",
+    *sorted((ROOT / "docs").rglob("*.md")),
+    *sorted((ROOT / "benchmarks").rglob("*.md")),
+]
 
 # file (relative to the repository root) -> {number as written: why it is not a measurement}.
 # Keep it small: each entry is a claim no script checks.
@@ -47,7 +52,10 @@ NOT_MEASURED: dict[str, dict[str, str]] = {
     "docs/use/continuous.md": {
         "1.5": "one of the warm-up factors d the planner tries, an input",
     },
-    "docs/results/benchmarks.md": {
+    "docs/results/memory.md": {
+        "1.05x": "issue 19's target for the peaks (at most 1.05x torch 1F1B's), not a result",
+    },
+    "docs/results/compile.md": {
         "9.8": "torchtitan #773's Interleaved1F1B over InterleavedZeroBubble tokens/s, 128 / 13",
         "0.90": "torchtitan #773's later comment: Interleaved1F1B over ZB tokens/s, 304 / 339",
     },
@@ -195,7 +203,9 @@ def test_files_being_remeasured_are_docs():
     assert BEING_REMEASURED <= docs, f"not docs: {sorted(BEING_REMEASURED - docs)}"
 
 
-@pytest.mark.parametrize("path", sorted(RESULTS.glob("*.json")), ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path", sorted(RESULTS.rglob("*.json")), ids=lambda p: p.relative_to(RESULTS).as_posix()
+)
 def test_every_result_says_where_and_when_it_was_measured(path):
     meta = json.loads(path.read_text()).get("meta", {})
     missing = [k for k in ("machine", "torch", "date") if not meta.get(k)]

@@ -55,7 +55,7 @@ class Tracer:
 
         A plain object with ``__enter__``/``__exit__``, not a generator: it runs around every
         compute action, where a generator-based context manager's few microseconds of host time
-        are paid per microbatch (docs/results/benchmarks.md, host overhead); disabled, it is a
+        are paid per microbatch (docs/results/host-time.md); disabled, it is a
         shared
         no-op.
         """
