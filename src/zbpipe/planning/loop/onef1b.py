@@ -18,11 +18,16 @@ def onef1b_rank_order(
     """The 1F1B order of one rank (``backward`` is ``"BW"``, or ``"B"`` for the F/B skeleton)."""
     m = n_microbatches
     warmup = min(num_ranks - 1 - rank, m)
+    # Phase 1, warm-up: p - 1 - r forwards, one per rank below this one that needs an input
+    # before the first gradient can come back up.
     order = [Action(rank, "F", i) for i in range(warmup)]
-    for i in range(m - warmup):  # steady state: F of microbatch warmup + i, then backward of i
+    # Phase 2, steady state (one F, one backward): the forward of microbatch warmup + i, then
+    # the backward of microbatch i, whose gradient has just arrived.
+    for i in range(m - warmup):
         order.append(Action(rank, "F", warmup + i))
         order.append(Action(rank, backward, i))
-    order.extend(Action(rank, backward, i) for i in range(m - warmup, m))  # cool-down
+    # Phase 3, cool-down: the backwards of the last ``warmup`` microbatches; no forward is left.
+    order.extend(Action(rank, backward, i) for i in range(m - warmup, m))
     return order
 
 

@@ -45,11 +45,16 @@ def zbh1_rank_order(
     lag = rank if lag is None else lag
     order: list[Action] = []
     w_next = 0
+    # Phases 1-3, warm-up, steady state and cool-down: 1F1B's F/B order (onef1b_rank_order:
+    # p - 1 - r forwards, then F-B pairs, then the last Bs). From the lag-th B on, each B is
+    # followed by one W, the oldest whose B has run: on rank r a W trails its B by r B-steps
+    # (the paper's Figure 3), which leaves r Ws for the drain.
     for a in onef1b_rank_order(rank, num_ranks, n_microbatches, backward="B"):
         order.append(a)
         if a.kind == "B" and a.microbatch >= lag:
             order.append(Action(rank, "W", w_next))
             w_next += 1
+    # Phase 4, drain: the last ``lag`` Ws, after the last B, where 1F1B's cool-down would idle.
     order.extend(Action(rank, "W", i) for i in range(w_next, n_microbatches))
     return order
 

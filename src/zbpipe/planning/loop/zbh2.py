@@ -36,6 +36,13 @@ def plan_zbh2(
     check_sizes(p, m)
     costs = costs or Costs()
     costs.check(p)
+    # The phases of the order this builds on rank r (docs/reference/orders/zbh2_p4_m8.csv):
+    #   1. warm-up: 2(p - r) - 1 forwards, all that fit before the first gradient comes back
+    #      (warmup_cap: the in-flight cap of each rank);
+    #   2. steady state: each B as soon as its gradient arrives, a forward in the gap while one
+    #      is left, a W when the next F would exceed 2p - 1 in flight (the memory cap);
+    #   3. cool-down: the last Bs, Ws filling the gaps between them;
+    #   4. drain: the remaining Ws, back to back (with m >= 2p - 1 the parallelogram's edge).
     warmup_cap = tuple(2 * (p - r) - 1 for r in range(p))
     unit = Costs().per_stage(p)  # F=B=W=1, one memory unit per microbatch in flight
     result = list_schedule(p, m, unit, float(2 * p - 1), AutoStrategy(max_inflight=warmup_cap))

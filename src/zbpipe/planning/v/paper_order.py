@@ -55,25 +55,34 @@ def _zbv_rank_order(r: int, p: int, mm: int, with_w: bool) -> list[Action]:
             seq.append(Action(s, "W", nw[s]))
             nw[s] += 1
 
+    # Step 1, warm-up down the V: 2(p - r) - 1 forwards of chunk 0.
     for _ in range(2 * (p - r) - 1):
         f(c0)
+    # Step 2, warm-up of chunk 1: r pairs (F chunk 1, F chunk 0), as chunk 1's inputs come back
+    # from rank r + 1.
     for _ in range(r):
         f(c1)
         f(c0)
+    # Step 3, the first backwards: p - r pairs (F chunk 1, B chunk 1), as the gradients from the
+    # V's end (chunk 1 of rank 0, the last stage) reach rank r.
     for _ in range(p - r):
         f(c1)
         b(c1)
+    # Step 4, steady state: rounds (F0 B0 F1 B1) until every forward of both chunks has run.
     while nf[c1] < nf[c0] or nf[c0] < mm:
         if nf[c0] < mm:
             f(c0)
         b(c0)
         f(c1)
         b(c1)
+    # Step 5, cool-down: r pairs (B chunk 0, B chunk 1), their Ws left for the drain.
     for _ in range(r):
         b(c0, w=False)
         b(c1, w=False)
+    # Step 6, cool-down of chunk 0: its remaining backwards.
     while nb[c0] < mm:
         b(c0)
+    # Step 7, drain (with_w only): the Ws step 5 left, chunk 1's then chunk 0's.
     if with_w:
         for s in (c1, c0):
             while nw[s] < mm:
