@@ -132,7 +132,8 @@ def assert_same_losses(got: dict[int, float], ref: dict[int, float]) -> None:
 
 def write_losses(name: str, found: dict[str, dict[int, float]], steps: int) -> None:
     """With ``ZBPIPE_WRITE_RESULTS=1``, store {run: losses per step} as
-    benchmarks/results/NAME.json (docs/use/torchtitan.md quotes them); otherwise nothing."""
+    benchmarks/results/NAME.json (docs/results/torchtitan-trainer.md quotes them); otherwise
+    nothing."""
     if os.environ.get("ZBPIPE_WRITE_RESULTS") != "1":
         return
     from importlib.metadata import version

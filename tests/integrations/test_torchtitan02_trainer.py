@@ -19,7 +19,8 @@ Needs torchtitan 0.2.x and its training dependencies (CI: the torch 2.11.0 venv,
 ``bash .ci/torchtitan-trainer .venv-2.11.0 0.2``). Deselected by default (marker
 ``torchtitan02_trainer``), never skipped: a missing package fails the run. With
 ``ZBPIPE_WRITE_RESULTS=1`` the losses are stored in
-benchmarks/results/torchtitan02_trainer_losses.json (docs/use/torchtitan.md quotes them).
+benchmarks/results/torchtitan02_trainer_losses.json (docs/results/torchtitan-trainer.md quotes
+them).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ Needs torch >= 2.14 (torchtitan 0.3.0's Trainer calls ``step(arg_mbs=...)``, whi
 built-in schedules lack) and torchtitan's training dependencies; CI runs it in its torch 2.14.1
 environment (``pytest -m torchtitan_trainer``). Deselected by default, never skipped: a missing
 package fails the run. With ``ZBPIPE_WRITE_RESULTS=1`` the losses are stored in
-benchmarks/results/torchtitan_trainer_losses.json (docs/use/torchtitan.md quotes them).
+benchmarks/results/torchtitan_trainer_losses.json (docs/results/torchtitan-trainer.md quotes them).
 """
 
 from __future__ import annotations
@@ -145,9 +145,9 @@ def assert_w_has_the_weight_gemms(log: str) -> None:
     (every weight GEMM in B) W measured 0.1-0.3 ms against B's 66-124 ms, W / B about 0.002;
     with the split, on this model with full AC (B also recomputes each block), 0.07. The
     compiled run too: before its Linears' weight GEMMs reached W (FSDP2 hands compiled code its
-    unsharded parameters, not the sharded DTensors routed; docs/use/torchtitan.md) its W held only
-    the eager Linears' GEMMs, W / B about 0.01; with them, 0.09 to 0.22. A functional check
-    read off one run's own times, far from the broken values (not a speed threshold)."""
+    unsharded parameters, not the sharded DTensors routed; docs/results/torchtitan-trainer.md) its
+    W held only the eager Linears' GEMMs, W / B about 0.01; with them, 0.09 to 0.22. A functional
+    check read off one run's own times, far from the broken values (not a speed threshold)."""
     found = re.search(r"B=\[([^\]]*)\] W=\[([^\]]*)\]", log)
     assert found, log
     b, w = (sum(float(v) for v in group.split(",")) for group in found.groups())
