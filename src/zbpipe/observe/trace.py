@@ -55,9 +55,7 @@ class Tracer:
 
         A plain object with ``__enter__``/``__exit__``, not a generator: it runs around every
         compute action, where a generator-based context manager's few microseconds of host time
-        are paid per microbatch (docs/results/host-time.md); disabled, it is a
-        shared
-        no-op.
+        are paid per microbatch (docs/results/host-time.md); disabled, it is a shared no-op.
         """
         if not self.enabled:
             return _NO_SPAN
