@@ -7,13 +7,20 @@ A plan uses the paper's letters:
 * ``W``  the weight-gradient half of its backward,
 * ``BW`` the fused full backward (torch calls this ``B``).
 
+A plan may also mark **overlapped pairs** (``Plan.pairs``): an F directly followed, on its rank,
+by a backward (B or BW) of another stage; the two run as one unit whose halves interleave, so
+each half's communication hides behind the other half's compute (DualPipe's F-and-B pairs;
+torch lowers them as ``OVERLAP_F_B``).
+
 This module is pure Python and must never import torch: plan generators and the
 simulator are tested by hypothesis over thousands of cases without a process group.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import dataclasses
+
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -83,12 +90,17 @@ class Plan:
     order: Mapping[int, tuple[Action, ...]]
     layout: Layout = "loop"
     meta: Mapping[str, object] = field(default_factory=dict, compare=False)
+    pairs: frozenset[tuple[Action, Action]] = frozenset()
+    """Overlapped pairs ``(f, b)``: the F action ``f`` and the backward ``b`` (B or BW) of another
+    stage that directly follows it on their rank run as one unit, their halves interleaved (see
+    the module docstring). Empty for plans without overlap."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "placement", dict(sorted(self.placement.items())))
         object.__setattr__(
             self, "order", {r: tuple(self.order.get(r, ())) for r in range(self.num_ranks)}
         )
+        object.__setattr__(self, "pairs", frozenset(self.pairs))
 
     @property
     def num_stages(self) -> int:
@@ -100,6 +112,14 @@ class Plan:
 
     def uses_split_backward(self) -> bool:
         return any(a.kind in ("B", "W") for acts in self.order.values() for a in acts)
+
+    def paired_first(self) -> frozenset[Action]:
+        """The F actions that start an overlapped pair (their backward follows them)."""
+        return frozenset(f for f, _ in self.pairs)
+
+    def without_pairs(self) -> Plan:
+        """The same order with every pair run as two plain actions, one after the other."""
+        return dataclasses.replace(self, pairs=frozenset()) if self.pairs else self
 
     def validate(self) -> None:
         """Static checks: placement, completeness, and per-stage F < B < W order.
@@ -164,6 +184,32 @@ def validate_structure(plan: Plan) -> None:
                     f"plan {plan.name}: stage {s} microbatch {mb} has {sorted(kinds)}; "
                     f"needs {missing}"
                 )
+    validate_pairs(plan)
+
+
+def validate_pairs(plan: Plan) -> None:
+    """Each pair is an F directly followed on its rank by a B or BW of another stage; no action
+    is in two pairs."""
+    if not plan.pairs:
+        return
+    where = {a: (rank, step) for rank, acts in plan.order.items() for step, a in enumerate(acts)}
+    used: set[Action] = set()
+    for f, b in sorted(plan.pairs):
+        if f not in where or b not in where:
+            raise PlanError(f"plan {plan.name}: pair ({f}, {b}) names an action the plan lacks")
+        rank, step = where[f]
+        what = None
+        if f.kind != "F" or b.kind not in ("B", "BW"):
+            what = "a pair is an F and then a B or BW"
+        elif where[b] != (rank, step + 1):
+            what = f"{b} must directly follow {f} on rank {rank}"
+        elif f.stage == b.stage:
+            what = "a pair's F and backward must be of different stages"
+        elif f in used or b in used:
+            what = "an action can be in one pair only"
+        if what is not None:
+            raise _step_error(plan, rank, step, f, f"pair ({f}, {b}): {what}")
+        used.update((f, b))
 
 
 def _step_error(plan: Plan, rank: int, step: int, a: Action, what: str) -> PlanError:
@@ -171,8 +217,14 @@ def _step_error(plan: Plan, rank: int, step: int, a: Action, what: str) -> PlanE
 
 
 def format_grid(plan: Plan, width: int | None = None) -> str:
-    """Draw the plan as a rank-by-step grid (no timing: column k is each rank's k-th action)."""
-    cells = {r: [str(a) for a in acts] for r, acts in plan.order.items()}
+    """Draw the plan as a rank-by-step grid (no timing: column k is each rank's k-th action).
+
+    The backward of an overlapped pair is drawn with a ``+``: it runs together with the F
+    before it."""
+    seconds = {b for _, b in plan.pairs}
+    cells = {
+        r: [("+" if a in seconds else "") + str(a) for a in acts] for r, acts in plan.order.items()
+    }
     w = width or max((len(c) for cs in cells.values() for c in cs), default=3)
     head = (
         f"{plan.name}: {plan.num_ranks} ranks, {plan.num_stages} stages, "
@@ -191,6 +243,7 @@ def make_plan(
     placement: Mapping[int, int],
     order: Mapping[int, Sequence[Action]],
     layout: Layout = "loop",
+    pairs: Iterable[tuple[Action, Action]] = (),
     **meta: object,
 ) -> Plan:
     """Build and statically validate a plan (generators call this)."""
@@ -202,6 +255,7 @@ def make_plan(
         order={r: tuple(acts) for r, acts in order.items()},
         layout=layout,
         meta=meta,
+        pairs=frozenset(pairs),
     )
     p.validate()
     return p

@@ -9,6 +9,11 @@ backward is complete: ``mem_f + mem_b + mem_w == 0``.
 ``Costs`` describe one pipeline *stage* (one model chunk). A model split into 2p chunks for a
 V schedule has half the per-chunk cost of the same model split into p stages: comparisons keep
 the model fixed, not the chunk.
+
+``a2a`` is the time one F, and one B, of a stage spends in its own collectives (an MoE layer's
+expert all-to-all: dispatch and combine): the rank waits for them, so an F takes ``f + a2a``, a
+B ``b + a2a`` and a fused BW ``b + w + a2a``, except inside an overlapped pair, where each
+half's collectives hide behind the other half's compute (:func:`pair_time`).
 """
 
 from __future__ import annotations
@@ -34,19 +39,27 @@ class StageCosts:
     mem_f: float
     mem_b: float
     mem_w: float
+    a2a: float = 0.0
 
     # ``time`` and ``mem`` run once per action in every simulation: plain comparisons, no dict.
     def time(self, kind: str) -> float:
-        """Duration of one action of ``kind`` (F, B, W or BW) on this stage."""
+        """Duration of one action of ``kind`` (F, B, W or BW) on this stage, its own
+        collectives (``a2a``) waited for."""
         if kind == "F":
-            return self.f
+            return self.f + self.a2a
         if kind == "B":
-            return self.b
+            return self.b + self.a2a
         if kind == "W":
             return self.w
         if kind == "BW":
-            return self.b + self.w
+            return self.b + self.w + self.a2a
         raise KeyError(kind)
+
+    def compute(self, kind: str) -> float:
+        """The compute part of :meth:`time`: without the collectives' wait."""
+        if kind == "BW":
+            return self.b + self.w
+        return {"F": self.f, "B": self.b, "W": self.w}[kind]
 
     def mem(self, kind: str) -> float:
         """Change in activation memory when an action of ``kind`` ends (F allocates at start)."""
@@ -83,6 +96,9 @@ class Costs:
     """Memory change at B (<= 0: what B frees)."""
     mem_w: PerStage = -1.0
     """Memory change at W (<= 0); ``mem_f + mem_b + mem_w`` must be 0."""
+    a2a: PerStage = 0.0
+    """Time one F, and one B, of this stage waits for its own collectives (an MoE layer's expert
+    all-to-all); an overlapped pair hides it behind the other half's compute."""
 
     def __post_init__(self) -> None:
         for fld in fields(self):
@@ -100,7 +116,7 @@ class Costs:
                     or math.isinf(v)
                 ):
                     raise ValueError(f"Costs.{fld.name} must be finite numbers, got {value!r}")
-                if fld.name in ("f", "b", "w", "comm", "mem_f") and v < 0:
+                if fld.name in ("f", "b", "w", "comm", "mem_f", "a2a") and v < 0:
                     raise ValueError(f"Costs.{fld.name} must be >= 0, got {value!r}")
         lengths = {
             len(getattr(self, f.name))
@@ -154,7 +170,8 @@ class Costs:
     def split(self, chunks: int) -> Costs:
         """The same model cut ``chunks`` times finer: every time and memory divided by ``chunks``.
 
-        Communication per send stays (one activation still crosses one link).
+        Communication per send stays (one activation still crosses one link); a chunk's own
+        collectives (``a2a``) are divided too (each chunk holds its share of the layers).
         """
         if chunks < 1:
             raise ValueError(f"chunks must be >= 1, got {chunks}")
@@ -174,6 +191,7 @@ class Costs:
             mem_f=div(self.mem_f),
             mem_b=div(self.mem_b),
             mem_w=div(self.mem_w),
+            a2a=div(self.a2a),
         )
 
     def joined(self, k: int) -> Costs:
@@ -216,3 +234,16 @@ class Costs:
             except ValueError:
                 raise ValueError(f"--costs: {key.strip()} must be a number, got {val!r}") from None
         return cls(**kwargs)
+
+
+def pair_time(first: StageCosts, second: StageCosts, second_kind: str) -> float:
+    """How long an overlapped pair runs: F of a stage with costs ``first`` and a backward
+    (``second_kind``: B or BW) of a stage with costs ``second``.
+
+    Their halves interleave at the collectives, so each half's collectives wait while the other
+    half computes: only what the other half's compute cannot cover is still waited for,
+    ``f + b + max(0, a2a_F - b) + max(0, a2a_B - f)`` (``b + w`` for a BW). With no
+    collectives a pair takes what its two actions take one after the other.
+    """
+    f, b = first.compute("F"), second.compute(second_kind)
+    return f + b + max(0.0, first.a2a - b) + max(0.0, second.a2a - f)

@@ -15,7 +15,8 @@ B      full backward                 BW
 
 Empty cells (torch pads its orders with ``None``) are skipped. Communication and FSDP actions
 (``SEND_F``, ``UNSHARD``, ``REDUCE_GRAD``, ...) are dropped on read: a plan holds compute only.
-An overlapped pair ``(0F3;1B2)OVERLAP_F_B`` is read as its sub-actions in order.
+An overlapped pair is one cell, ``(0F3;1I2)OVERLAP_F_B`` (torch's own printing of its
+``OVERLAP_F_B`` action): written for each of a plan's ``pairs``, read back as a pair.
 """
 
 from __future__ import annotations
@@ -42,8 +43,17 @@ def plan_to_csv(plan: Plan) -> str:
     """The plan in torch's compute-only CSV format (rows: rank 0 .. p-1)."""
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
+    partner = dict(plan.pairs)
+    seconds = set(partner.values())
     for r in range(plan.num_ranks):
-        writer.writerow([action_to_torch_str(a) for a in plan.order[r]])
+        row = []
+        for a in plan.order[r]:
+            if a in partner:
+                b = partner[a]
+                row.append(f"({action_to_torch_str(a)};{action_to_torch_str(b)})OVERLAP_F_B")
+            elif a not in seconds:
+                row.append(action_to_torch_str(a))
+        writer.writerow(row)
     return buf.getvalue()
 
 
@@ -79,14 +89,15 @@ def plan_from_csv(text: str, name: str = "csv", n_microbatches: int | None = Non
         rows.pop()  # trailing blank lines
     if not rows:
         raise PlanError("plan_from_csv: the CSV has no rows; expected one row per rank")
-    order = {
-        r: [
-            a
-            for step, cell in enumerate(row)
-            for a in parse_torch_action(cell, f"row {r} column {step}")
-        ]
-        for r, row in enumerate(rows)
-    }
+    order: dict[int, list[Action]] = {}
+    pairs: list[tuple[Action, Action]] = []
+    for r, row in enumerate(rows):
+        order[r] = []
+        for step, cell in enumerate(row):
+            actions = parse_torch_action(cell, f"row {r} column {step}")
+            if cell.strip().startswith("(") and len(actions) == 2:
+                pairs.append((actions[0], actions[1]))
+            order[r].extend(actions)
     placement: dict[int, int] = {}
     for r, actions in order.items():
         for a in actions:
@@ -101,4 +112,4 @@ def plan_from_csv(text: str, name: str = "csv", n_microbatches: int | None = Non
     num_ranks = len(rows)
     m = n_microbatches or 1 + max(a.microbatch for acts in order.values() for a in acts)
     layout: Layout = "v" if placement == v_placement(num_ranks) else "loop"
-    return make_plan(name, num_ranks, m, placement, order, layout=layout)
+    return make_plan(name, num_ranks, m, placement, order, layout=layout, pairs=pairs)

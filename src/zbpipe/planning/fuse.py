@@ -9,8 +9,9 @@ when the whole backward ends, W's time later than B would have, and the previous
 stalls for it (on equal costs, fusing every adjacent pair lengthens ZB-1p, ZB-V and V-Min plans
 by up to a third). So a pair is fused on the first stage (its input gradient goes nowhere) and
 where the previous stage lives on the same rank (V placement's turn: its consumer runs later in
-this order anyway, after the W). The runtime lowers plans through this; the plan a user prints
-and simulates is left as generated.
+this order anyway, after the W). The B of an overlapped pair is never fused: the pair runs B
+only, its W apart. The runtime lowers plans through this; the plan a user prints and simulates
+is left as generated.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ def fuse_adjacent_backward(plan: Plan) -> Plan:
     """``plan`` with a B immediately followed on its rank by its own W replaced by one BW,
     wherever that delays no other rank (see the module docstring)."""
     order: dict[int, tuple[Action, ...]] = {}
+    paired = {b for _, b in plan.pairs}  # an overlapped pair's B stays a B (its W is apart)
     for rank, actions in plan.order.items():
         fused: list[Action] = []
         i = 0
@@ -34,6 +36,7 @@ def fuse_adjacent_backward(plan: Plan) -> Plan:
             nxt = actions[i + 1] if i + 1 < len(actions) else None
             if (
                 a.kind == "B"
+                and a not in paired
                 and nxt is not None
                 and nxt.kind == "W"
                 and (nxt.stage, nxt.microbatch) == (a.stage, a.microbatch)

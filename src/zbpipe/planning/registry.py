@@ -20,6 +20,7 @@ from .loop.heuristic import plan_zb1p, plan_zb2p
 from .loop.onef1b import plan_1f1b
 from .loop.zbh1 import plan_zbh1
 from .loop.zbh2 import plan_zbh2
+from .v.dualpipev import plan_dualpipev
 from .v.zbv import plan_zbv, plan_zbv_half, plan_zbv_min
 
 Generator = Callable[..., Plan]
@@ -35,6 +36,7 @@ GENERATORS: dict[str, Generator] = {
     "ZBV": plan_zbv,
     "ZBVHalf": plan_zbv_half,
     "ZBVMin": plan_zbv_min,
+    "ZBDualPipeV": plan_dualpipev,
     "Continuous": plan_continuous,
 }
 
@@ -113,6 +115,10 @@ def plan(
             result = gen(
                 num_ranks, n_microbatches, costs=costs, memory_limit=memory_limit, **options
             )
+            if refine and result.pairs:
+                raise ValueError(
+                    f"plan {gen_name!r}: refine=True does not model overlapped pairs; drop refine"
+                )
             if refine:
                 from .search.milp import refine as refine_plan
 

@@ -9,7 +9,12 @@ Semantics (shared with the runtime):
 * a dependency produced on another rank arrives ``comm`` (of the producing stage) after it
   ends; on the same rank there is no communication;
 * sends never block (torch posts isend/irecv), so only a receive can stall a rank;
-* ``F`` allocates ``mem_f`` when it starts, ``B``/``W``/``BW`` change memory when they end.
+* ``F`` allocates ``mem_f`` when it starts, ``B``/``W``/``BW`` change memory when they end;
+* an F and a B or BW (or F, B and W) each wait for the stage's own collectives (``a2a``), except
+  in an overlapped pair (``Plan.pairs``): the pair starts once both halves' inputs are there
+  and runs for :func:`~zbpipe.planning.costs.pair_time`; both halves' results are there at its
+  end. The timeline draws the pair's two actions one after the other, sharing its time in
+  proportion to their compute.
 
 Every action's start time is fixed once its dependencies' end times are, so the simulator
 schedules an action as soon as the actions it needs are scheduled (a worklist over ranks):
@@ -24,7 +29,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from .core import Action, Plan, PlanError
-from .costs import Costs, StageCosts
+from .costs import Costs, StageCosts, pair_time
 from .metrics import bubble_rate as _bubble_rate
 from .rules import Value, describe, first_overflow, makes, needs, peak_memory
 
@@ -116,6 +121,8 @@ def simulate(
     """
     begin, end, peak = _run(plan, costs, memory_limit)
     first = _first_numbers(plan)
+    if plan.pairs:
+        begin, end = _drawn_pairs(plan, costs or Costs(), begin, end)
     timeline = {
         r: tuple(
             Interval(r, a, begin[first[r] + i], end[first[r] + i]) for i, a in enumerate(actions)
@@ -184,6 +191,7 @@ def _run(
     for actions in plan.order.values():
         end += [-1.0] * len(actions)
         durations += [sc[a.stage].time(a.kind) for a in actions]
+    paired = _paired_numbers(plan, sc, first, durations)
     begin = [0.0] * len(end)
     waiting: dict[int, list[int]] = defaultdict(list)  # action number -> ranks waiting for it
     pos = {r: 0 for r in plan.order}
@@ -205,6 +213,20 @@ def _run(
             if blocked >= 0:
                 waiting[blocked].append(rank)
                 break
+            if me in paired:  # an overlapped pair: both halves' inputs, one run, one end
+                for src, delay in inputs[me + 1]:
+                    if end[src] < 0.0:
+                        blocked = src
+                        break
+                    start = max(start, end[src] + delay)
+                if blocked >= 0:
+                    waiting[blocked].append(rank)
+                    break
+                begin[me + 1] = start
+                end[me + 1] = start + durations[me]
+                i += 1
+                if me + 1 in waiting:
+                    todo.extend(waiting.pop(me + 1))
             begin[me] = start
             t = end[me] = start + durations[me]
             i += 1
@@ -217,6 +239,43 @@ def _run(
         made = {key for r in plan.order for a in plan.order[r][: pos[r]] for key in makes(a)}
         raise PlanError(_deadlock_message(plan, stuck, made, where))
     return begin, end, peak
+
+
+def _paired_numbers(
+    plan: Plan, sc: list[StageCosts], first: Mapping[int, int], durations: list[float]
+) -> set[int]:
+    """The numbers of the F actions that start a pair; each one's duration becomes the pair's."""
+    out: set[int] = set()
+    if not plan.pairs:
+        return out
+    starts = plan.paired_first()
+    for rank, actions in plan.order.items():
+        for step, a in enumerate(actions):
+            if a in starts:
+                me = first[rank] + step
+                b = actions[step + 1]
+                durations[me] = pair_time(sc[a.stage], sc[b.stage], b.kind)
+                out.add(me)
+    return out
+
+
+def _drawn_pairs(
+    plan: Plan, costs: Costs, begin: list[float], end: list[float]
+) -> tuple[list[float], list[float]]:
+    """Begin and end times with each pair's time shared by its two actions in proportion to
+    their compute (for the timeline and its busy time; dependencies used the pair's end)."""
+    begin, end = list(begin), list(end)
+    first = _first_numbers(plan)
+    starts = plan.paired_first()
+    for rank, actions in plan.order.items():
+        for step, a in enumerate(actions):
+            if a in starts:
+                me = first[rank] + step
+                b = actions[step + 1]
+                cf, cb = costs.stage(a.stage).compute("F"), costs.stage(b.stage).compute(b.kind)
+                share = cf / (cf + cb) if cf + cb > 0 else 0.5
+                end[me] = begin[me + 1] = begin[me] + share * (end[me] - begin[me])
+    return begin, end
 
 
 def _peak_memory(plan: Plan, sc: list[StageCosts], memory_limit: float | None) -> dict[int, float]:
@@ -242,9 +301,12 @@ def _deadlock_message(
 ) -> str:
     last = plan.num_stages - 1
     lines = [f"plan {plan.name} deadlocks: ranks {sorted(stuck)} wait on each other"]
+    starts = plan.paired_first()
     for rank, step in sorted(stuck.items()):
         a = plan.order[rank][step]
         missing = [k for k in needs(a, last) if k not in made]
+        if a in starts:  # an overlapped pair waits for its backward's inputs too
+            missing += [k for k in needs(plan.order[rank][step + 1], last) if k not in made]
         for key in missing:
             src_rank, src_step = where[key]
             lines.append(

@@ -1,0 +1,244 @@
+"""DualPipeV with overlapped F-and-B pairs: the pair's time, the plan IR's pairs (validation, CSV,
+fusing), the skeleton's shape, and the generator's promises over random sizes and costs.
+
+Plan layer only: no torch.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zbpipe.planning import Action, Costs, PlanError, make_plan, simulate, v_placement
+from zbpipe.planning.costs import pair_time
+from zbpipe.planning.csv_format import plan_from_csv, plan_to_csv
+from zbpipe.planning.fuse import fuse_adjacent_backward
+from zbpipe.planning.loop.onef1b import plan_1f1b
+from zbpipe.planning.registry import plan
+from zbpipe.planning.v.dualpipev import dualpipev_units, plan_dualpipev
+from zbpipe.planning.v.zbv import plan_zbv
+
+EPS = 1e-9
+
+
+def A(stage, kind, mb):  # noqa: N802 (reads like the plan grid: A(0, "F", 1) is 0F1)
+    return Action(stage, kind, mb)
+
+
+# ------------------------------------------------------------------ the pair's time
+@pytest.mark.parametrize(
+    "f, b, a2a_f, a2a_b, kind, expected",
+    [
+        (1.0, 2.0, 0.5, 0.5, "B", 3.0),  # each half's collectives shorter than the other's compute
+        (1.0, 0.2, 1.0, 1.0, "B", 2.0),  # F's 1.0 waits 0.8 beyond B's 0.2; B's hides behind F
+        (1.0, 1.0, 0.0, 0.0, "B", 2.0),  # nothing to hide: the two actions one after the other
+        (1.0, 1.0, 3.0, 0.0, "BW", 3.0 + 1.0),  # BW computes b + w = 2: F's 3 waits 1 more
+    ],
+)
+def test_pair_time_hides_each_halfs_collectives_behind_the_other_halfs_compute(
+    f, b, a2a_f, a2a_b, kind, expected
+):
+    first = Costs(f=f, a2a=a2a_f).stage(0)
+    second = Costs(b=b, w=1.0, a2a=a2a_b).stage(0)
+    assert pair_time(first, second, kind) == pytest.approx(expected)
+
+
+def test_unpaired_actions_wait_for_their_collectives():
+    c = Costs(f=1, b=2, w=3, a2a=0.5).stage(0)
+    assert (c.time("F"), c.time("B"), c.time("W"), c.time("BW")) == (1.5, 2.5, 3.0, 5.5)
+
+
+# ------------------------------------------------------------------ the simulator, by hand
+def _one_rank_plan(paired: bool):
+    # p = 1: rank 0 holds stages 0 and 1; m = 2
+    order = [
+        A(0, "F", 0), A(1, "F", 0), A(0, "F", 1), A(1, "B", 0), A(1, "W", 0),
+        A(1, "F", 1), A(0, "B", 0), A(1, "B", 1), A(0, "W", 0), A(1, "W", 1),
+        A(0, "B", 1), A(0, "W", 1),
+    ]  # fmt: skip
+    pairs = [(A(0, "F", 1), A(1, "B", 0))] if paired else []
+    return make_plan("hand", 1, 2, v_placement(1), {0: order}, layout="v", pairs=pairs)
+
+
+def test_a_pair_runs_for_its_pair_time_and_hands_both_results_over_at_its_end():
+    costs = Costs(f=1, b=1, w=1, a2a=0.5)  # F and B take 1.5 alone, W 1
+    # by hand: 12 actions, 4 F + 4 B at 1.5 and 4 W at 1 = 16 one after the other; the pair
+    # (0F1, 1B0) takes 1 + 1 instead of 1.5 + 1.5
+    assert simulate(_one_rank_plan(False), costs).makespan == pytest.approx(16.0)
+    r = simulate(_one_rank_plan(True), costs)
+    assert r.makespan == pytest.approx(15.0)
+    line = {str(iv.action): iv for iv in r.timeline[0]}
+    assert line["0F1"].start == pytest.approx(3.0)
+    assert line["1B0"].end == pytest.approx(5.0)  # the pair's end
+    assert line["0F1"].end == line["1B0"].start == pytest.approx(4.0)  # drawn: compute shares
+    assert r.busy[0] == pytest.approx(15.0)  # no idle time on one rank
+
+
+def _reference_ends(pl, costs):
+    """Each action's end, by fixed-point iteration over the rules written out here: a rank runs
+    its units in order; a unit starts when the rank is free and every input is there (``comm``
+    later if made on another rank); a pair is one unit of ``pair_time`` whose two results are
+    there at its end."""
+    sc = [costs.stage(s) for s in range(pl.num_stages)]
+    last = pl.num_stages - 1
+    partner = dict(pl.pairs)
+    seconds = set(partner.values())
+    made = {}
+    for _ in range(4 * sum(len(a) for a in pl.order.values())):
+        changed = False
+        for rank, acts in pl.order.items():
+            free = 0.0
+            for a in acts:
+                if a in seconds:
+                    continue
+                unit = (a, partner[a]) if a in partner else (a,)
+                start = free
+                for x in unit:
+                    for need in _needs(x, last):
+                        if need not in made:
+                            start = float("inf")
+                            continue
+                        src_rank, t = made[need]
+                        start = max(start, t + (sc[need[0]].comm if src_rank != rank else 0.0))
+                if len(unit) == 2:
+                    free = start + pair_time(sc[a.stage], sc[unit[1].stage], unit[1].kind)
+                else:
+                    free = start + sc[a.stage].time(a.kind)
+                for x in unit:
+                    for value in _makes(x):
+                        if made.get(value) != (rank, free) and free != float("inf"):
+                            made[value] = (rank, free)
+                            changed = True
+        if not changed:
+            return made
+    raise AssertionError("no fixed point")
+
+
+def _needs(a, last):
+    if a.kind == "F":
+        return [(a.stage - 1, "F", a.microbatch)] if a.stage else []
+    if a.kind in ("B", "BW"):
+        up = [(a.stage + 1, "G", a.microbatch)] if a.stage < last else []
+        return [(a.stage, "F", a.microbatch), *up]
+    return [(a.stage, "B", a.microbatch)]
+
+
+def _makes(a):
+    return {"F": [(a.stage, "F", a.microbatch)], "B": [(a.stage, "G", a.microbatch), (a.stage, "B", a.microbatch)],
+            "BW": [(a.stage, "G", a.microbatch)], "W": [(a.stage, "W", a.microbatch)]}[a.kind]  # fmt: skip
+
+
+@settings(max_examples=20, deadline=None)
+@given(p=st.integers(1, 4), m=st.integers(2, 10), data=st.data())
+def test_simulated_pairs_follow_the_rules_written_out(p, m, data):
+    costs = data.draw(
+        st.builds(
+            lambda f, b, w, c, a: Costs(f=f, b=b, w=w, comm=c, a2a=a),
+            st.floats(0.2, 2), st.floats(0.2, 2), st.floats(0.1, 2), st.floats(0, 0.5),
+            st.floats(0, 1.5),
+        )  # fmt: skip
+    )
+    pl = plan_dualpipev(p, max(m, 2 * p), costs)
+    made = _reference_ends(pl, costs)
+    r = simulate(pl, costs)
+    last_end = max(t for _, t in made.values())
+    first_start = min(iv.start for ivs in r.timeline.values() for iv in ivs)
+    assert r.makespan == pytest.approx(last_end - first_start)
+
+
+# ------------------------------------------------------------------ the IR
+@pytest.mark.parametrize(
+    "pair, message",
+    [
+        ((A(1, "B", 0), A(1, "W", 0)), "an F and then a B or BW"),
+        ((A(0, "F", 0), A(1, "B", 0)), "must directly follow"),
+        ((A(1, "F", 1), A(1, "B", 1)), "must directly follow"),
+    ],
+)
+def test_a_malformed_pair_is_refused_with_the_rank_and_step(pair, message):
+    order = _one_rank_plan(False).order
+    with pytest.raises(PlanError, match=message):
+        make_plan("bad", 1, 2, v_placement(1), order, layout="v", pairs=[pair])
+
+
+def test_pairs_round_trip_through_torchs_csv_as_overlap_cells():
+    pl = plan("ZBDualPipeV", 2, 4, costs=Costs(a2a=0.5))
+    assert pl.pairs
+    text = plan_to_csv(pl)
+    assert "OVERLAP_F_B" in text
+    back = plan_from_csv(text)
+    assert back.order == pl.order and back.pairs == pl.pairs
+
+
+def test_the_runtime_never_fuses_a_paired_b_with_its_w():
+    pl = _one_rank_plan(True)  # 1B0 (paired) is followed by 1W0
+    fused = fuse_adjacent_backward(pl)
+    assert A(1, "B", 0) in fused.order[0] and fused.pairs == pl.pairs
+
+
+def test_the_grid_marks_a_pairs_backward():
+    assert "+1B0" in str(_one_rank_plan(True))
+
+
+# ------------------------------------------------------------------ the skeleton
+@pytest.mark.parametrize("p, m", [(2, 4), (3, 7), (4, 8), (4, 13)])
+def test_skeleton_counts_pairs_as_dualpipe_does(p, m):
+    units = dualpipev_units(p, m)
+    for r in range(p):
+        pairs = sum(isinstance(u, tuple) for u in units[r])
+        # steady rounds of two pairs, the last rank's first one unpaired, and the cool-down's
+        expected = 2 * (m - 2 * p + r + 1) - (r == p - 1) + (p - r - 1)
+        assert pairs == expected
+        flat = [a for u in units[r] for a in (u if isinstance(u, tuple) else (u,))]
+        assert sorted(flat) == sorted(
+            A(s, k, mb) for s in (r, 2 * p - 1 - r) for k in "FB" for mb in range(m)
+        )
+
+
+def test_skeleton_needs_two_microbatches_per_rank():
+    with pytest.raises(ValueError, match="n_microbatches >= 2"):
+        dualpipev_units(4, 7)
+
+
+# ------------------------------------------------------------------ the generator's promises
+costs_st = st.builds(
+    lambda f, b, w, c, a: Costs(f=f, b=b, w=w, comm=c, a2a=a),
+    st.floats(0.2, 2),
+    st.floats(0.2, 2),
+    st.floats(0.1, 2),
+    st.floats(0, 0.3),
+    st.floats(0, 1.5),
+)
+
+
+@settings(max_examples=25, deadline=None)
+@given(p=st.integers(1, 5), m=st.integers(1, 14), costs=costs_st)
+def test_dualpipev_is_complete_correct_deadlock_free_within_budget_and_never_slower(p, m, costs):
+    pl = plan_dualpipev(p, m, costs)
+    # 1F1B's peak on the same model (p stages of two chunks: stage 0 holds p microbatches of two
+    # chunks) and one chunk microbatch: what a pair's F holds before its B and W free anything
+    budget = p * 2 * costs.mem_f + costs.mem_f
+    r = simulate(pl, costs, memory_limit=budget)  # raises on a missing, misordered or stuck action
+    whole = costs.joined(2)
+    assert r.makespan <= simulate(plan_1f1b(p, m, whole), whole).makespan + EPS
+    assert r.makespan <= simulate(plan_zbv(p, m, costs), costs).makespan + EPS
+
+
+@settings(max_examples=15, deadline=None)
+@given(p=st.integers(2, 5), m=st.integers(1, 14), costs=costs_st)
+@pytest.mark.parametrize("mode", ["half", "min"])
+def test_dualpipev_memory_modes_keep_zbvs_budget(mode, p, m, costs):
+    pl = plan_dualpipev(p, m, costs, memory=mode)
+    budget = plan_zbv(p, m, costs, memory=mode).meta["memory_budget"]
+    simulate(pl, costs, memory_limit=budget)  # raises if a rank holds more
+
+
+def test_with_collectives_to_hide_the_pairs_beat_zbv_and_torchs_sequential_dualpipev():
+    costs = Costs(f=1, b=1, w=1, a2a=0.5)  # per chunk: half of each F and B is all-to-all
+    pl = plan_dualpipev(4, 16, costs)
+    assert pl.meta["strategy"].startswith("dualpipev") and len(pl.pairs) > 50
+    ours = simulate(pl, costs).makespan
+    assert ours < simulate(plan_zbv(4, 16, costs), costs).makespan
+    # torch runs its pairs one half after the other: the same plan without pairs is longer
+    assert ours < simulate(pl.without_pairs(), costs).makespan
