@@ -17,6 +17,7 @@ which module a helper lives in is this package's business.
 | :mod:`.autograd` | autograd's hooks, views, node metadata, Function.apply, AccumulateGrad |
 | :mod:`.modules` | ``nn.Module`` parameter slots and compilation, DTensor's local shard |
 | :mod:`.compiler` | inductor's lowering registry and dynamo's counters |
+| :mod:`.overlap` | the mode stacks, functional collectives, ``GraphExecGroup`` |
 | :mod:`.shims` | the differences between torch 2.11 and 2.15, and the shared ``step()`` body |
 | :mod:`.census` | the list of every private name above, with what zbpipe relies on |
 
@@ -59,8 +60,11 @@ from .action_ir import (
     REDUCE_GRAD,
     SEND_B,
     SEND_F,
+    OVERLAP_F_B,
     TORCH_TO_KIND,
+    sub_actions,
     torch_action,
+    torch_pair_action,
 )
 from .autograd import (
     autograd_function_apply,
@@ -93,6 +97,12 @@ from .modules import (
     own_parameter,
     own_parameters,
     set_own_parameter,
+)
+from .overlap import (
+    all_to_all_single,
+    backward_group,
+    outside_python_modes,
+    wait_tensor,
 )
 from .schedule_runtime import (
     activation_receives,
@@ -159,6 +169,9 @@ __all__ = [
     "KIND_TO_TORCH",
     "TORCH_TO_KIND",
     "torch_action",
+    "OVERLAP_F_B",
+    "torch_pair_action",
+    "sub_actions",
     "stage_message_bytes",
     "received_grads",
     "received_grad_buffers",
@@ -198,6 +211,10 @@ __all__ = [
     "local_tensor",
     "compiled_submodule",
     "lower_with_operands_kept",
+    "all_to_all_single",
+    "backward_group",
+    "outside_python_modes",
+    "wait_tensor",
     "dynamo_counters",
     "TORCH_HAS_LOSS_KWARGS",
     "TORCH_SENDS_TO_LOCAL_NEIGHBOURS",

@@ -16,6 +16,7 @@ SEND_F = _ComputationType.SEND_F
 SEND_B = _ComputationType.SEND_B
 RECV_F = _ComputationType.RECV_F
 RECV_B = _ComputationType.RECV_B
+OVERLAP_F_B = _ComputationType.OVERLAP_F_B
 
 #: zbpipe's paper letters -> torch's computation types (lossless both ways).
 KIND_TO_TORCH = {kind: _ComputationType.from_str(t) for kind, t in TORCH_LETTERS.items()}
@@ -25,3 +26,17 @@ TORCH_TO_KIND = {v: k for k, v in KIND_TO_TORCH.items()}
 def torch_action(stage: int, kind: _ComputationType, microbatch: int | None) -> _Action:
     """torch's action-IR entry (``_Action``): ``kind`` of ``microbatch`` on ``stage``."""
     return _Action(stage, kind, microbatch)
+
+
+def torch_pair_action(first: _Action, second: _Action) -> _Action:
+    """torch's overlapped pair (``OVERLAP_F_B``, torch 2.9+) of two compute actions; torch's
+    lowering posts both sub-actions' receives before it and their sends after it."""
+    return _Action(-1, OVERLAP_F_B, None, (first, second))
+
+
+def sub_actions(action: _Action) -> tuple[_Action, ...]:
+    """The compute actions of torch's ``OVERLAP_F_B`` action, in order."""
+    subs = action.sub_actions
+    if subs is None:
+        raise ValueError(f"{action} is not an overlapped pair")
+    return tuple(subs)

@@ -57,7 +57,11 @@ HELPER_API: tuple[tuple[type | None, str, tuple[str, ...]], ...] = (
     # module-level helpers
     (None, "_wait_batch_p2p", ("work",)),
     (None, "_batch_p2p", ("p2p_ops",)),
-    (None, "_Action", ("stage_index", "computation_type", "microbatch_index")),
+    (
+        None,
+        "_Action",
+        ("stage_index", "computation_type", "microbatch_index", "sub_actions"),
+    ),
 )
 PRIVATE_API = INHERITED_API + HELPER_API
 #: instance attributes zbpipe's schedules read as their own (torch's schedules set them in
@@ -96,6 +100,15 @@ PRIVATE_AUTOGRAD_NAMES: tuple[tuple[str, str], ...] = (
     ("torch._C", "_are_functorch_transforms_active"),
     ("torch._C._functorch", "unwrap_if_dead"),
     ("torch.autograd.function._SingleLevelFunction", "setup_context"),
+)
+#: torch's private names the overlapped pairs use (:mod:`.overlap`; module, name)
+PRIVATE_OVERLAP_NAMES: tuple[tuple[str, str], ...] = (
+    ("torch._C", "_len_torch_function_stack"),
+    ("torch._C", "_pop_torch_function_stack"),
+    ("torch._C", "_push_on_torch_function_stack"),
+    ("torch.utils._python_dispatch", "_disable_current_modes"),
+    ("torch.distributed._functional_collectives", "all_to_all_single"),
+    ("torch.distributed._functional_collectives", "wait_tensor"),
 )
 #: private attributes of autograd nodes, tensors and modules the helpers above read (checked by
 #: behaviour in tests/test_compat_names.py: they are C++ or set lazily, without a signature)

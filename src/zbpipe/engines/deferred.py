@@ -25,7 +25,7 @@ store per (stage, microbatch) around F and hands it to the Linears during B.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -37,6 +37,7 @@ from ..memory.saved import Holder, Observer, SavedTensors
 from .accumulate import accumulate, accumulate_hooked, add_product, as_param_grad, weight_grad
 from .compiled_linear import route_compiled_linears
 from .fused import backward_full
+from .segmented import SegmentRecord, segmented_backward
 from .linear_patch import StoreSlot, patch_linears, patched_linears, post_accumulate_hooks_parked
 
 if TYPE_CHECKING:
@@ -211,6 +212,9 @@ class DeferredEngine:
         self._pending: dict[Key, WeightGradStore] = {}  # B ran, waiting for W
         #: the AccumulateGrad nodes of compiled Linears' weights, kept alive with their pre-hooks
         self._accumulators: list[Any] = []
+        #: B can run in segments between communication points (an overlapped pair's
+        #: backward half): :meth:`backward_input_steps`
+        self.segments_backward = True
         #: stages whose compiled Linears are not routed yet: routed at their first step, not
         #: here, because a trainer may still rebuild the parameters after building the schedule
         #: (torchtitan's ``to_empty`` swaps them, which a route's weak reference would refuse)
@@ -288,6 +292,31 @@ class DeferredEngine:
             finally:
                 store.deferring = False
         if saved is not None:  # B freed the graph; only the store's tensors remain
+            saved.release_all()
+        return grads
+
+    def backward_input_steps(
+        self,
+        key: Key,
+        record: SegmentRecord,
+        outputs: Sequence[Any],
+        output_grads: Sequence[Tensor | None] | None,
+        inputs: Sequence[Any],
+        saved: SavedTensors | None,
+    ) -> Generator[None, None, tuple[Tensor | None, ...]]:
+        """B of a key whose forward was cut at its communication points (``record``): the
+        same pass as :meth:`backward_input`, one segment per call, yielding while each point's
+        collective is in flight (:mod:`zbpipe.engines.segmented`)."""
+        store = self._pending[key] = self._stores.pop(key)
+        linears = self._linears[key[0]]
+        with self._slot_holding(key[0], store), post_accumulate_hooks_parked(linears) as hooked:
+            store.parked = hooked
+            store.deferring = True
+            try:
+                grads = yield from segmented_backward(record, outputs, output_grads, inputs)
+            finally:
+                store.deferring = False
+        if saved is not None:
             saved.release_all()
         return grads
 

@@ -9,7 +9,7 @@ and dearer than a fused backward: it walks the graph in Python every microbatch.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -21,6 +21,7 @@ from .graph_backward import WeightGrad, backward_input
 
 if TYPE_CHECKING:
     from .protocol import Key
+    from .segmented import SegmentRecord
 
 __all__ = ["GraphEngine"]
 
@@ -38,6 +39,9 @@ class GraphEngine:
         self.uses_saved_holders = True
         #: a fused BW stays torch's fused backward: B then W here would only cost more
         self.bw_through_store = False
+        #: B is one walk of the graph it records: it does not run in segments (an overlapped
+        #: pair's backward half then runs whole, before its forward half)
+        self.segments_backward = False
         self._pending: dict[Key, WeightGrad] = {}
 
     def attach(self, stages: Sequence[Any]) -> None:
@@ -70,6 +74,19 @@ class GraphEngine:
             outputs, output_grads, inputs, params(), saved=saved
         )
         return grads
+
+    def backward_input_steps(
+        self,
+        key: Key,
+        record: SegmentRecord,
+        outputs: Sequence[Any],
+        output_grads: Sequence[Tensor | None] | None,
+        inputs: Sequence[Any],
+        saved: SavedTensors | None,
+    ) -> Generator[None, None, tuple[Tensor | None, ...]]:
+        """Not this engine's (``segments_backward`` is False): the seam never cuts its keys."""
+        raise NotImplementedError("the graph engine's B does not run in segments")
+        yield  # a generator, as the protocol says
 
     def backward_weight(self, key: Key) -> None:
         """W: re-enter the graph where B recorded the boundary gradients."""

@@ -3,13 +3,14 @@ the names it uses (a key is ``(stage_index, microbatch)``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Literal, Protocol
 
 from torch import Tensor
 
 from ..memory.saved import Observer, SavedTensors
+from .segmented import SegmentRecord
 
 EngineName = Literal["deferred", "graph"]
 Split = Literal["auto", "deferred", "graph"]
@@ -37,6 +38,11 @@ class SplitEngine(Protocol):
     def bw_through_store(self) -> bool:
         """Whether a fused BW (every one but a stage's first of the step) may run as this
         engine's B then W at once, cheaper than torch's fused backward (``StageSeam.assign``)."""
+
+    @property
+    def segments_backward(self) -> bool:
+        """Whether B can run in segments between communication points
+        (:meth:`backward_input_steps`: the backward half of an overlapped pair)."""
 
     def attach(self, stages: Sequence[Any]) -> None:
         """Prepare this rank's stages (once, when the seam is built)."""
@@ -66,6 +72,19 @@ class SplitEngine(Protocol):
         """B of ``key``: the gradients of ``inputs`` (``output_grads=None``: ``outputs`` is the
         loss), the weight pass kept pending. ``params``: the weights W computes (read when B
         needs them); ``saved``: the holders of what the forward saved, if any."""
+
+    def backward_input_steps(
+        self,
+        key: Key,
+        record: SegmentRecord,
+        outputs: Sequence[Any],
+        output_grads: Sequence[Tensor | None] | None,
+        inputs: Sequence[Any],
+        saved: SavedTensors | None,
+    ) -> Generator[None, None, tuple[Tensor | None, ...]]:
+        """B of a key whose forward was cut at its communication points (``record``), one
+        segment at a time, yielding while each point's collective is in flight; only called
+        where :attr:`segments_backward` says so."""
 
     def backward_weight(self, key: Key) -> None:
         """W of ``key``: accumulate the weight gradients B left pending, once."""

@@ -62,6 +62,7 @@ SCHEDULE_CLASSES: dict[str, type] = {
     "ZBV": c.ScheduleZBV,
     "ZBVHalf": c.ScheduleZBVHalf,
     "ZBVMin": c.ScheduleZBVMin,
+    "ZBDualPipeV": c.ScheduleDualPipeV,
     "Auto": chooser.ScheduleAuto,
     "AutoV": chooser.ScheduleAutoV,
     "Continuous": ScheduleContinuous,

@@ -1,12 +1,14 @@
 """The torch-facing schedules: the public classes (``classes``), the planned runtime that runs a
 plan with torch's action runtime (``runtime``), the stage seam (``stage_seam``), sends
 (``sends``), a step's inputs (``inputs``), construction-time checks (``validation``) and the
-NaN/Inf loss report (``nonfinite``); the schedule chooser (``auto``).
+NaN/Inf loss report (``nonfinite``); the schedule chooser (``auto``); overlapped pairs
+(``pairs``) and the communication points they interleave at (``comm_points``).
 """
 
 from .chooser import ScheduleAuto, ScheduleAutoV, choose_schedule
 from .classes import (
     Schedule1F1BMulti,
+    ScheduleDualPipeV,
     ScheduleZB1P,
     ScheduleZB2P,
     ScheduleZBAuto,
@@ -24,6 +26,7 @@ __all__ = [
     "ScheduleAutoV",
     "choose_schedule",
     "Schedule1F1BMulti",
+    "ScheduleDualPipeV",
     "ScheduleZB1P",
     "ScheduleZB2P",
     "ScheduleZBAuto",

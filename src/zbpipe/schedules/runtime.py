@@ -38,6 +38,7 @@ from ..planning.fuse import fuse_adjacent_backward
 from .inputs import FirstStageKeywords, drop_inputs_off_stage0, microbatch_inputs
 from .memory_replan import MemoryReplanner
 from .nonfinite import NonfiniteLosses
+from .pairs import PairRunner
 from .replan import CostProfiler
 from .sends import PendingSends, proven_sends
 from .stage_seam import StageSeam
@@ -49,9 +50,22 @@ from .validation import (
 
 
 def plan_to_torch_actions(plan: Plan) -> dict[int, list[Any]]:
-    """The plan as torch's compute-only action lists (lossless: see ``_compat.KIND_TO_TORCH``)."""
+    """The plan as torch's compute-only action lists (lossless: see ``_compat.KIND_TO_TORCH``);
+    an overlapped pair is one ``OVERLAP_F_B`` action (:mod:`zbpipe.schedules.pairs`)."""
+
+    def torch_action(a: Any) -> Any:
+        return C.torch_action(a.stage, C.KIND_TO_TORCH[a.kind], a.microbatch)
+
+    partner = dict(plan.pairs)
+    seconds = set(partner.values())
     return {
-        rank: [C.torch_action(a.stage, C.KIND_TO_TORCH[a.kind], a.microbatch) for a in actions]
+        rank: [
+            C.torch_pair_action(torch_action(a), torch_action(partner[a]))
+            if a in partner
+            else torch_action(a)
+            for a in actions
+            if a not in seconds
+        ]
         for rank, actions in plan.order.items()
     }
 
@@ -156,6 +170,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
             )
             check_peers_agree(type(self), stages[0].group, self.rank, fingerprint, summary)
         self.seam = StageSeam(stages, engine)
+        self._pairs = PairRunner(self)  # overlapped pairs (OVERLAP_F_B): zbpipe.schedules.pairs
         # Sends go through zbpipe too: each is let go of once known complete, not kept (with the
         # tensor it sent) until the end of the step as torch's runtime does
         # (zbpipe.schedules.sends).
@@ -186,6 +201,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
             (C.BACKWARD_WEIGHT, self._run_backward_weight),
             (C.FULL_BACKWARD, self._run_full_backward),
             (C.REDUCE_GRAD, self._run_reduce_grad),
+            (C.OVERLAP_F_B, self._pairs.run),
         ):
             self.register_custom_function(kind, fn)
 
@@ -194,6 +210,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         # Run a W that directly follows its own B as one fused BW: same place, less work.
         executed = fuse_adjacent_backward(plan)
         self.seam.assign(executed.order[self.rank])
+        self._pairs.lowered(executed)
         torch_order = plan_to_torch_actions(executed)
         self.pipeline_order = {r: list(acts) for r, acts in torch_order.items()}
         self._prepare_schedule_with_comms(torch_order)
@@ -316,6 +333,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         # torch's custom-function context carries no return_outputs / loss_kwargs: keep them here.
         self._step_opts = (return_outputs, loss_kwargs)
         self.seam.claim_linears()
+        self._pairs.claim()
         try:
             super()._step_microbatches(
                 arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs

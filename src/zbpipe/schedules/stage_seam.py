@@ -43,6 +43,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from .. import _compat as C
 from ..engines import Key, SplitEngine
+from ..engines.segmented import SegmentRecord
 from ..memory.probe import KeyBytes, MemoryProbe
 from ..memory.saved import (
     Observer,
@@ -90,6 +91,12 @@ class StageSeam:
         self.probe: MemoryProbe | None = None
         self._saved: dict[Key, SavedTensors] = {}
         self._observers: dict[Key, KeyBytes] = {}  # per microbatch, while probing
+        #: keys whose forward is cut at the communication points, their B run in segments
+        #: (the backward halves of overlapped pairs: :mod:`zbpipe.engines.segmented`)
+        self.cut_keys: Container[Key] = ()
+        #: the record of the forward now cutting (None outside such a forward)
+        self.recording: SegmentRecord | None = None
+        self._records: dict[Key, SegmentRecord] = {}
         engine.attach(stages)
 
     def assign(self, actions: Iterable[Any]) -> None:
@@ -144,11 +151,34 @@ class StageSeam:
         holders = stage.has_backward and (
             (split and self.engine.uses_saved_holders) or observer is not None
         )
+        if split and key in self.cut_keys:
+            return self._forward_cut(stage, key, given, observer, holders)
         if holders:
             return self._forward_holding(stage, key, given, observer, split)
         if split:
             return self.engine.forward_scope(key, observer, fused=key in self.store_bw_keys)
         return _NO_SCOPE
+
+    @contextlib.contextmanager
+    def _forward_cut(
+        self, stage: Any, key: Key, given: Any, observer: Observer | None, holders: bool
+    ) -> Iterator[None]:
+        """:meth:`forward` of a key whose B runs in segments: the communication points cut the
+        graph (:attr:`recording`), their record kept for B."""
+        record = SegmentRecord(where=f"stage {key[0]} microbatch {key[1]}")
+        with contextlib.ExitStack() as scope:
+            if holders:
+                scope.enter_context(self._forward_holding(stage, key, given, observer, True))
+            else:
+                scope.enter_context(self.engine.forward_scope(key, observer, fused=False))
+            self.recording = record
+            record.open()
+            try:
+                yield
+            finally:
+                self.recording = None
+                record.close()
+        self._records[key] = record
 
     @contextlib.contextmanager
     def _forward_holding(
@@ -194,6 +224,19 @@ class StageSeam:
         read after FSDP unsharded them, when the engine asks: the graph engine does, the
         deferred one queues whatever weights its Linears used).
         """
+        for _ in self.backward_input_steps(stage, mb, loss, params):
+            pass  # a B cut at communication points, run alone: each collective waited at once
+
+    def backward_input_steps(
+        self,
+        stage: Any,
+        mb: int,
+        loss: torch.Tensor | None,
+        params: Callable[[], list[torch.Tensor]] | None = None,
+    ) -> Iterator[None]:
+        """:meth:`backward_input` as a generator: it yields while a collective of a key whose
+        forward was cut at its communication points is in flight (the backward half of an
+        overlapped pair); any other B runs whole at the first step."""
         key = (stage.stage_index, mb)
         if stage.stage_index in self.own_w:
             self._torch_backward(stage, mb, loss, full=False, last_backward=False)
@@ -207,14 +250,20 @@ class StageSeam:
         # The graph engine collects the unsharded parameters (the graph's leaves) before B; the
         # deferred B is an ordinary autograd pass, unsharded by FSDP2's own pre-backward hooks.
         _prepare_fsdp(stage, unshard=self.engine.unshards_for_backward)
-        grads = self.engine.backward_input(
-            key,
-            outputs,
-            output_grads,
-            input_values,
-            params if params is not None else lambda: _trainable(stage),
-            self._saved.get(key),
-        )
+        record = self._records.pop(key, None)
+        if record is not None:
+            grads = yield from self.engine.backward_input_steps(
+                key, record, outputs, output_grads, input_values, self._saved.get(key)
+            )
+        else:
+            grads = self.engine.backward_input(
+                key,
+                outputs,
+                output_grads,
+                input_values,
+                params if params is not None else lambda: _trainable(stage),
+                self._saved.get(key),
+            )
         if not stage.is_first:
             C.input_grad_cache(stage)[mb] = tuple(grads[: C.num_stage_inputs(stage)])
         if stage.is_last and not stage.is_first:
@@ -296,6 +345,10 @@ class StageSeam:
         for saved in self._saved.values():
             saved.release_all()
         self._saved.clear()
+        self._records.clear()
+        if self.recording is not None:  # a forward failed midway
+            self.recording.close()
+            self.recording = None
         self._observers.clear()
         for idx in self.stages:  # what a forward-only or failed step handed over locally
             self._drop_local_inputs(idx, None)

@@ -21,11 +21,13 @@ chunks' forwards on every rank (1F1B's peak) and, in its steady state, one more:
 allocates before its B and W free anything. So ``memory="zb"`` budgets 1F1B's peak plus one
 chunk microbatch (:func:`dualpipev_budget`); the skeleton needs ``m >= 2p``.
 
-Other candidates keep the promises where the skeleton cannot: the ZB-V plan of the same memory
-mode (:mod:`.zbv`: ZB-V, V-Half, V-Min) with its neighbouring F and B paired
-(:mod:`.pairing`). The candidate with the shortest makespan on the given costs (their
-collectives ``a2a`` included) wins; ties keep the skeleton. So a DualPipeV plan is never longer
-than the ZB-V plan of its memory mode, which is never longer than 1F1B's (``memory="zb"``).
+Where the skeleton does not apply (``m < 2p``, or a budget below its peak: ``memory="half"``
+or ``"min"``, a small ``memory_limit``), the plan is the ZB-V plan of the same memory mode
+(:mod:`.zbv`: ZB-V, V-Half, V-Min) with its neighbouring F and B paired where that makes it no
+longer (:mod:`.pairing`). With nothing for the pairs to hide (``a2a = 0``) the skeleton can be
+longer than ZB-V's plan: DualPipeV is for models whose collectives need hiding. It has never been
+seen longer than 1F1B's on the same model (tests/planning/test_plan_dualpipev.py checks random
+sizes and costs).
 """
 
 from __future__ import annotations
@@ -132,9 +134,9 @@ def plan_dualpipev(
                 memory=memory, memory_budget=budget, strategy=label,
             )  # fmt: skip
             candidates.append((label, skeleton))
-    paired = pair_neighbours(zbv, costs, budget, NAME)
-    paired = _with_meta(paired, memory, budget, "zbv-paired")
-    candidates.append(("zbv-paired", paired))
+    if not candidates:  # m < 2p, or a budget below the skeleton's: ZB-V's plan, paired
+        paired = pair_neighbours(zbv, costs, budget, NAME)
+        candidates.append(("zbv-paired", _with_meta(paired, memory, budget, "zbv-paired")))
     best: tuple[tuple[float, float, int], str, Plan] | None = None
     for i, (label, plan) in enumerate(candidates):
         try:

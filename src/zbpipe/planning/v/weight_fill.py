@@ -3,8 +3,9 @@ least: in a rank's idle time, or where the memory limit needs it (pure Python).
 
 The input is, per rank, a sequence of *units*: one action (F or B) or an overlapped pair
 ``(F, B)``. A unit starts once its inputs are there; a rank that would wait first runs the
-weight passes W of its earlier B's, oldest first, as long as each fits in the wait; before an F
-that would take the rank above the memory limit it runs as many W's as that needs. What is left
+weight passes W of its earlier B's, oldest first, as long as each fits in the wait; before a unit
+that would take the rank above the memory limit (an F's allocation, or a B's where B keeps more
+than it frees) it runs as many W's as that needs. What is left
 runs after the rank's last unit. This is the DualPipeV rule that "W fills the remaining bubbles".
 
 The times follow the simulator's model (:mod:`zbpipe.planning.simulator`), so the order returned
@@ -106,7 +107,10 @@ def _run_unit(
 ) -> bool:
     """Run one unit on ``st`` after the W's it calls for; False if memory cannot allow it."""
     assert st.pending_w is not None and st.order is not None
-    grows = sum(stage_costs[a.stage].mem("F") for a in acts if a.kind == "F")
+    grows, running = 0.0, 0.0  # the unit's own peak over the memory before it
+    for a in acts:
+        running += stage_costs[a.stage].mem(a.kind)
+        grows = max(grows, running)
     while not within(st.memory + grows, memory_limit) and st.pending_w:
         _run_w(st, stage_costs)  # memory first: free what the F needs
     if not within(st.memory + grows, memory_limit):

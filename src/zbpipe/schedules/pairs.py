@@ -1,0 +1,162 @@
+"""Overlapped pairs at run time: torch's ``OVERLAP_F_B`` action, with its two halves interleaved
+at the model's communication points (:mod:`zbpipe.schedules.comm_points`).
+
+A pair is the forward F of one stage and the input-gradient pass B of another stage of the same
+rank. Its backward half runs as a generator (the stage seam's ``backward_input_steps``): one
+segment of B, then it starts the collective of the communication point above the next segment
+and yields. The forward half runs as an ordinary forward; at each of its points the forward
+starts its own collective, *steps* the backward half once (B waits for its collective, computes
+its next segment, starts its next collective, yields), then waits for its own collective::
+
+    B: seg K, start c_K ->  F: compute, start d_1 -> B: wait c_K, seg K-1, start c_K-1 ->
+    F: wait d_1, compute, start d_2 -> B: wait c_K-1, ... -> F: ... end -> B: what is left
+
+so each half's collective is in flight while the other half computes. No thread: the backward
+half runs only inside the forward half's calls, one step at a time, outside the forward's
+torch-function and dispatch modes (selective checkpointing's caching mode, the alias mode of a
+cut forward; ``_compat.outside_python_modes``). A point reached while the backward half runs (a
+checkpointed region recomputed) is an ordinary collective.
+
+The backward half runs in segments only where its forward cut the graph at the points: the
+runner marks those keys (``StageSeam.cut_keys``) when a plan is lowered, for every pair whose
+backward is a B, with an engine that can run B in segments (the deferred one). Otherwise, or
+without points, or with ``overlap=False``, a pair runs its backward, then its forward: what
+torch's own ``ScheduleDualPipeV`` does.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .. import _compat as C
+from ..engines.segmented import Collective, Exchange
+from ..planning import Plan
+from .comm_points import CommPoint, install, restore
+
+logger = logging.getLogger(__name__)
+
+
+class PairRunner:
+    """Runs the overlapped pairs of one :class:`~zbpipe.schedules.runtime.PlannedSchedule`."""
+
+    def __init__(self, sched: Any) -> None:
+        self._sched = sched
+        self._points: list[CommPoint] = []
+        self._patches: list[Any] = []
+        self._overlap = False
+        self._backward_half: Iterator[None] | None = None
+        self._stepping = False
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether pairs interleave their halves (points installed, an engine that segments)."""
+        return self._overlap
+
+    def enable(self, points: Sequence[CommPoint]) -> None:
+        """Interleave pairs at ``points`` (replacing their methods); none: halves in turn."""
+        restore(self._patches)
+        self._points = list(points)
+        self._patches = install(self._points, self.exchange) if self._points else []
+        engine = self._sched.seam.engine
+        self._overlap = bool(self._points) and engine.segments_backward
+        if self._points and not engine.segments_backward:
+            logger.info(
+                "zbpipe: the %s engine runs B whole: pairs run their backward, then their "
+                "forward (split='deferred' interleaves them)",
+                engine.name,
+            )
+        self.lowered(self._sched.plan)
+
+    def claim(self) -> None:
+        """Put this schedule's point methods back if another schedule replaced them (per step)."""
+        if any(vars(p.target).get(p.name) is not p.replacement for p in self._patches):
+            restore(self._patches)
+            self._patches = install(self._points, self.exchange)
+
+    def restore(self) -> None:
+        """Give the points' methods back to the model (pairs then run their halves in turn)."""
+        restore(self._patches)
+        self._patches, self._overlap = [], False
+        self._sched.seam.cut_keys = ()
+
+    def lowered(self, plan: Plan) -> None:
+        """A plan was lowered: cut the forwards of the B's that pairs will run in segments."""
+        seam = self._sched.seam
+        mine = set(seam.stages)
+        seam.cut_keys = (
+            {(b.stage, b.microbatch) for _, b in plan.pairs if b.kind == "B" and b.stage in mine}
+            if self._overlap
+            else set()
+        )
+
+    # ------------------------------------------------------------------ the points
+    def exchange(self, x: Tensor, collective: Collective) -> Tensor:
+        """What a communication point does: start the collective, let the backward half of
+        the running pair step meanwhile, wait; cut the graph where the forward is cut."""
+        if self._stepping:  # recomputed inside the backward half: an ordinary collective
+            return Exchange.apply(x, collective, None)
+        meanwhile = self._step if self._backward_half is not None else None
+        record = self._sched.seam.recording
+        if record is not None:
+            return record.cut(x, collective, meanwhile)
+        if meanwhile is None:
+            return Exchange.apply(x, collective, None)
+        with torch.no_grad():
+            pending = collective.start(x)
+        meanwhile()
+        return Exchange.apply(x, collective, pending)
+
+    def _step(self) -> None:
+        """One step of the running pair's backward half (its next segment, its next start)."""
+        half = self._backward_half
+        if half is None:
+            return
+        self._stepping = True
+        try:
+            with C.outside_python_modes(), torch.enable_grad():
+                next(half)
+        except StopIteration:
+            self._backward_half = None
+        finally:
+            self._stepping = False
+
+    # ------------------------------------------------------------------ the action
+    def run(self, action: Any, ctx: Any) -> None:
+        """torch's ``OVERLAP_F_B`` action: F of one stage with the B (or BW) of another."""
+        sched = self._sched
+        first, second = C.sub_actions(action)
+        f_stage, f_mb = first.stage_index, first.microbatch_index
+        tracer = sched.tracer
+        with tracer.span("F+B", f_stage, f_mb):
+            enabled, tracer.enabled = tracer.enabled, False  # one span for the pair
+            try:
+                self._run_halves(first, second, ctx)
+            finally:
+                tracer.enabled = enabled
+
+    def _run_halves(self, first: Any, second: Any, ctx: Any) -> None:
+        sched = self._sched
+        if second.computation_type != C.BACKWARD_INPUT:  # a fused BW: in turn
+            sched._run_full_backward(second, ctx)
+            sched._run_forward(first, ctx)
+            return
+        s, mb = second.stage_index, second.microbatch_index
+        if not sched.seam.stages[s].has_backward:  # eval(): forward only
+            sched._run_backward_input(second, ctx)
+            sched._run_forward(first, ctx)
+            return
+        stage = sched._backward_stage(s, mb)
+        steps = sched.seam.backward_input_steps(stage, mb, sched._maybe_get_loss(stage, mb))
+        self._backward_half = iter(steps)
+        try:
+            self._step()  # its last segment, and its first collective started
+            sched._run_forward(first, ctx)  # its points step the backward half
+            while self._backward_half is not None:
+                self._step()
+        finally:
+            self._backward_half = None
