@@ -25,6 +25,8 @@ Repetitions are interleaved (each runs every schedule once, in a rotating order)
     python benchmarks/gpu.py                          # cuda:0, full run: both tables + JSON
     python benchmarks/gpu.py --device cpu --quick     # smoke test (CI): tiny sizes, 1 rep
     python benchmarks/gpu.py --compile                # table (b) on compiled blocks (issue 26)
+    python benchmarks/gpu.py --overlap                # only table (c): DualPipeV's overlapped
+                                                      # pairs (benchmarks/gpu_overlap.py)
 
 Tables on stdout; JSON to ``--out`` (default benchmarks/results/gpu_<device type>.json).
 """
@@ -101,6 +103,9 @@ class Config:
     compile: bool = False
     """table (b): compile every block in place, ``block.compile(fullgraph=True)`` (torchtitan's
     way), before its schedule is built (the graph engine refuses them: error rows)"""
+    overlap: bool = False
+    """run only table (c), ScheduleDualPipeV's overlapped pairs (benchmarks/gpu_overlap.py);
+    its model is ``hidden`` wide with ``seq`` tokens, capped at 2048"""
 
 
 QUICK: dict[str, Any] = {
@@ -489,6 +494,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, str]:
     ap.add_argument("--microbatches", type=int)
     ap.add_argument("--split-hidden", help="table (a) widths, comma-separated")
     ap.add_argument("--compile", action="store_true", help="table (b): compile every block")
+    ap.add_argument("--overlap", action="store_true", help="only table (c): overlapped pairs")
     ap.add_argument("--out", help="JSON path (default benchmarks/results/gpu_<device>.json)")
     a = ap.parse_args(argv)
     fields: dict[str, Any] = dict(QUICK) if a.quick else {}
@@ -500,8 +506,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, str]:
     if a.split_hidden:
         fields["split_hidden"] = tuple(int(h) for h in a.split_hidden.split(","))
     fields["compile"] = a.compile
+    fields["overlap"] = a.overlap
+    if a.overlap and not a.quick:  # the MoE model's all-to-alls dominate at this size
+        fields.setdefault("hidden", 2048)
+        fields.setdefault("seq", 2048)
     cfg = Config(**fields)
-    suffix = "_compiled" if cfg.compile else ""
+    suffix = "_overlap" if a.overlap else "_compiled" if cfg.compile else ""
     out = a.out or f"benchmarks/results/gpu_{torch.device(cfg.device).type}{suffix}.json"
     return cfg, out
 
@@ -527,6 +537,8 @@ def main(argv: list[str] | None = None) -> int:
     init_one_rank_group(device)
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"zbpipe GPU benchmark on {machine}, torch {torch.__version__}, {cfg.dtype}")
+    if cfg.overlap:
+        return _overlap_only(cfg, device, dtype, machine, out)
     t0 = time.perf_counter()
     split = split_backward(cfg, dtype, device)
     print_split_table(split, device.type == "cuda")
@@ -547,6 +559,20 @@ def main(argv: list[str] | None = None) -> int:
             f,
             indent=1,
         )
+    print(f"JSON: {out}")
+    dist.destroy_process_group()
+    return 0
+
+
+def _overlap_only(cfg: Config, device: torch.device, dtype: Any, machine: str, out: str) -> int:
+    """Table (c): ScheduleDualPipeV's overlapped pairs on a side stream (gpu_overlap.py)."""
+    import gpu_overlap
+
+    res = gpu_overlap.run(cfg, device, dtype, share=0.5)
+    gpu_overlap.print_table(res)
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"machine": machine, "torch": torch.__version__, "config": asdict(cfg), **res}, f)
     print(f"JSON: {out}")
     dist.destroy_process_group()
     return 0

@@ -67,3 +67,22 @@ def test_split_option_is_found_through_kwargs_of_subclasses():
 
     assert gpu.accepts(Sub, "split") and gpu.accepts(Base, "split")
     assert not gpu.accepts(Closed, "split")
+
+
+@pytest.mark.timeout(600)
+def test_gpu_benchmark_overlap_case_runs_on_cpu_quick(tmp_path):
+    """Table (c), DualPipeV's overlapped pairs: on the CPU its side stream is a host sleep."""
+    out = tmp_path / "gpu_overlap.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/gpu.py", "--device", "cpu", "--quick", "--overlap"]
+        + ["--out", str(out)],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=550,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "(c) overlapped pairs" in proc.stdout
+    res = json.loads(out.read_text())
+    assert set(res["times"]) == {"DualPipeV overlap", "DualPipeV no overlap", "ZBV"}

@@ -99,19 +99,74 @@ def grads_match(rank, world, pp, ep, m, how=None, options=None, seed=3):
         stages, m, loss_fn=lm_loss, comm_points=points(mods[s] for s in mine), **(options or {})
     )
     got: list = []
-    sched.step(*((ids,) if 0 in mine else ()), target=tgt if num_stages - 1 in mine else None,
-               losses=got)  # fmt: skip
+    first = (ids,) if 0 in mine else ()
+    sched.step(*first, target=tgt if num_stages - 1 in mine else None, losses=got)
     worst = 0.0
     for s in mine:
         ref_params = dict(ref[s].named_parameters())
         for name, p in mods[s].named_parameters():
             q = ref_params[name.replace("block.", "")]
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda e: f"stage {s} {name} ({how}): {e}")
+            where = f"stage {s} {name} ({how})"
+            torch.testing.assert_close(
+                p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda e, where=where: f"{where}: {e}"
+            )
             worst = max(worst, (p.grad - q.grad).abs().max().item())
     if num_stages - 1 in mine:
-        torch.testing.assert_close(torch.stack(got), torch.stack([l.detach() for l in losses]))
+        torch.testing.assert_close(
+            torch.stack(got), torch.stack([loss.detach() for loss in losses])
+        )
     return worst, sched.overlaps, len(sched.plan.pairs)
 
 
 def grads_cases(rank, world, pp, ep, cases):
     return [grads_match(rank, world, pp, ep, m, how, opts) for m, how, opts in cases]
+
+
+def overlap_log(rank, world, m, overlap):
+    """One step with the model logging its collectives and its experts' compute; the log."""
+    pp_group, ep_group, pp_rank, ep_rank = groups(rank, world, 1)
+    log: list = []
+    mods = build_moe_stages(CFG, 2 * world, ep_group, ep_rank, log=log, seed=5)
+    mine = sorted(s for s, r in ScheduleDualPipeV.stage_index_to_rank(world).items() if r == rank)
+    stages = [
+        PipelineStage(mods[s], s, 2 * world, torch.device("cpu"), group=pp_group) for s in mine
+    ]
+    sched = ScheduleDualPipeV(
+        stages, m, loss_fn=lm_loss, comm_points=points(mods[s] for s in mine), overlap=overlap
+    )
+    ids, tgt = synthetic_batch(CFG, batch=2 * m, step=0)
+    sched.step(*((ids,) if 0 in mine else ()), target=tgt if 2 * world - 1 in mine else None)
+    return log
+
+
+def saved_peak(rank, world, m, modes):
+    """Per memory mode: this rank's peak bytes held for backward in the third step (the plan
+    re-made for the bytes the first step measured) and how many pairs that plan has; and each
+    chunk's bytes after F, counted on a standalone forward (tests/schedules/_dist_cases.py's
+    model and count)."""
+    from tests.schedules._dist_cases import _deep_v_chunk, _mean_loss
+    from zbpipe.memory import SavedActivationMeter
+    from zbpipe.memory.saved import SavedTensors, param_storages
+
+    rows, n_stages = 8, 2 * world
+    mine = (rank, n_stages - 1 - rank)
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(rows, 64, generator=g) for _ in range(m)]
+    probe, unit = _deep_v_chunk(0), SavedActivationMeter()
+    with SavedTensors(observer=unit, skip=param_storages(probe.parameters())).hooks():
+        y = probe(torch.randn(rows, 64, requires_grad=True))
+    chunk_bytes = [unit.peak_bytes + (y.nbytes if s < n_stages - 1 else 0) for s in range(n_stages)]
+    out = {}
+    for mode in modes:
+        stages = [PipelineStage(_deep_v_chunk(s), s, n_stages, torch.device("cpu")) for s in mine]
+        sched = ScheduleDualPipeV(stages, m, loss_fn=_mean_loss, memory=mode, trace=False)
+        meter = SavedActivationMeter()
+        sched.attach_meter(meter)
+        for _ in range(3):
+            meter.begin_step()
+            sched.step(
+                arg_mbs=[(x,) for x in xs] if rank == 0 else None,
+                target_mbs=xs if rank == 0 else None,
+            )
+        out[mode] = (meter.end_step().peak_bytes, len(sched.plan.pairs))
+    return out, chunk_bytes

@@ -37,8 +37,8 @@ from ..memory.saved import Holder, Observer, SavedTensors
 from .accumulate import accumulate, accumulate_hooked, add_product, as_param_grad, weight_grad
 from .compiled_linear import route_compiled_linears
 from .fused import backward_full
-from .segmented import SegmentRecord, segmented_backward
 from .linear_patch import StoreSlot, patch_linears, patched_linears, post_accumulate_hooks_parked
+from .segmented import SegmentRecord, segmented_backward
 
 if TYPE_CHECKING:
     from .protocol import Key

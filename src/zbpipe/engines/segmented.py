@@ -47,7 +47,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import _compat as C
-
 from .fused import valid_outputs
 
 
@@ -73,14 +72,12 @@ class Exchange(torch.autograd.Function):
     already started on ``x`` (else it starts here)."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, x: Tensor, collective: Collective, pending: Pending | None
-    ) -> Tensor:
+    def forward(ctx: Any, x: Tensor, collective: Collective, pending: Pending | None) -> Tensor:
         ctx.collective = collective
         return (pending if pending is not None else collective.start(x)).wait()
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
         return ctx.collective.start_backward(grad.contiguous()).wait(), None, None
 
 
@@ -108,7 +105,7 @@ class SegmentRecord:
     def open(self) -> None:
         """The forward begins: push the alias mode (it notes segments from here on)."""
         self.mode = _AliasMode(self)
-        self.mode.__enter__()
+        self.mode.__enter__()  # type: ignore[no-untyped-call]
 
     @property
     def segment(self) -> int:
@@ -117,7 +114,7 @@ class SegmentRecord:
 
     def segment_of(self, t: Tensor) -> int:
         """The segment that made ``t`` (0: before the first point, or outside the forward)."""
-        seg = self.made_in.get(t)
+        seg = self.made_in.get(t)  # type: ignore[no-untyped-call]
         if seg is not None:
             return int(seg)
         return 0 if t.grad_fn is None else self._derived(t.grad_fn)
@@ -132,7 +129,7 @@ class SegmentRecord:
             if child is None:
                 continue
             if hasattr(child, "variable"):  # a leaf: a point's output or an alias, else foreign
-                leaf_seg = self.made_in.get(child.variable)
+                leaf_seg = self.made_in.get(child.variable)  # type: ignore[no-untyped-call]
                 if leaf_seg is not None:
                     found.append(int(leaf_seg))
                 continue
@@ -148,7 +145,9 @@ class SegmentRecord:
         self.node_segment[node] = seg
         return seg
 
-    def cut(self, x: Tensor, collective: Collective, meanwhile: Callable[[], None] | None) -> Tensor:
+    def cut(
+        self, x: Tensor, collective: Collective, meanwhile: Callable[[], None] | None
+    ) -> Tensor:
         """A point of this forward: the collective outside autograd, a fresh leaf handed on."""
         with torch.no_grad():
             pending = collective.start(x)
@@ -165,7 +164,7 @@ class SegmentRecord:
         """The forward ended: pop the alias mode."""
         if self.mode is not None:
             mode, self.mode = self.mode, None
-            mode.__exit__(None, None, None)
+            mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
 
     def alias(self, t: Tensor) -> Tensor:
         """``t`` as the current segment sees it: an alias if an earlier segment made it."""
@@ -295,7 +294,8 @@ def _input_grads(inputs: Sequence[Any]) -> Iterator[list[Tensor | None]]:
         else:
 
             def hook(g: Tensor, i: int = i) -> None:
-                result[i] = g if result[i] is None else result[i] + g
+                before = result[i]
+                result[i] = g if before is None else before + g
 
             handles.append(x.register_hook(hook))  # type: ignore[no-untyped-call]
     try:

@@ -19,7 +19,6 @@ simulator are tested by hypothesis over thousands of cases without a process gro
 from __future__ import annotations
 
 import dataclasses
-
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal

@@ -110,9 +110,9 @@ def find_points(modules: Iterable[nn.Module]) -> list[CommPoint]:
 
 
 def _is_titan(dispatcher: object) -> bool:
-    return any(
-        c.__module__ == TORCHTITAN_DISPATCHERS for c in type(dispatcher).__mro__
-    ) and all(callable(getattr(dispatcher, m, None)) for m in TORCHTITAN_METHODS)
+    return any(c.__module__ == TORCHTITAN_DISPATCHERS for c in type(dispatcher).__mro__) and all(
+        callable(getattr(dispatcher, m, None)) for m in TORCHTITAN_METHODS
+    )
 
 
 def _dispatch(
@@ -130,7 +130,9 @@ def _combine(
     return tokens, AllToAllSingle(group, input_splits, output_splits)
 
 
-def install(points: Sequence[CommPoint], exchange: Callable[[Tensor, Collective], Tensor]) -> list[Patch]:
+def install(
+    points: Sequence[CommPoint], exchange: Callable[[Tensor, Collective], Tensor]
+) -> list[Patch]:
     """Replace each point's method by one that runs its collective through ``exchange``."""
     patches = []
     for point in points:

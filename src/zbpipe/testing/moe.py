@@ -64,30 +64,33 @@ class EvenAllToAll:
     def __deepcopy__(self, memo: dict[int, Any]) -> EvenAllToAll:
         return self  # a copied model exchanges over the same group
 
-    def start(self, x: torch.Tensor) -> _Exchanging:
+    def start(self, x: torch.Tensor, what: str = "") -> _Exchanging:
         x = x.contiguous()
         out = torch.empty_like(x)
         work = dist.all_to_all_single(out, x, group=self.group, async_op=True)
+        name = self.name + what
         if self.log is not None:
-            self.log.append(("start", self.name))
-        return _Exchanging(work, out, time.perf_counter() + self.latency, self)
+            self.log.append(("start", name))
+        return _Exchanging(work, out, time.perf_counter() + self.latency, self.log, name)
 
     def start_backward(self, grad: torch.Tensor) -> _Exchanging:
         """The gradient goes back the same way (with even splits the exchange is its inverse)."""
-        return self.start(grad)
+        return self.start(grad, " backward")
 
 
 class _Exchanging:
-    def __init__(self, work: Any, out: torch.Tensor, ready: float, a2a: EvenAllToAll) -> None:
-        self.work, self.out, self.ready, self.a2a = work, out, ready, a2a
+    def __init__(
+        self, work: Any, out: torch.Tensor, ready: float, log: Log | None, name: str
+    ) -> None:
+        self.work, self.out, self.ready, self.log, self.name = work, out, ready, log, name
 
     def wait(self) -> torch.Tensor:
         self.work.wait()
         left = self.ready - time.perf_counter()
         if left > 0:
             time.sleep(left)  # the network's latency: no CPU used
-        if self.a2a.log is not None:
-            self.a2a.log.append(("wait", self.a2a.name))
+        if self.log is not None:
+            self.log.append(("wait", self.name))
         return self.out
 
 
@@ -148,18 +151,19 @@ class MoE(nn.Module):
         s = torch.sigmoid(self.score(x))
         y = self.exchange(x * s, self.dispatch_a2a)
         out = self.experts(y)
-        self._note("F experts", out)
+        self._note(out)
         z = self.exchange(out, self.combine_a2a)
         return h + (z * s).reshape(b, t, d)
 
-    def _note(self, what: str, out: torch.Tensor) -> None:
-        """Log the experts' forward now, and their backward when the gradient reaches ``out``."""
+    def _note(self, out: torch.Tensor) -> None:
+        """Log the experts' forward now, and their backward when the gradient reaches ``out``
+        (``("compute", "stage S forward")``, ``("compute", "stage S backward")``)."""
         if self.log is None:
             return
-        log = self.log
-        log.append(("compute", what))
+        log, stage = self.log, self.dispatch_a2a.name.rsplit(" ", 1)[0]
+        log.append(("compute", f"{stage} forward"))
         if out.requires_grad:
-            out.register_hook(lambda g: log.append(("compute", "B experts")))  # type: ignore[arg-type, func-returns-value]
+            out.register_hook(lambda g: log.append(("compute", f"{stage} backward")))  # type: ignore[arg-type, func-returns-value]
 
 
 class Attention(nn.Module):

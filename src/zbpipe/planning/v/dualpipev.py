@@ -86,7 +86,9 @@ def _rank_units(r: int, p: int, m: int, turn_backward_first: bool) -> list[Unit]
         one(up, "F")
     for i in range(m - 2 * p + r + 1):
         if i == 0 and r == p - 1:
-            first, then = ((up, "B"), (down, "F")) if turn_backward_first else ((down, "F"), (up, "B"))
+            first, then = (
+                ((up, "B"), (down, "F")) if turn_backward_first else ((down, "F"), (up, "B"))
+            )
             one(*first)
             one(*then)
         else:

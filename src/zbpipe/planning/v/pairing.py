@@ -84,4 +84,3 @@ def _length(plan: Plan, costs: Costs, memory_limit: float | None) -> float | Non
         return simulate_timing(plan, costs, memory_limit=memory_limit).makespan
     except PlanError:
         return None
-
