@@ -101,7 +101,7 @@ def _grads(cut: bool, how: str | None):
     if rec is None:
         h.backward(grad)
         return x.grad, [p.grad for p in blocks.parameters()], 0
-    rec.close()
+    rec.finish()
     steps = segmented_backward(rec, [h], [grad], [x])
     yields = 0
     try:
@@ -137,7 +137,7 @@ def test_checkpointed_block_is_recomputed_once_across_its_segments():
     state["rec"] = rec
     h = checkpoint(block, x, use_reentrant=False)
     state["rec"] = None
-    rec.close()
+    rec.finish()
     for _ in segmented_backward(rec, [h], [torch.ones_like(h)], [x]):
         pass
     assert len(calls) == 2  # the forward, and one recompute for three backward calls
@@ -153,7 +153,7 @@ def test_an_in_place_write_to_a_tensor_from_before_a_point_is_refused():
         with pytest.raises(RuntimeError, match=r"stage 3 microbatch 1: add_ modifies in place"):
             h.add_(1)
     finally:
-        rec.close()
+        rec.finish()
 
 
 def test_a_point_lets_the_other_pass_run_while_its_collective_is_in_flight():
@@ -164,5 +164,5 @@ def test_a_point_lets_the_other_pass_run_while_its_collective_is_in_flight():
     try:
         rec.cut(torch.randn(4, 2, requires_grad=True) * 1, coll, lambda: log.append("meanwhile"))
     finally:
-        rec.close()
+        rec.finish()
     assert log == ["start", "meanwhile"]

@@ -82,3 +82,11 @@ def test_stage_on_two_ranks_raises():
 def test_action_strings_match():
     assert str(Action(2, "BW", 3)) == "2BW3"  # ours; torch's is 2B3 in the CSV
     assert plan_to_csv(plan_1f1b(1, 1)).strip() == "0F0,0B0"
+
+
+def test_an_overlap_cell_of_two_stages_is_read_as_a_pair():
+    # one rank holding the V's two stages (p = 1); torch's letters: I is B, B is BW
+    text = "0F0,1F0,(0F1;1I0)OVERLAP_F_B,1W0,1F1,0I0,1I1,0W0,1W1,0I1,0W1\n"
+    pl = plan_from_csv(text)
+    assert pl.pairs == {(Action(0, "F", 1), Action(1, "B", 0))}
+    assert plan_from_csv("0F0,0F1,(0F2;0B0)OVERLAP_F_B,0B1,0B2\n").pairs == frozenset()

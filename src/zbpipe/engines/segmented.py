@@ -83,8 +83,10 @@ class Exchange(torch.autograd.Function):
 
 @dataclass
 class _Point:
-    x: Tensor
-    y: Tensor
+    sent: Tensor
+    """what the point's collective sent (its input in the forward)"""
+    got: Tensor
+    """the leaf it handed on (the collective's result)"""
     collective: Collective
 
 
@@ -160,7 +162,7 @@ class SegmentRecord:
         self.made_in[y] = self.segment
         return y
 
-    def close(self) -> None:
+    def finish(self) -> None:
         """The forward ended: pop the alias mode."""
         if self.mode is not None:
             mode, self.mode = self.mode, None
@@ -265,11 +267,12 @@ def segmented_backward(
             if j == 0:
                 break
             point = record.points[j - 1]
-            grad = point.y.grad if point.y.grad is not None else torch.zeros_like(point.y)
+            got = point.got
+            grad = got.grad if got.grad is not None else torch.zeros_like(got)
             pending = point.collective.start_backward(grad.contiguous())
             yield
             grad_x = pending.wait()
-            x = point.x
+            x = point.sent
             if not x.requires_grad:
                 continue
             if x.grad_fn is None:  # a leaf (a stage input, an alias): it collects the gradient

@@ -16,7 +16,8 @@ B      full backward                 BW
 Empty cells (torch pads its orders with ``None``) are skipped. Communication and FSDP actions
 (``SEND_F``, ``UNSHARD``, ``REDUCE_GRAD``, ...) are dropped on read: a plan holds compute only.
 An overlapped pair is one cell, ``(0F3;1I2)OVERLAP_F_B`` (torch's own printing of its
-``OVERLAP_F_B`` action): written for each of a plan's ``pairs``, read back as a pair.
+``OVERLAP_F_B`` action): written for each of a plan's ``pairs``, read back as a pair (an F with
+a backward of another stage; any other overlap cell is read as its actions in turn).
 """
 
 from __future__ import annotations
@@ -96,7 +97,9 @@ def plan_from_csv(text: str, name: str = "csv", n_microbatches: int | None = Non
         for step, cell in enumerate(row):
             actions = parse_torch_action(cell, f"row {r} column {step}")
             if cell.strip().startswith("(") and len(actions) == 2:
-                pairs.append((actions[0], actions[1]))
+                f, b = actions
+                if f.kind == "F" and b.kind in ("B", "BW") and f.stage != b.stage:
+                    pairs.append((f, b))  # else two actions in turn (zbpipe pairs two stages)
             order[r].extend(actions)
     placement: dict[int, int] = {}
     for r, actions in order.items():

@@ -203,9 +203,10 @@ def _run(
         i, t = pos[rank], free[rank]
         while i < n_actions:
             me = first_id + i
+            width = 2 if me in paired else 1  # an overlapped pair: both halves' inputs, one run
             start = t
             blocked = -1
-            for src, delay in inputs[me]:
+            for src, delay in inputs[me] if width == 1 else inputs[me] + inputs[me + 1]:
                 if end[src] < 0.0:
                     blocked = src
                     break
@@ -213,25 +214,12 @@ def _run(
             if blocked >= 0:
                 waiting[blocked].append(rank)
                 break
-            if me in paired:  # an overlapped pair: both halves' inputs, one run, one end
-                for src, delay in inputs[me + 1]:
-                    if end[src] < 0.0:
-                        blocked = src
-                        break
-                    start = max(start, end[src] + delay)
-                if blocked >= 0:
-                    waiting[blocked].append(rank)
-                    break
-                begin[me + 1] = start
-                end[me + 1] = start + durations[me]
-                i += 1
-                if me + 1 in waiting:
-                    todo.extend(waiting.pop(me + 1))
-            begin[me] = start
-            t = end[me] = start + durations[me]
-            i += 1
-            if me in waiting:
-                todo.extend(waiting.pop(me))
+            t = start + durations[me]
+            for k in range(me, me + width):
+                begin[k], end[k] = start, t
+                if k in waiting:
+                    todo.extend(waiting.pop(k))
+            i += width
         pos[rank], free[rank] = i, t
 
     stuck = {r: pos[r] for r in plan.order if pos[r] < len(plan.order[r])}

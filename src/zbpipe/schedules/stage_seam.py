@@ -39,7 +39,6 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 
 from .. import _compat as C
 from ..engines import Key, SplitEngine
@@ -52,6 +51,8 @@ from ..memory.saved import (
     input_storages,
     param_storages,
 )
+from .stage_checks import check_output_grads
+from .stage_checks import prepare_fsdp as _prepare_fsdp
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +178,7 @@ class StageSeam:
                 yield
             finally:
                 self.recording = None
-                record.close()
+                record.finish()
         self._records[key] = record
 
     @contextlib.contextmanager
@@ -347,7 +348,7 @@ class StageSeam:
         self._saved.clear()
         self._records.clear()
         if self.recording is not None:  # a forward failed midway
-            self.recording.close()
+            self.recording.finish()
             self.recording = None
         self._observers.clear()
         for idx in self.stages:  # what a forward-only or failed step handed over locally
@@ -392,58 +393,5 @@ class StageSeam:
             self.probe.record(kind, key[0], observer.live)
 
 
-def check_output_grads(stage: Any, mb: int, outputs: Any, grads: Sequence[Any]) -> None:
-    """Refuse a backward in which a stage output that requires grad received no gradient.
-
-    torch's receive buffer for an output gradient is None when the stage's metadata says the
-    output carries none: typically ``PipelineStage(..., output_args=...)`` given outputs
-    computed under ``torch.no_grad()``. torch's fused backward then fails inside autograd;
-    zbpipe's engines skip an output without a gradient (an output nothing downstream uses),
-    so without this check the stage's weights would silently get no gradient.
-    """
-    outs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
-    for i, (out, grad) in enumerate(zip(outs, grads)):
-        if isinstance(out, torch.Tensor) and out.requires_grad and grad is None:
-            raise RuntimeError(
-                f"zbpipe: stage {stage.stage_index} microbatch {mb}: output {i} requires grad but "
-                "no gradient was received for it (the stage's metadata says output "
-                f"{i} has none), so its weights would get no gradient; if you pass output_args= "
-                "to PipelineStage, compute them with autograd on (not under torch.no_grad()) or "
-                "leave output_args out so torch infers them; if the output should carry no "
-                "gradient, return it detached"
-            )
-
-
 def _trainable(stage: Any) -> list[torch.Tensor]:
     return [p for p in stage.submod.parameters() if p.requires_grad]
-
-
-def _prepare_fsdp(stage: Any, unshard: bool) -> None:
-    """Prepare an FSDP2 stage for one split backward pass (B or W) of one microbatch.
-
-    1. No gradient reduction inside a microbatch's B or W: the reduce-scatter of a stage follows
-       its LAST W (torch lowers a REDUCE_GRAD action after it, which calls FSDP's post-backward
-       once), not its last B. Mirrors what torch's stage does around its own backward. FSDP2's
-       own hooks stay harmless: its pre-backward hook (on the stage outputs, so it fires in B
-       only) queues a final callback that runs post_backward with sync off (accumulate only).
-    2. With ``unshard``, every FSDP module of the stage is unsharded (a no-op when it already
-       is). With ``reshard_after_forward=True`` a block is resharded after each forward, and
-       FSDP2 then registers the *sharded* DTensor parameters on the module. The graph engine's
-       B must collect the unsharded parameters (the leaves of the forward's graph; FSDP2 keeps
-       those objects across reshards): collected from a resharded block they are DTensors no
-       graph node leads to, and W silently drops their gradients. Its W may also read a weight
-       (a weight-norm's grad does) whose storage a later microbatch's forward freed: one
-       all-gather per W, the price of ``reshard_after_forward=True`` with the graph engine.
-       The deferred engine's W reads no weight (its GEMMs take activations and gradients),
-       so it does not unshard. Every dp rank runs the same plan, so collectives match.
-    """
-    module: torch.nn.Module = stage.submod
-    if not isinstance(module, FSDPModule):
-        return
-    module.set_is_last_backward(False)
-    module.set_reshard_after_backward(False)
-    module.set_requires_gradient_sync(False)
-    if unshard:
-        for sub in module.modules():
-            if isinstance(sub, FSDPModule):
-                sub.unshard()
