@@ -13,9 +13,8 @@ from zbpipe.schedules.comm_points import find_points, install, restore
 def titan_dispatcher_round_trip(rank, world):
     """torchtitan's dispatcher, found in a module tree, exchanges through zbpipe's point and
     gets what its own method gets; restored afterwards."""
-    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
-
     from torch.distributed.device_mesh import init_device_mesh
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
     dispatcher = AllToAllTokenDispatcher(AllToAllTokenDispatcher.Config(num_experts=4, top_k=1))
     dispatcher.ep_mesh = init_device_mesh("cpu", (world,))  # what wire_meshes would set
