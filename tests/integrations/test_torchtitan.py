@@ -5,6 +5,8 @@ Needs torchtitan 0.3.0 and the few packages its pipeline and llama3 code import
 a broken integration must fail. torchtitan's Trainer runs are in test_torchtitan_trainer.py.
 """
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torchtitan.distributed.pipeline_parallel as tt_pp
@@ -117,9 +119,15 @@ def test_every_plan_name_is_a_torchtitan_schedule_that_runs_that_plan(name, monk
         return
     cls = tt_pp.get_schedule_class(name)  # what torchtitan's builder calls
     assert issubclass(cls, PlannedSchedule)
+
     # torchtitan constructs cls(stages, n_microbatches=..., loss_fn=..., scale_grads=...) with no
-    # options: construct it that way, minus torch's stage setup, and ask for its plan.
-    monkeypatch.setattr(PlannedSchedule, "__init__", lambda self, *a, **k: None)
+    # options: construct it that way, minus torch's stage setup (no stages, and so no
+    # communication points for an overlapping schedule to install), and ask for its plan.
+    def no_stage_setup(self, *args, **kwargs):
+        self._stages = []
+        self._pairs = SimpleNamespace(enable=lambda points: None)
+
+    monkeypatch.setattr(PlannedSchedule, "__init__", no_stage_setup)
     sched = cls([], n_microbatches=8, loss_fn=None, scale_grads=False)
     assert sched.build_plan(4, 8, Costs()).name == name
 
