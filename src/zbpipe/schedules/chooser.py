@@ -24,7 +24,7 @@ from typing import Any
 
 from ..planning import Costs, Plan
 from ..planning.budget import format_bytes, is_budget_string
-from ..planning.loop.heuristic import onef1b_peak
+from ..planning.yardsticks import onef1b_peak
 from ..planning.one_in_flight import plan_one_in_flight
 from ..planning.search.within_budget import choose_plan
 from .runtime import PlannedSchedule

@@ -121,7 +121,7 @@ def predicted_memory_line(
 ) -> str:
     """``zbpipe memory: ScheduleZBH1 ...: predicted peak per rank 35.1 / 34.8 MiB (max 1.00x
     1F1B's 35.3 MiB)``: the log line of a re-plan for measured bytes."""
-    from ..planning.loop.heuristic import onef1b_peak
+    from ..planning.yardsticks import onef1b_peak
 
     peaks = simulate(plan, costs).peak_memory
     per_rank = " / ".join(format_bytes(peaks[r] * unit_bytes) for r in sorted(peaks))

@@ -200,7 +200,7 @@ class CostProfiler:
         joined in pairs for a V placement)."""
         if self.memory_unit_bytes is None:
             return ""
-        from ..planning.loop.heuristic import onef1b_peak
+        from ..planning.yardsticks import onef1b_peak
 
         peak = max(sim.peak_memory.values())
         text = f"; predicted peak memory {peak * self.memory_unit_bytes / 2**20:.3g} MiB per rank"
