@@ -24,9 +24,9 @@ from typing import Any
 
 from ..planning import Costs, Plan
 from ..planning.budget import format_bytes, is_budget_string
-from ..planning.yardsticks import onef1b_peak
 from ..planning.one_in_flight import plan_one_in_flight
 from ..planning.search.within_budget import choose_plan
+from ..planning.yardsticks import onef1b_peak
 from .runtime import PlannedSchedule
 
 logger = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ from collections import defaultdict, deque
 
 from ..core import Action, Plan, loop_placement, make_plan
 from ..costs import Costs
-from ..rules import EPS, check_sizes, first_overflow, makes, needs, peak_memory, within
+from ..rules import EPS, check_sizes, first_overflow, makes, needs, within
 from ..simulator import simulate_timing
 from ..yardsticks import onef1b_rank_peaks
 from .onef1b import onef1b_rank_order

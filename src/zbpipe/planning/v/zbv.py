@@ -35,8 +35,8 @@ from ..costs import Costs, StageCosts
 from ..rules import EPS, check_sizes, within
 from ..search.improve import improve
 from ..simulator import simulate_timing
-from .blocks import block_candidates
 from ..yardsticks import V_FORMULAS, v_budget, v_minimum_memory
+from .blocks import block_candidates
 from .greedy import VShapeStrategy, greedy_candidates
 from .paper_order import execute_fb_order, zbv_fb_order
 from .timed_order import GreedyResult
