@@ -46,6 +46,7 @@ class ScheduleZBH1(PlannedSchedule):
     """
 
     plan_name = "ZBH1"
+    onef1b_promise = True
 
     def build_plan(self, num_ranks: int, n_microbatches: int, costs: Costs, **options: Any) -> Plan:
         return super().build_plan(num_ranks, n_microbatches, costs, exact=self.exact, **options)
@@ -123,6 +124,7 @@ class ScheduleZBAuto(PlannedSchedule):
                 )
         self.memory_limit = memory_limit
         self.refine = refine
+        self.onef1b_promise = memory_limit in ("1p", "2p")
         super().__init__(*args, **kwargs)
 
     def build_plan(self, num_ranks: int, n_microbatches: int, costs: Costs, **options: Any) -> Plan:

@@ -33,6 +33,7 @@ from ..memory.probe import MemoryProbe
 from ..observe.profile import gather_stage_values, memory_costs
 from ..planning import Costs, Plan, simulate
 from ..planning.budget import format_bytes
+from .memory_promise import cost_line, fastest_keeping, promised_budget
 from .replan import agree_on_plan
 
 logger = logging.getLogger(__name__)
@@ -85,13 +86,22 @@ class MemoryReplanner:
         new = self._plan(sched, costs)
         if new is None:
             sched.memory_unit_bytes = None
+            if sched.plan is not sched.equal_bytes_plan:  # the first step's plan was for then
+                sched.replan(sched.equal_bytes_plan)
             return
-        old = sched.plan
+        # Never slower than the plan for equal bytes (nor the first step's) where that plan
+        # already keeps the promise in the measured bytes: the generators search, they do not
+        # prove their result the fastest.
+        others = [p for p in (sched.equal_bytes_plan, sched.plan) if p is not new]
+        chosen, _ = fastest_keeping([new, *others], costs, promised_budget(sched, new, costs))
         sched.memory_costs = costs
-        if new.order != old.order or new.placement != old.placement:
-            sched.replan(new)
+        if chosen.order != sched.plan.order or chosen.placement != sched.plan.placement:
+            sched.replan(chosen)
+        cost, beats = cost_line(sched, chosen, costs, sched.equal_bytes_plan, unit_bytes)
         if sched.rank == 0:
-            logger.info("%s", predicted_memory_line(sched, new, costs, unit_bytes, held))
+            level = logging.INFO if beats else logging.WARNING
+            line = predicted_memory_line(sched, chosen, costs, unit_bytes, held)
+            logger.log(level, "%s%s", line, cost)
 
     def _plan(self, sched: Any, costs: Costs) -> Plan | None:
         """The plan for the measured bytes, agreed by every rank; None to keep the old one."""

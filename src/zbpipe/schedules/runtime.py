@@ -36,6 +36,7 @@ from ..observe.trace import Tracer
 from ..planning import Costs, Layout, Plan
 from ..planning.fuse import fuse_adjacent_backward
 from .inputs import FirstStageKeywords, drop_inputs_off_stage0, microbatch_inputs
+from .memory_promise import first_step_plan
 from .memory_replan import MemoryReplanner
 from .nonfinite import NonfiniteLosses
 from .replan import CostProfiler
@@ -74,6 +75,10 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
     #: does the plan's order depend on the bytes a stage holds? (1F1B's does not: its first
     #: step is not probed)
     memory_planned: ClassVar[bool] = True
+    #: is the memory promise 1F1B's peak (or a multiple) on one stage per rank? Then the steps
+    #: before the bytes are measured run a plan that keeps it whatever the bytes are
+    #: (:func:`zbpipe.schedules.memory_promise.first_step_plan`)
+    onef1b_promise: bool = False
 
     def __init__(
         self,
@@ -140,6 +145,11 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         self.plan: Plan = self.build_plan(
             self.pp_group_size, n_microbatches, self.costs, **plan_options
         )
+        #: the plan for equal bytes per stage (what ``measure_memory=False`` runs throughout)
+        self.equal_bytes_plan: Plan = self.plan
+        if measure_memory and type(self).memory_planned and (profile or ProfileConfig()).memory:
+            # until the bytes are measured: a plan that keeps the promise whatever they are
+            self.plan = first_step_plan(self) or self.plan
         check_plan_for_runtime(self.plan, stages)
         engine = choose_engine(split, stages, type(self).__name__, exact=exact)
         #: the split-backward engine in use: "deferred" or "graph" (see zbpipe.engines)
