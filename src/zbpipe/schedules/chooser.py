@@ -75,7 +75,7 @@ class ScheduleAuto(PlannedSchedule):
         if unit_bytes is not None:
             # measured bytes were given: no measurement step, the choice is made now
             kwargs["measure_memory"] = False
-        self.onef1b_promise = self.layout == "loop" and memory_limit in ("1p", "2p")
+        self.safe_first_step = memory_limit in ("1p", "2p")
         self.choice: Any = None
         """The last :class:`~zbpipe.planning.search.within_budget.Choice` (every candidate,
         simulated)."""

@@ -46,7 +46,7 @@ class ScheduleZBH1(PlannedSchedule):
     """
 
     plan_name = "ZBH1"
-    onef1b_promise = True
+    safe_first_step = True
 
     def build_plan(self, num_ranks: int, n_microbatches: int, costs: Costs, **options: Any) -> Plan:
         return super().build_plan(num_ranks, n_microbatches, costs, exact=self.exact, **options)
@@ -73,6 +73,7 @@ class ScheduleZBV(PlannedSchedule):
     """
 
     plan_name = "ZBV"
+    safe_first_step = True
     layout = "v"
     stages_per_rank = 2
 
@@ -124,7 +125,7 @@ class ScheduleZBAuto(PlannedSchedule):
                 )
         self.memory_limit = memory_limit
         self.refine = refine
-        self.onef1b_promise = memory_limit in ("1p", "2p")
+        self.safe_first_step = memory_limit in ("1p", "2p")
         super().__init__(*args, **kwargs)
 
     def build_plan(self, num_ranks: int, n_microbatches: int, costs: Costs, **options: Any) -> Plan:

@@ -3,13 +3,17 @@
 Both re-planners (:mod:`zbpipe.schedules.memory_replan` after the first step,
 :mod:`zbpipe.schedules.replan` for ``costs="profile"``) and the schedule's construction ask here:
 
-* :func:`first_step_plan`: the plan the steps before the bytes are measured run. A one-stage-
-  per-rank schedule whose promise is 1F1B's peak (ZB-H1, ZB-1p; ZB-2p twice it) runs the plan
-  made for *every rank's own 1F1B count* of microbatches (``min(p - r, m)`` on rank ``r``, each
-  counted as what its F holds until its W): rank ``r`` then holds at most what 1F1B's rank ``r``
-  holds, whatever the bytes of each stage turn out to be (a heavy head stage included), as long
-  as a microbatch holds no more after its B than after its F. A V schedule has no such plan
-  (its rank 0 holds the first and the last chunk together) and runs the plan for equal bytes.
+* :func:`first_step_plan`: the plan the steps before the bytes are measured run. Its bytes are
+  assumed, not measured: a backward may hold far more after B than its F did (checkpointing
+  recomputes a block's inputs in B; :data:`B_ASSUMED_PER_RANK`), so at most one W waits per
+  rank. A one-stage-per-rank schedule whose promise is 1F1B's peak (ZB-H1, ZB-1p; ZB-2p twice
+  it) is planned for *every rank's own 1F1B count* of microbatches (``min(p - r, m)`` on rank
+  ``r``): rank ``r`` then holds at most what 1F1B's rank ``r`` holds, whatever each stage's
+  bytes turn out to be (a heavy head stage included). A V schedule (ZB-V, V-Half, V-Min) has no
+  such plan: its rank 0 holds the first and the last chunk together, so a heavy last chunk can
+  take it over 1F1B's peak however it is ordered; it is planned for equal bytes per chunk (with
+  the same assumption about B), and its first step can exceed the promise by what a heavy chunk
+  weighs above the others.
 * :func:`promised_budget`: the budget the re-made plan was made for (the generator's own, or
   :func:`zbpipe.planning.yardsticks.promised_peak`).
 * :func:`fastest_keeping`: among the re-made plan, the plan for equal bytes and the first step's
@@ -29,14 +33,28 @@ from ..planning.budget import format_bytes
 from ..planning.core import EPS
 from ..planning.yardsticks import onef1b_peak, promised_peak
 
+#: what the first steps' plan assumes B may hold beyond F, per unit its F holds, times ``p``:
+#: more than any plan can afford twice, so at most one W waits per rank whatever B holds
+B_ASSUMED_PER_RANK = 2.0
+
 
 def first_step_plan(sched: Any) -> Plan | None:
-    """The byte-agnostic plan of the module docstring, or None where there is none."""
-    if sched.layout != "loop" or not getattr(sched, "onef1b_promise", False):
+    """The plan the steps before the bytes are measured run (the module docstring), or None
+    where the schedule has none (it runs its plan for equal bytes)."""
+    if not getattr(sched, "safe_first_step", False):
         return None
     p, m = sched.pp_group_size, sched._n_microbatches
-    held = [1.0 / min(p - r, m) for r in range(p)]
-    costs = dataclasses.replace(sched.costs, mem_f=held, mem_b=[0.0] * p, mem_w=[-h for h in held])
+    beta = B_ASSUMED_PER_RANK * p
+    if sched.layout == "loop":
+        held = [1.0 / min(p - r, m) for r in range(p)]
+    else:  # V: every chunk alike (no plan keeps the promise whatever each chunk holds)
+        held = [1.0] * sched._num_stages
+    costs = dataclasses.replace(
+        sched.costs,
+        mem_f=held,
+        mem_b=[beta * h for h in held],
+        mem_w=[-(1 + beta) * h for h in held],
+    )
     plan: Plan = sched.build_plan(p, m, costs, **sched._plan_options)
     return plan
 

@@ -129,7 +129,8 @@ class CostProfiler:
             if self.memory_unit_bytes is not None
             else max(simulate(new, costs).peak_memory.values())
         )
-        others = [p for p in dict.fromkeys([sched.equal_bytes_plan, old]) if p is not new]
+        others = [p for p in (sched.equal_bytes_plan, old) if p is not new]
+        others = [p for i, p in enumerate(others) if all(p is not q for q in others[:i])]
         chosen, _ = fastest_keeping([new, *others], costs, budget)
         r_old, r_new = simulate(old, costs), simulate(chosen, costs)
         outcome = "switched" if chosen is new else "kept a faster plan within the promise"

@@ -75,10 +75,10 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
     #: does the plan's order depend on the bytes a stage holds? (1F1B's does not: its first
     #: step is not probed)
     memory_planned: ClassVar[bool] = True
-    #: is the memory promise 1F1B's peak (or a multiple) on one stage per rank? Then the steps
-    #: before the bytes are measured run a plan that keeps it whatever the bytes are
-    #: (:func:`zbpipe.schedules.memory_promise.first_step_plan`)
-    onef1b_promise: bool = False
+    #: do the steps before the bytes are measured run a plan made for the worst bytes
+    #: (:func:`zbpipe.schedules.memory_promise.first_step_plan`)? Set where the promise is
+    #: 1F1B's peak (or a multiple) or a V formula
+    safe_first_step: bool = False
 
     def __init__(
         self,
