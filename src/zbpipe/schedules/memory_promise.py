@@ -7,13 +7,14 @@ Both re-planners (:mod:`zbpipe.schedules.memory_replan` after the first step,
   assumed, not measured: a backward may hold far more after B than its F did (checkpointing
   recomputes a block's inputs in B; :data:`B_ASSUMED_PER_RANK`), so at most one W waits per
   rank. A one-stage-per-rank schedule whose promise is 1F1B's peak (ZB-H1, ZB-1p; ZB-2p twice
-  it) is planned for *every rank's own 1F1B count* of microbatches (``min(p - r, m)`` on rank
-  ``r``): rank ``r`` then holds at most what 1F1B's rank ``r`` holds, whatever each stage's
-  bytes turn out to be (a heavy head stage included). A V schedule (ZB-V, V-Half, V-Min) has no
-  such plan: its rank 0 holds the first and the last chunk together, so a heavy last chunk can
-  take it over 1F1B's peak however it is ordered; it is planned for equal bytes per chunk (with
-  the same assumption about B), and its first step can exceed the promise by what a heavy chunk
-  weighs above the others.
+  it) runs ZB-H1's order planned for *every rank's own 1F1B count* of microbatches
+  (``min(p - r, m)`` on rank ``r``, at most one W waiting): rank ``r`` then holds at most what
+  1F1B's rank ``r`` holds, whatever each stage's bytes turn out to be (a heavy head stage
+  included; tests/schedules/test_memory_promise.py draws them). A V schedule (ZB-V, V-Half,
+  V-Min) has no such plan: its rank 0 holds the first and the last chunk together, so a heavy
+  last chunk can take it over 1F1B's peak however it is ordered; it is planned for equal bytes
+  per chunk (with the same assumption about B), and its first step can exceed the promise by
+  what a heavy chunk weighs above the others.
 * :func:`promised_budget`: the budget the re-made plan was made for (the generator's own, or
   :func:`zbpipe.planning.yardsticks.promised_peak`).
 * :func:`fastest_keeping`: among the re-made plan, the plan for equal bytes and the first step's
@@ -43,20 +44,29 @@ def first_step_plan(sched: Any) -> Plan | None:
     where the schedule has none (it runs its plan for equal bytes)."""
     if not getattr(sched, "safe_first_step", False):
         return None
+    from ..planning.loop.zbh1 import plan_zbh1
+
     p, m = sched.pp_group_size, sched._n_microbatches
     beta = B_ASSUMED_PER_RANK * p
-    if sched.layout == "loop":
-        held = [1.0 / min(p - r, m) for r in range(p)]
-    else:  # V: every chunk alike (no plan keeps the promise whatever each chunk holds)
-        held = [1.0] * sched._num_stages
+    if sched.layout == "v":  # every chunk alike: no plan keeps the promise whatever each holds
+        n = sched._num_stages
+        costs = dataclasses.replace(
+            sched.costs, mem_f=[1.0] * n, mem_b=[beta] * n, mem_w=[-1.0 - beta] * n
+        )
+        plan: Plan = sched.build_plan(p, m, costs, **sched._plan_options)
+        return plan
+    # Rank r's 1F1B holds k = min(p - r, m) forwards, one of them through its backward: k + beta
+    # units of u_r = 1 / (k + beta) make every rank's yardstick 1, so ZB-H1's limit (the max over
+    # ranks) is each rank's own. Its 1F1B skeleton keeps at most k forwards in flight; the limit
+    # then allows one W to wait (beta > k - 2), and only with at most k - 1 forwards.
+    held = [1.0 / (min(p - r, m) + beta) for r in range(p)]
     costs = dataclasses.replace(
         sched.costs,
         mem_f=held,
         mem_b=[beta * h for h in held],
         mem_w=[-(1 + beta) * h for h in held],
     )
-    plan: Plan = sched.build_plan(p, m, costs, **sched._plan_options)
-    return plan
+    return plan_zbh1(p, m, costs, exact=sched.exact)
 
 
 def promised_budget(sched: Any, plan: Plan, costs: Costs) -> float | None:
