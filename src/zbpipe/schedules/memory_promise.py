@@ -42,8 +42,8 @@ B_ASSUMED_PER_RANK = 2.0
 def first_step_plan(sched: Any) -> Plan | None:
     """The plan the steps before the bytes are measured run (the module docstring), or None
     where the schedule has none (it runs its plan for equal bytes)."""
-    if not getattr(sched, "safe_first_step", False):
-        return None
+    if not getattr(sched, "safe_first_step", False) or "memory_limit" in sched._plan_options:
+        return None  # (a numeric limit is in the units of the costs given: kept as given)
     from ..planning.loop.zbh1 import plan_zbh1
 
     p, m = sched.pp_group_size, sched._n_microbatches

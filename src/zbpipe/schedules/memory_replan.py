@@ -45,8 +45,9 @@ DIGITS = 3
 class MemoryReplanner:
     """Probes the first step that has a backward, then re-plans once for the measured bytes."""
 
-    def __init__(self) -> None:
-        self.probe = MemoryProbe()
+    def __init__(self, probe: MemoryProbe | None = None) -> None:
+        #: ``costs="profile"`` shares its probe: the bytes of this first step count there too
+        self.probe = probe if probe is not None else MemoryProbe()
         self.done = False
 
     def before_step(self, sched: Any) -> None:

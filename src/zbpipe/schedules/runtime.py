@@ -177,10 +177,12 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
             CostProfiler(profile or ProfileConfig(), keep_tracing=trace) if profiling else None
         )
         # Memory promises by default: the first step measures bytes, the plan is re-made for
-        # them (zbpipe.schedules.memory_replan); costs="profile" measures them in its own steps.
+        # them (zbpipe.schedules.memory_replan). With costs="profile" too, from the same probe:
+        # its re-plan for the measured times comes steps later, and keeps the promise.
+        bytes_measured = measure_memory and (profile or ProfileConfig()).memory
         self._memory_replanner = (
-            MemoryReplanner()
-            if measure_memory and not profiling and type(self).memory_planned
+            MemoryReplanner(self._profiler.memory if self._profiler is not None else None)
+            if bytes_measured and type(self).memory_planned
             else None
         )
         # dict/TensorDict batches reach stage 0 by keyword (torch stages take only tensors
