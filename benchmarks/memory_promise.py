@@ -26,8 +26,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from results_io import write_result
-
     from tests.schedules import _memory_promise_cases as cases
+
     from zbpipe.testing import run_ranks
 
     p, m = args.ranks, args.microbatches

@@ -3,11 +3,12 @@
 
 Default arguments and ``costs="profile"``, both engines: ZB-H1 and ZB-1p hold at most 1F1B's
 peak from the first step on (the first step runs a plan that keeps it whatever the bytes); ZB-V
-from the second step (the first measured the bytes; costs="profile" re-plans for them too), V-Half and V-Min within their formulas there
-(a V rank holds the first and the last chunk together: no order keeps ZB-V's promise before the
-bytes are known; docs/use/memory-budgets.md). Under full and selective activation checkpointing
-(a dense model, one with experts as a 3-D weight) the re-made plan's predicted peak is what the
-run holds, and V-Half holds less than ZB-V.
+from the second step (the first measured the bytes; costs="profile" re-plans for them too),
+V-Half and V-Min within their formulas there (a V rank holds the first and the last chunk
+together: no order keeps ZB-V's promise before the bytes are known;
+docs/use/memory-budgets.md). Under full activation checkpointing (a dense model, one with
+experts as a 3-D weight) the re-made plan's predicted peak is what the run holds, and V-Half
+holds less than ZB-V; under selective checkpointing the probe does not see what it keeps.
 """
 
 from __future__ import annotations
