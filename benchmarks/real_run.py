@@ -98,7 +98,7 @@ def _build(name: str, rank: int, world: int, cfg: Config) -> tuple[Any, list, An
     from zbpipe.memory import SavedActivationMeter
     from zbpipe.observe.trace import Tracer, attach_stage_tracer
     from zbpipe.planning import loop_placement, v_placement
-    from zbpipe.schedules import ScheduleZBH1, ScheduleZBV
+    from zbpipe.schedules import ScheduleZB1P, ScheduleZBH1, ScheduleZBV
     from zbpipe.testing.models import TinyGPTConfig, build_stages, lm_loss
 
     name, _, variant = name.partition("+")  # "ZBH1+units": measure_memory=False (issue 27)
@@ -106,7 +106,7 @@ def _build(name: str, rank: int, world: int, cfg: Config) -> tuple[Any, list, An
     options: dict[str, Any] = {"split": split} if split else {}
     if variant == "units":  # the plan for equal bytes per stage, as before the first-step probe
         options["measure_memory"] = False
-    two_chunks = name not in ("torch:1F1B", "ZBH1")
+    two_chunks = name not in ("torch:1F1B", "ZBH1", "ZB1P")
     n_stages = 2 * world if two_chunks else world
     if cfg.blocks % n_stages:
         raise ValueError(
@@ -154,8 +154,9 @@ def _build(name: str, rank: int, world: int, cfg: Config) -> tuple[Any, list, An
         counted_loss = meter.watch_loss(loss_fn) if cfg.meter else loss_fn
         sched = cls(stages[0] if cls is Schedule1F1B else stages, m, loss_fn=counted_loss)
     else:
-        if name == "ZBH1":
-            sched = ScheduleZBH1(stages, m, loss_fn=loss_fn, **options)
+        if name in ("ZBH1", "ZB1P"):
+            cls = ScheduleZBH1 if name == "ZBH1" else ScheduleZB1P
+            sched = cls(stages, m, loss_fn=loss_fn, **options)
         else:
             memory = {"ZBV": "zb", "ZBVHalf": "half", "ZBVMin": "min"}[name]
             sched = ScheduleZBV(stages, m, loss_fn=loss_fn, memory=memory, **options)
@@ -195,8 +196,9 @@ def _rank_main(rank: int, world: int, cfg: Config) -> dict | None:
         sched.step(*((ids,) if has_first else ()), target=tgt if has_last else None)
         return time.perf_counter() - t0, list(tracer.events), meter.peak_bytes
 
-    for name in cfg.schedules:  # warm-up (shape inference, allocator)
-        one_step(name)
+    first = {}
+    for name in cfg.schedules:  # warm-up (shape inference, allocator; the memory probe)
+        first[name] = one_step(name)[0]
     records: list[tuple[int, str, float, list, int]] = []
     for rep in range(cfg.reps):
         k = rep % len(cfg.schedules)
@@ -216,6 +218,7 @@ def _rank_main(rank: int, world: int, cfg: Config) -> dict | None:
             bubbles.append(Trace({i: r[3] for i, r in enumerate(per_rank)}).bubble_rate)
         peaks = [max(r[4] for r in recs if r[1] == name) for recs in gathered]
         out[name] = {
+            "first_step_s": first[name],
             "step_time_s": times,
             "bubble_rate": bubbles,
             "peak_saved_bytes_per_rank": peaks,

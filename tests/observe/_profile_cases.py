@@ -63,7 +63,7 @@ def profiled_training(rank, world, schedule, m, steps, extra_last_blocks=0, opti
     log.setLevel(logging.INFO)
     cfg = ProfileConfig(warmup_steps=1, profile_steps=2)
     sched = cls(stages, m, loss_fn=lm_loss, costs="profile", profile=cfg, **options)
-    equal_cost_plan = sched.plan
+    equal_cost_plan = sched.equal_bytes_plan  # the first steps run first_step_plan (loop)
     worst, plans_per_step = 0.0, []
     for step in range(steps):
         for s in mine:

@@ -223,7 +223,7 @@ def test_greedy_candidates_equal_separate_greedy_runs(p, memory) -> None:
 
     costs = Costs(**HEADLINE)
     sc = costs.per_stage(2 * p)
-    budget = _budget(p, sc, memory, None)
+    budget = _budget(p, 3 * p, sc, memory, None)
     strategies = _strategies(p, memory)
     alone = [greedy_v(p, 3 * p, sc, budget, strategy) for strategy in strategies]
     spans = sorted(round(res.longest_span, 9) for res in alone)

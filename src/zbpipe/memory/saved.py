@@ -219,6 +219,30 @@ def _walk_given(values: Any, found: dict[int, list[tuple[int, int]]]) -> None:
             _walk_given(v, found)
 
 
+class SliceCounting:
+    """An observer that counts a storage of the caller's batch as this microbatch's slice of it.
+
+    The first stage's input (the last stage's target) is a slice of a batch the caller holds
+    for the whole step. :class:`SavedTensors` counts a saved view of it as the slice; anything
+    else that reports such a view by its storage (the deferred engine's queue keeps the first
+    Linear's input until W) would charge the microbatch the whole batch, and under a key the
+    saved view does not share, twice. Wrapped in this, every report on a ``given`` storage
+    comes out as the slice's key and bytes (:func:`slice_counted`'s), so it counts once.
+    """
+
+    __slots__ = ("_parent", "_slices")
+
+    def __init__(self, parent: Observer, given: dict[int, list[tuple[int, int]]]) -> None:
+        self._parent = parent
+        self._slices = {ptr: (~slices[0][0], slices[0][1]) for ptr, slices in given.items()}
+
+    def on_pack(self, storage: int, nbytes: int) -> None:
+        self._parent.on_pack(*self._slices.get(storage, (storage, nbytes)))
+
+    def on_free(self, storage: int, nbytes: int) -> None:
+        self._parent.on_free(*self._slices.get(storage, (storage, nbytes)))
+
+
 class SavedTensors:
     """The saved tensors of one (stage, microbatch) forward."""
 

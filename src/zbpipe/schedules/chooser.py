@@ -24,9 +24,9 @@ from typing import Any
 
 from ..planning import Costs, Plan
 from ..planning.budget import format_bytes, is_budget_string
-from ..planning.loop.heuristic import onef1b_peak
 from ..planning.one_in_flight import plan_one_in_flight
 from ..planning.search.within_budget import choose_plan
+from ..planning.yardsticks import onef1b_peak
 from .runtime import PlannedSchedule
 
 logger = logging.getLogger(__name__)
@@ -75,6 +75,7 @@ class ScheduleAuto(PlannedSchedule):
         if unit_bytes is not None:
             # measured bytes were given: no measurement step, the choice is made now
             kwargs["measure_memory"] = False
+        self.safe_first_step = memory_limit in ("1p", "2p")
         self.choice: Any = None
         """The last :class:`~zbpipe.planning.search.within_budget.Choice` (every candidate,
         simulated)."""

@@ -48,6 +48,7 @@ class ScheduleZBH1(PlannedSchedule):
     """
 
     plan_name = "ZBH1"
+    safe_first_step = True
 
     def build_plan(self, num_ranks: int, n_microbatches: int, costs: Costs, **options: Any) -> Plan:
         return super().build_plan(num_ranks, n_microbatches, costs, exact=self.exact, **options)
@@ -74,6 +75,7 @@ class ScheduleZBV(PlannedSchedule):
     """
 
     plan_name = "ZBV"
+    safe_first_step = True
     layout = "v"
     stages_per_rank = 2
 
@@ -188,11 +190,12 @@ class ScheduleZBAuto(PlannedSchedule):
                 )
         self.memory_limit = memory_limit
         self.refine = refine
+        self.safe_first_step = memory_limit in ("1p", "2p")
         super().__init__(*args, **kwargs)
 
     def build_plan(self, num_ranks: int, n_microbatches: int, costs: Costs, **options: Any) -> Plan:
         from ..planning import plan
-        from ..planning.loop.heuristic import minimum_memory, onef1b_peak
+        from ..planning.yardsticks import minimum_memory, onef1b_peak
 
         if self.byte_budget is not None:
             return plan_for_byte_budget(
@@ -226,14 +229,14 @@ def plan_for_byte_budget(
     are measured (``sched.memory_unit_bytes``), then the generator's plan at that budget."""
     from ..planning import plan
     from ..planning.budget import format_bytes
-    from ..planning.loop.heuristic import minimum_memory
     from ..planning.one_in_flight import plan_one_in_flight
+    from ..planning.yardsticks import least_memory
 
     if sched.memory_unit_bytes is None:
         return plan_one_in_flight(num_ranks, n_microbatches, sched.layout)
     unit = sched.memory_unit_bytes
     limit = sched.byte_budget / unit
-    need = minimum_memory(costs, costs.num_stages or num_ranks * sched.stages_per_rank)
+    need = least_memory(costs, num_ranks, sched.layout)
     if limit < need * (1 - 1e-9):
         raise ValueError(
             f"{type(sched).__name__}: memory_limit {format_bytes(sched.byte_budget)} per rank is "

@@ -33,6 +33,7 @@ from ..memory.probe import MemoryProbe
 from ..observe.profile import gather_stage_values, memory_costs
 from ..planning import Costs, Plan, simulate
 from ..planning.budget import format_bytes
+from .memory_promise import cost_line, fastest_keeping, promised_budget
 from .replan import agree_on_plan
 
 logger = logging.getLogger(__name__)
@@ -44,8 +45,9 @@ DIGITS = 3
 class MemoryReplanner:
     """Probes the first step that has a backward, then re-plans once for the measured bytes."""
 
-    def __init__(self) -> None:
-        self.probe = MemoryProbe()
+    def __init__(self, probe: MemoryProbe | None = None) -> None:
+        #: ``costs="profile"`` shares its probe: the bytes of this first step count there too
+        self.probe = probe if probe is not None else MemoryProbe()
         self.done = False
 
     def before_step(self, sched: Any) -> None:
@@ -85,13 +87,22 @@ class MemoryReplanner:
         new = self._plan(sched, costs)
         if new is None:
             sched.memory_unit_bytes = None
+            if sched.plan is not sched.equal_bytes_plan:  # the first step's plan was for then
+                sched.replan(sched.equal_bytes_plan)
             return
-        old = sched.plan
+        # Never slower than the plan for equal bytes (nor the first step's) where that plan
+        # already keeps the promise in the measured bytes: the generators search, they do not
+        # prove their result the fastest.
+        others = [p for p in (sched.equal_bytes_plan, sched.plan) if p is not new]
+        chosen, _ = fastest_keeping([new, *others], costs, promised_budget(sched, new, costs))
         sched.memory_costs = costs
-        if new.order != old.order or new.placement != old.placement:
-            sched.replan(new)
+        if chosen.order != sched.plan.order or chosen.placement != sched.plan.placement:
+            sched.replan(chosen)
+        cost, beats = cost_line(sched, chosen, costs, sched.equal_bytes_plan, unit_bytes)
         if sched.rank == 0:
-            logger.info("%s", predicted_memory_line(sched, new, costs, unit_bytes, held))
+            level = logging.INFO if beats else logging.WARNING
+            line = predicted_memory_line(sched, chosen, costs, unit_bytes, held)
+            logger.log(level, "%s%s", line, cost)
 
     def _plan(self, sched: Any, costs: Costs) -> Plan | None:
         """The plan for the measured bytes, agreed by every rank; None to keep the old one."""
@@ -121,7 +132,7 @@ def predicted_memory_line(
 ) -> str:
     """``zbpipe memory: ScheduleZBH1 ...: predicted peak per rank 35.1 / 34.8 MiB (max 1.00x
     1F1B's 35.3 MiB)``: the log line of a re-plan for measured bytes."""
-    from ..planning.loop.heuristic import onef1b_peak
+    from ..planning.yardsticks import onef1b_peak
 
     peaks = simulate(plan, costs).peak_memory
     per_rank = " / ".join(format_bytes(peaks[r] * unit_bytes) for r in sorted(peaks))

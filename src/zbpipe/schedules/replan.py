@@ -21,6 +21,7 @@ from ..observe.profile import (
     stage_medians,
 )
 from ..planning import Costs, Plan, SimResult
+from .memory_promise import fastest_keeping, promised_budget
 
 logger = logging.getLogger(__name__)
 
@@ -118,19 +119,21 @@ class CostProfiler:
         new, costs = self._plan_or_fall_back(sched, self.measured_costs(sched))
         agree_on_plan(sched, new, sched._stages[0].group)
         old = sched.plan
-        r_old, r_new = simulate(old, costs), simulate(new, costs)
-        # The generator optimises its cost model; it is not guaranteed to beat the equal-cost plan
-        # under every cost vector, so a faster old plan is kept, if it holds no more than the
-        # new one's peak under the measured memory: the new plan meets the schedule's memory
-        # budget, and the old one was planned for equal bytes per stage. Both makespans and
-        # peaks are identical on every rank, so is the choice.
-        old_fits = max(r_old.peak_memory.values()) <= (1 + 1e-9) * max(r_new.peak_memory.values())
-        if r_new.makespan <= r_old.makespan * (1 + 1e-9):
-            chosen, outcome = new, "switched"
-        elif old_fits:
-            chosen, outcome = old, "kept"
-        else:
-            chosen, outcome = new, "switched: the old plan holds more memory"
+        # The generator optimises its cost model; it is not guaranteed to beat the plan for equal
+        # costs (or the first steps' plan) under every cost vector, so a faster one of those is
+        # kept where it keeps the promise in the measured bytes (without them: where it holds no
+        # more than the new plan's peak). Both makespans and peaks are identical on every rank,
+        # so is the choice.
+        budget = (
+            promised_budget(sched, new, costs)
+            if self.memory_unit_bytes is not None
+            else max(simulate(new, costs).peak_memory.values())
+        )
+        others = [p for p in (sched.equal_bytes_plan, old) if p is not new]
+        others = [p for i, p in enumerate(others) if all(p is not q for q in others[:i])]
+        chosen, _ = fastest_keeping([new, *others], costs, budget)
+        r_old, r_new = simulate(old, costs), simulate(chosen, costs)
+        outcome = "switched" if chosen is new else "kept a faster plan within the promise"
         if chosen.order == old.order:
             outcome = "unchanged"
         sched.measured_costs = costs
@@ -138,7 +141,7 @@ class CostProfiler:
         if chosen is not old:
             sched.replan(chosen)
         fp = lambda p: config_fingerprint(type(sched), sched._n_microbatches, sched._num_stages, p)  # noqa: E731
-        memory = self._predicted_memory(sched, r_new if chosen is new else r_old, costs)
+        memory = self._predicted_memory(sched, r_new, costs)
         unit = "ms" if self.config.unit == 1e-3 else f"{self.config.unit:g} s"
         level = logging.INFO if sched.rank == 0 else logging.DEBUG
         logger.log(
@@ -153,7 +156,7 @@ class CostProfiler:
             _fmt(costs.comm),
             new.name,
             fp(old),
-            fp(new),
+            fp(chosen),
             r_old.makespan,
             r_new.makespan,
             unit,
@@ -200,7 +203,7 @@ class CostProfiler:
         joined in pairs for a V placement)."""
         if self.memory_unit_bytes is None:
             return ""
-        from ..planning.loop.heuristic import onef1b_peak
+        from ..planning.yardsticks import onef1b_peak
 
         peak = max(sim.peak_memory.values())
         text = f"; predicted peak memory {peak * self.memory_unit_bytes / 2**20:.3g} MiB per rank"

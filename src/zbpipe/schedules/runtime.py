@@ -36,6 +36,7 @@ from ..observe.trace import Tracer
 from ..planning import Costs, Layout, Plan
 from ..planning.fuse import fuse_adjacent_backward
 from .inputs import FirstStageKeywords, drop_inputs_off_stage0, microbatch_inputs
+from .memory_promise import first_step_plan
 from .memory_replan import MemoryReplanner
 from .nonfinite import NonfiniteLosses
 from .pairs import PairRunner
@@ -88,6 +89,10 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
     #: does the plan's order depend on the bytes a stage holds? (1F1B's does not: its first
     #: step is not probed)
     memory_planned: ClassVar[bool] = True
+    #: do the steps before the bytes are measured run a plan made for the worst bytes
+    #: (:func:`zbpipe.schedules.memory_promise.first_step_plan`)? Set where the promise is
+    #: 1F1B's peak (or a multiple) or a V formula
+    safe_first_step: bool = False
 
     def __init__(
         self,
@@ -154,6 +159,11 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         self.plan: Plan = self.build_plan(
             self.pp_group_size, n_microbatches, self.costs, **plan_options
         )
+        #: the plan for equal bytes per stage (what ``measure_memory=False`` runs throughout)
+        self.equal_bytes_plan: Plan = self.plan
+        if measure_memory and type(self).memory_planned and (profile or ProfileConfig()).memory:
+            # until the bytes are measured: a plan that keeps the promise whatever they are
+            self.plan = first_step_plan(self) or self.plan
         check_plan_for_runtime(self.plan, stages)
         engine = choose_engine(split, stages, type(self).__name__, exact=exact)
         #: the split-backward engine in use: "deferred" or "graph" (see zbpipe.engines)
@@ -182,10 +192,12 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
             CostProfiler(profile or ProfileConfig(), keep_tracing=trace) if profiling else None
         )
         # Memory promises by default: the first step measures bytes, the plan is re-made for
-        # them (zbpipe.schedules.memory_replan); costs="profile" measures them in its own steps.
+        # them (zbpipe.schedules.memory_replan). With costs="profile" too, from the same probe:
+        # its re-plan for the measured times comes steps later, and keeps the promise.
+        bytes_measured = measure_memory and (profile or ProfileConfig()).memory
         self._memory_replanner = (
-            MemoryReplanner()
-            if measure_memory and not profiling and type(self).memory_planned
+            MemoryReplanner(self._profiler.memory if self._profiler is not None else None)
+            if bytes_measured and type(self).memory_planned
             else None
         )
         # dict/TensorDict batches reach stage 0 by keyword (torch stages take only tensors

@@ -47,6 +47,7 @@ from ..memory.probe import KeyBytes, MemoryProbe
 from ..memory.saved import (
     Observer,
     SavedTensors,
+    SliceCounting,
     count_all_until_freed,
     input_storages,
     param_storages,
@@ -187,7 +188,10 @@ class StageSeam:
     ) -> Iterator[None]:
         """:meth:`forward` with the saved-tensor holders installed (and the engine's scope)."""
         skip = param_storages(stage.submod.parameters())
-        saved = self._saved[key] = SavedTensors(observer, skip, input_storages(given))
+        slices = input_storages(given)
+        if observer is not None and slices:  # the engine's reports of the batch: as the slice
+            observer = SliceCounting(observer, slices)
+        saved = self._saved[key] = SavedTensors(observer, skip, slices)
         with contextlib.ExitStack() as scope:
             scope.enter_context(saved.hooks())
             if split:

@@ -51,10 +51,11 @@ from typing import Literal
 
 from ..core import Action, Plan, PlanError, loop_placement, make_plan
 from ..costs import Costs, StageCosts
-from ..loop.heuristic import STRATEGIES, AutoStrategy, list_schedule, onef1b_peak
+from ..loop.heuristic import STRATEGIES, AutoStrategy, list_schedule
 from ..loop.zbh1 import zbh1_rank_order
 from ..rules import EPS, check_sizes, fits
 from ..simulator import simulate_timing
+from ..yardsticks import onef1b_peak
 from .stale_orders import WARMUP_FACTORS, stream_candidates, with_late_messages
 
 log = logging.getLogger(__name__)

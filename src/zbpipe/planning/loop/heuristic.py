@@ -42,8 +42,8 @@ from typing import NamedTuple
 
 from ..core import Action, Plan, PlanError, loop_placement, make_plan
 from ..costs import Costs, StageCosts
-from ..rules import EPS, check_sizes, fits, peak_memory, within
-from .onef1b import onef1b_rank_order
+from ..rules import EPS, check_sizes, fits, within
+from ..yardsticks import minimum_memory, onef1b_peak
 
 log = logging.getLogger(__name__)
 
@@ -238,19 +238,6 @@ def list_schedule(
     if len(sc) != num_ranks:
         raise ValueError(f"list_schedule: {len(sc)} stage costs for {num_ranks} ranks")
     return _ListScheduler(n_microbatches, sc, memory_limit, strategy).schedule()
-
-
-def minimum_memory(costs: Costs, num_stages: int) -> float:
-    """The least per-rank memory limit any plan fits in: one microbatch in flight."""
-    return max(max(c.mem_f, c.mem_f + c.mem_b, 0.0) for c in costs.per_stage(num_stages))
-
-
-def onef1b_peak(num_ranks: int, n_microbatches: int, costs: Costs) -> float:
-    """1F1B's peak activation memory over ranks (rank 0 holds ``min(p, m)`` forwards)."""
-    sc = costs.per_stage(num_ranks)
-    return max(
-        peak_memory(onef1b_rank_order(r, num_ranks, n_microbatches), sc) for r in range(num_ranks)
-    )
 
 
 STRATEGIES: tuple[AutoStrategy, ...] = tuple(

@@ -33,8 +33,9 @@ from collections import defaultdict, deque
 
 from ..core import Action, Plan, loop_placement, make_plan
 from ..costs import Costs
-from ..rules import EPS, check_sizes, first_overflow, makes, needs, peak_memory, within
+from ..rules import EPS, check_sizes, first_overflow, makes, needs, within
 from ..simulator import simulate_timing
+from ..yardsticks import onef1b_rank_peaks
 from .onef1b import onef1b_rank_order
 
 
@@ -76,8 +77,8 @@ def plan_zbh1(
     costs.check(num_ranks)
     p, m = num_ranks, n_microbatches
     placement = loop_placement(p, p)
-    limit = _default_limit(p, m, costs) if memory_limit is None else memory_limit
-    need = _onef1b_peaks(p, m, costs)
+    need = onef1b_rank_peaks(p, m, costs)
+    limit = max(need.values()) if memory_limit is None else memory_limit
     short = {r: v for r, v in need.items() if not within(v, limit)}
     if short:
         raise ValueError(
@@ -88,9 +89,9 @@ def plan_zbh1(
         "ZBH1", p, m, placement, {r: zbh1_rank_order(r, p, m) for r in range(p)}, form="paper"
     )
     candidates = [paper] if _peak_ok(paper, costs, limit) else []
-    candidates.append(
-        make_plan("ZBH1", p, m, placement, _greedy_orders(p, m, costs, limit), form="greedy")
-    )
+    greedy = make_plan("ZBH1", p, m, placement, _greedy_orders(p, m, costs, limit), form="greedy")
+    if _peak_ok(greedy, costs, limit):
+        candidates.append(greedy)
     candidates.append(
         make_plan(
             "ZBH1",
@@ -117,16 +118,6 @@ def _w_in_microbatch_order(plan: Plan) -> bool:
     return True
 
 
-def _onef1b_peaks(p: int, m: int, costs: Costs) -> dict[int, float]:
-    sc = costs.per_stage(p)
-    return {r: peak_memory(onef1b_rank_order(r, p, m), sc) for r in range(p)}
-
-
-def _default_limit(p: int, m: int, costs: Costs) -> float:
-    # The paper's guarantee: no rank holds more than 1F1B's busiest rank.
-    return max(_onef1b_peaks(p, m, costs).values())
-
-
 def _peak_ok(plan: Plan, costs: Costs, limit: float) -> bool:
     sc = costs.per_stage(plan.num_stages)
     return all(first_overflow(acts, sc, limit) is None for acts in plan.order.values())
@@ -137,7 +128,7 @@ def _greedy_orders(p: int, m: int, costs: Costs, limit: float) -> dict[int, list
 
     A rank decides its next action only once the dependencies of its next F/B are timed, so
     the decision sees the exact idle gap. W runs if it fits in that gap (delays nothing) or if
-    the next F would overflow ``limit``.
+    the next F (or a B that holds more than its F did) would overflow ``limit``.
     """
     sc = [costs.stage(s) for s in range(p)]
     skeleton = {r: onef1b_rank_order(r, p, m, backward="B") for r in range(p)}
@@ -171,7 +162,10 @@ def _greedy_orders(p: int, m: int, costs: Costs, limit: float) -> dict[int, list
                 [free[r]]
                 + [ready[k] + (sc[k[0]].comm if k[0] != r else 0.0) for k in needs(a, p - 1)]
             )
-            overflow = a.kind == "F" and not within(mem[r] + sc[r].mem_f, limit)
+            # what the next F or B adds (a B adds when it holds more than its F did: the graph
+            # engine's recorded gradients, checkpointing's recomputed inputs) must fit
+            grow = sc[r].mem_f if a.kind == "F" else max(0.0, sc[r].mem_b)
+            overflow = not within(mem[r] + grow, limit)
             if pending[r] and (overflow or t_ready - free[r] >= sc[r].w - EPS):
                 run(r, Action(r, "W", pending[r].popleft()), free[r])
                 continue

@@ -63,15 +63,6 @@ def _future_peak_after_b(c: StageCosts) -> float:
     return max(0.0, c.mem_f + c.mem_b)
 
 
-def min_budget(stage_costs: list[StageCosts], num_ranks: int) -> float:
-    """The smallest per-rank budget the reservation rule can work with."""
-    p = num_ranks
-    return max(
-        _future_peak_after_f(stage_costs[r]) + _future_peak_after_f(stage_costs[2 * p - 1 - r])
-        for r in range(p)
-    )
-
-
 class _VGreedy:
     """The state of one greedy V run; :meth:`decide` is the module docstring's priorities.
 

@@ -35,8 +35,9 @@ from ..costs import Costs, StageCosts
 from ..rules import EPS, check_sizes, within
 from ..search.improve import improve
 from ..simulator import simulate_timing
+from ..yardsticks import V_FORMULAS, v_budget, v_minimum_memory
 from .blocks import block_candidates
-from .greedy import VShapeStrategy, greedy_candidates, min_budget
+from .greedy import VShapeStrategy, greedy_candidates
 from .paper_order import execute_fb_order, zbv_fb_order
 from .timed_order import GreedyResult
 
@@ -44,28 +45,15 @@ log = logging.getLogger(__name__)
 
 MemoryMode = Literal["zb", "half", "min"]
 _NAMES = {"zb": "ZBV", "half": "ZBVHalf", "min": "ZBVMin"}
-_FORMULAS = {
-    "zb": "1F1B's peak",
-    "half": "(p + 2) / 2 microbatches of stage 0",
-    "min": "(p + 4) / 3 microbatches of stage 0",
-}
+_FORMULAS = V_FORMULAS
 
 
-def stage0_unit(stage_costs: list[StageCosts]) -> float:
-    """One microbatch of stage 0 of the same model cut into p stages: chunks 0 and 1."""
-    return stage_costs[0].mem_f + stage_costs[1].mem_f
-
-
-def default_budget(num_ranks: int, stage_costs: list[StageCosts], memory: MemoryMode) -> float:
-    """The mode's per-rank activation budget, in ``Costs`` memory units."""
-    p = num_ranks
-    if memory == "zb":
-        # 1F1B on the same model: its stage i (chunks 2i, 2i+1) holds p - i microbatches
-        return max(
-            (p - i) * (stage_costs[2 * i].mem_f + stage_costs[2 * i + 1].mem_f) for i in range(p)
-        )
-    factor = (p + 2) / 2 if memory == "half" else (p + 4) / 3
-    return factor * stage0_unit(stage_costs)
+def default_budget(
+    num_ranks: int, stage_costs: list[StageCosts], memory: MemoryMode, n_microbatches: int
+) -> float:
+    """The mode's per-rank activation budget, in ``Costs`` memory units
+    (:func:`zbpipe.planning.yardsticks.v_budget`)."""
+    return v_budget(num_ranks, n_microbatches, stage_costs, memory)
 
 
 def _strategies(num_ranks: int, memory: MemoryMode) -> list[VShapeStrategy]:
@@ -127,7 +115,7 @@ def plan_zbv(
     p, m = num_ranks, n_microbatches
     costs = costs if costs is not None else Costs()
     sc = costs.per_stage(2 * p)
-    budget = _budget(p, sc, memory, memory_limit)
+    budget = _budget(p, m, sc, memory, memory_limit)
     best = _best_per_family(p, m, costs, sc, budget, memory)
     # Polish by local search (improve.py): it shortens the plan where the costs leave gaps that a
     # fixed order cannot see (e.g. B > F makes the chunk-0 backward chain late). Each family's
@@ -138,9 +126,11 @@ def plan_zbv(
     return plan
 
 
-def _budget(p: int, sc: list[StageCosts], memory: MemoryMode, memory_limit: float | None) -> float:
+def _budget(
+    p: int, m: int, sc: list[StageCosts], memory: MemoryMode, memory_limit: float | None
+) -> float:
     """The per-rank budget: ``memory_limit`` if given (checked), else the mode's default."""
-    floor = min_budget(sc, p)
+    floor = v_minimum_memory(sc, p)
     if memory_limit is not None:
         if memory_limit < floor - EPS:
             raise ValueError(
@@ -148,7 +138,7 @@ def _budget(p: int, sc: list[StageCosts], memory: MemoryMode, memory_limit: floa
                 f"must hold one microbatch of each of its two stages; use memory_limit >= {floor:g}"
             )
         return float(memory_limit)
-    budget = default_budget(p, sc, memory)
+    budget = default_budget(p, sc, memory, m)
     if budget < floor - EPS:
         # The promise cannot hold with these costs: say so, with the peak planned for instead.
         log.warning(
@@ -181,7 +171,7 @@ def _best_per_family(
         if family not in best or key < best[family][0]:
             best[family] = (key, label, res)
     if not best:
-        floor = min_budget(sc, p)
+        floor = v_minimum_memory(sc, p)
         raise ValueError(
             f"no {_NAMES[memory]} plan fits memory_limit={budget:g}; use memory_limit >= {floor:g}"
         )

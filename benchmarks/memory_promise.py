@@ -1,0 +1,67 @@
+"""Issue 37: every step's peak held for backward, measured by a meter that shares nothing with
+zbpipe (tests/memory/_independent_meter.py: every storage any op creates, sampled between
+actions), against torch's Schedule1F1B on the same model; default arguments and
+costs="profile", both engines, 4 gloo ranks. The same bodies as
+tests/schedules/test_memory_promise_4ranks.py, every schedule and engine.
+
+Run:  PYTHONPATH=src:. python benchmarks/memory_promise.py [--ranks 4] [--microbatches 8]
+Writes benchmarks/results/memory_promise_<ranks>ranks_m<m>.json: per run, per step, the peak
+per rank in bytes and the max over ranks divided by torch 1F1B's max (V-Half and V-Min also by
+their formula, (p + 2) / 2 and (p + 4) / 3 microbatches of the p-stage model's stage 0, from
+torch 1F1B's rank 0, which holds min(p, m) of them). Memory does not depend on speed: 4 ranks on
+2 cores measure it honestly (slowly).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+SCHEDULES = ("ZBH1", "ZB1P", "ZBV", "ZBVHalf", "ZBVMin")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    from results_io import write_result
+    from tests.schedules import _memory_promise_cases as cases
+
+    from zbpipe.testing import run_ranks
+
+    p, m = args.ranks, args.microbatches
+    runs = [(n, e, mode) for mode in ("default", "profile") for e in ("deferred", "graph")
+            for n in SCHEDULES]  # fmt: skip
+    per_rank = run_ranks(cases.promise_rows, p, m, runs, timeout=6000, pg_timeout=900)
+    torch_steps = [[per_rank[r]["torch"][i] for r in range(p)] for i in range(2)]
+    base = max(max(s) for s in torch_steps)
+    stage0 = torch_steps[-1][0] / min(p, m)
+    formula = {"ZBVHalf": (p + 2) / 2 * stage0, "ZBVMin": (p + 4) / 3 * stage0}
+    rows = []
+    print(f"torch 1F1B: {'/'.join(f'{b / 2**20:.3f}' for b in torch_steps[-1])} MiB")
+    for run in runs:
+        steps = [[per_rank[r][run][i] for r in range(p)] for i in range(len(per_rank[0][run]))]
+        row = {
+            "schedule": run[0], "engine": run[1], "mode": run[2], "peak_bytes": steps,
+            "vs_torch_1f1b": [max(s) / base for s in steps],
+        }  # fmt: skip
+        if run[0] in formula:
+            row["vs_formula"] = [max(s) / formula[run[0]] for s in steps]
+        rows.append(row)
+        vf = " ".join(f"{x:.3f}" for x in row.get("vs_formula", []))
+        print(
+            f"{run[0]:<8} {run[1]:<9} {run[2]:<8} vs 1F1B per step "
+            + " ".join(f"{x:.3f}" for x in row["vs_torch_1f1b"])
+            + (f"  vs formula {vf}" if vf else "")
+        )
+    write_result(
+        f"memory_promise_{p}ranks_m{m}",
+        {"config": {"ranks": p, "microbatches": m, "shape": cases.SHAPE, "rows": cases.ROWS},
+         "torch_1f1b_peak_bytes": torch_steps, "rows": rows},
+        path=args.out,
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""What a schedule's memory promise is in bytes, which plan keeps it fastest, and what it cost.
+
+Both re-planners (:mod:`zbpipe.schedules.memory_replan` after the first step,
+:mod:`zbpipe.schedules.replan` for ``costs="profile"``) and the schedule's construction ask here:
+
+* :func:`first_step_plan`: the plan the steps before the bytes are measured run. Its bytes are
+  assumed, not measured: a backward may hold far more after B than its F did (checkpointing
+  recomputes a block's inputs in B; :data:`B_ASSUMED_PER_RANK`), so at most one W waits per
+  rank. A one-stage-per-rank schedule whose promise is 1F1B's peak (ZB-H1, ZB-1p; ZB-2p twice
+  it) runs ZB-H1's order planned for *every rank's own 1F1B count* of microbatches
+  (``min(p - r, m)`` on rank ``r``, at most one W waiting): rank ``r`` then holds at most what
+  1F1B's rank ``r`` holds, whatever each stage's bytes turn out to be (a heavy head stage
+  included; tests/schedules/test_memory_promise.py draws them). A V schedule (ZB-V, V-Half,
+  V-Min) has no such plan: its rank 0 holds the first and the last chunk together, so a heavy
+  last chunk can take it over 1F1B's peak however it is ordered; it is planned for equal bytes
+  per chunk (with the same assumption about B), and its first step can exceed the promise by
+  what a heavy chunk weighs above the others.
+* :func:`promised_budget`: the budget the re-made plan was made for (the generator's own, or
+  :func:`zbpipe.planning.yardsticks.promised_peak`).
+* :func:`fastest_keeping`: among the re-made plan, the plan for equal bytes and the first step's
+  plan, the fastest whose simulated peak keeps the budget, so a re-plan never makes a schedule
+  slower than the plan for equal bytes where that plan already keeps the promise.
+* :func:`cost_line`: what keeping the promise cost in simulated step time, and, when no plan
+  within the budget beats 1F1B, a line saying so and what does (the chooser's candidates).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ..planning import Costs, Plan, simulate
+from ..planning.budget import format_bytes
+from ..planning.core import EPS
+from ..planning.yardsticks import onef1b_peak, promised_peak
+
+#: what the first steps' plan assumes B may hold beyond F, per unit its F holds, times ``p``:
+#: more than any plan can afford twice, so at most one W waits per rank whatever B holds
+B_ASSUMED_PER_RANK = 2.0
+
+
+def first_step_plan(sched: Any) -> Plan | None:
+    """The plan the steps before the bytes are measured run (the module docstring), or None
+    where the schedule has none (it runs its plan for equal bytes)."""
+    if not getattr(sched, "safe_first_step", False) or "memory_limit" in sched._plan_options:
+        return None  # (a numeric limit is in the units of the costs given: kept as given)
+    from ..planning.loop.zbh1 import plan_zbh1
+
+    p, m = sched.pp_group_size, sched._n_microbatches
+    beta = B_ASSUMED_PER_RANK * p
+    if sched.layout == "v":  # every chunk alike: no plan keeps the promise whatever each holds
+        n = sched._num_stages
+        costs = dataclasses.replace(
+            sched.costs, mem_f=[1.0] * n, mem_b=[beta] * n, mem_w=[-1.0 - beta] * n
+        )
+        plan: Plan = sched.build_plan(p, m, costs, **sched._plan_options)
+        return plan
+    # Rank r's 1F1B holds k = min(p - r, m) forwards, one of them through its backward: k + beta
+    # units of u_r = 1 / (k + beta) make every rank's yardstick 1, so ZB-H1's limit (the max over
+    # ranks) is each rank's own. Its 1F1B skeleton keeps at most k forwards in flight; the limit
+    # then allows one W to wait (beta > k - 2), and only with at most k - 1 forwards.
+    held = [1.0 / (min(p - r, m) + beta) for r in range(p)]
+    costs = dataclasses.replace(
+        sched.costs,
+        mem_f=held,
+        mem_b=[beta * h for h in held],
+        mem_w=[-(1 + beta) * h for h in held],
+    )
+    return plan_zbh1(p, m, costs, exact=sched.exact)
+
+
+def promised_budget(sched: Any, plan: Plan, costs: Costs) -> float | None:
+    """The per-rank budget (memory units of ``costs``) ``plan`` was made for, if known."""
+    for key in ("memory_limit", "memory_budget"):
+        value = plan.meta.get(key)
+        if isinstance(value, (int, float)):
+            return float(value)
+    choice = getattr(sched, "choice", None)
+    if choice is not None and choice.best.plan is plan:
+        return float(choice.memory_limit)
+    chunks = sched._num_stages // sched.pp_group_size
+    return promised_peak(plan.name, sched.pp_group_size, sched._n_microbatches, costs, chunks)
+
+
+def fastest_keeping(
+    candidates: list[Plan], costs: Costs, budget: float | None
+) -> tuple[Plan, dict[int, float]]:
+    """The first candidate is the re-made plan; a later one replaces it only if it is strictly
+    faster under ``costs`` and its simulated peak is within ``budget`` on every rank. Returns the
+    chosen plan and each candidate's simulated makespan (by position)."""
+    spans = {i: simulate(c, costs).makespan for i, c in enumerate(candidates)}
+    best = 0
+    if budget is None:
+        return candidates[0], spans
+    for i, c in enumerate(candidates[1:], start=1):
+        peak = max(simulate(c, costs).peak_memory.values())
+        if peak <= budget * (1 + 1e-9) + EPS and spans[i] < spans[best] * (1 - 1e-9):
+            best = i
+    return candidates[best], spans
+
+
+def onef1b_makespan(sched: Any, costs: Costs) -> float:
+    """1F1B's simulated step time on the same model (a V schedule's chunks joined in pairs)."""
+    from ..planning import plan as build
+
+    chunks = sched._num_stages // sched.pp_group_size
+    joined = costs.joined(chunks) if chunks > 1 else costs
+    return simulate(
+        build("1F1B", sched.pp_group_size, sched._n_microbatches, joined), joined
+    ).makespan
+
+
+def cost_line(
+    sched: Any, chosen: Plan, costs: Costs, equal_bytes: Plan, unit_bytes: float | None
+) -> tuple[str, bool]:
+    """``(text, beats_1f1b)``: the chosen plan's simulated step time against the plan for equal
+    bytes and 1F1B's, and, when it does not beat 1F1B, the faster plans the chooser offers."""
+    t_new = simulate(chosen, costs).makespan
+    t_equal = simulate(equal_bytes, costs).makespan
+    t_1f1b = onef1b_makespan(sched, costs)
+    text = (
+        f"; simulated step time {t_new / t_1f1b:.3f}x 1F1B's "
+        f"({t_new / t_equal - 1:+.1%} against the plan for equal bytes per stage)"
+    )
+    beats = t_new < t_1f1b * (1 - 1e-9)
+    if not beats:
+        text += (
+            f". No {chosen.name} plan within the promise beats 1F1B with these bytes"
+            + offer_faster(sched, costs, unit_bytes, t_1f1b)
+        )
+    return text, beats
+
+
+def offer_faster(sched: Any, costs: Costs, unit_bytes: float | None, t_1f1b: float) -> str:
+    """The chooser's candidates of this placement that beat 1F1B, with the peak each needs."""
+    from ..planning.search.within_budget import evaluate_candidates
+
+    p, m = sched.pp_group_size, sched._n_microbatches
+    v = sched.layout == "v"
+    cands = evaluate_candidates(
+        p, m, float("inf"), None if v else costs, v_costs=costs if v else None,
+        layouts=(sched.layout,),
+    )  # fmt: skip
+    chunks = sched._num_stages // p
+    base = onef1b_peak(p, m, costs.joined(chunks) if chunks > 1 else costs)
+    faster = [c for c in cands if c.plan is not None and c.makespan < t_1f1b * (1 - 1e-9)]
+    if not faster:
+        return "; nor does any other schedule of this placement"
+    offers = ", ".join(
+        f"{c.name} {c.makespan / t_1f1b:.3f}x its time at {c.peak / base:.2f}x its peak"
+        + (f" ({format_bytes(c.peak * unit_bytes)})" if unit_bytes else "")
+        for c in sorted(faster, key=lambda c: c.peak)
+    )
+    return (
+        f"; faster with more memory: {offers} (zbpipe.choose_schedule(..., memory_limit=...) "
+        "runs the fastest within a byte budget)"
+    )

@@ -1,0 +1,161 @@
+"""Per-rank bodies of the memory-promise tests (module level: spawned processes import them).
+
+Every peak here is measured by :class:`tests.memory._independent_meter.LiveStorageMeter`, which
+shares nothing with zbpipe's probe, meter or plans.
+"""
+
+from __future__ import annotations
+
+import gc
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+import zbpipe
+from tests.memory._independent_meter import (
+    SEAM_ACTIONS,
+    TORCH_ACTIONS,
+    LiveStorageMeter,
+    mark_after,
+)
+from zbpipe.planning import loop_placement, simulate, v_placement
+from zbpipe.testing.models import Block, Embed, Head, TinyGPTConfig, lm_loss, synthetic_batch
+
+#: a shape no other test uses: a head of 512 tokens over hidden 24 weighs a few blocks
+SHAPE = dict(vocab=512, hidden=24, seq=12, heads=2)
+ROWS = 3
+
+
+def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Selective checkpointing: keep the matmuls' outputs, recompute the rest."""
+    if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class Experts(nn.Module):
+    """A mixture of experts with its experts as one 3-D weight (``bmm``), every token weighted
+    by its router's softmax over all experts (dense dispatch: deterministic, no capacity)."""
+
+    def __init__(self, h: int, n: int = 4) -> None:
+        super().__init__()
+        self.router = nn.Linear(h, n)
+        self.w1 = nn.Parameter(torch.randn(n, h, 2 * h) * h**-0.5)
+        self.w2 = nn.Parameter(torch.randn(n, 2 * h, h) * (2 * h) ** -0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, h = x.shape
+        xs = x.reshape(-1, h)
+        gate = self.router(xs).softmax(-1)
+        y = torch.bmm(xs.unsqueeze(0).expand(self.w1.shape[0], -1, -1), self.w1)
+        y = torch.bmm(F.gelu(y), self.w2)
+        return x + (y * gate.t().unsqueeze(-1)).sum(0).view(b, t, h)
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, inner: nn.Module, mode: str) -> None:
+        super().__init__()
+        self.inner, self.mode = inner, mode
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "full":
+            return checkpoint(self.inner, x, use_reentrant=False)
+        ctx = partial(create_selective_checkpoint_contexts, _policy)
+        return checkpoint(self.inner, x, use_reentrant=False, context_fn=ctx)
+
+
+def build(n_stages: int, world: int, ac: str = "", moe: bool = False, vocab: int = 0) -> list:
+    """The model (2 x world blocks) in ``n_stages`` stages; ``ac`` "full" or "selective"
+    checkpoints every block; ``moe`` gives every block an expert layer."""
+    cfg = TinyGPTConfig(**{**SHAPE, **({"vocab": vocab} if vocab else {})})
+    torch.manual_seed(11)
+    per = 2 * world // n_stages
+    out = []
+    for s in range(n_stages):
+        layers: list[nn.Module] = [Embed(cfg)] if s == 0 else []
+        for _ in range(per):
+            inner: nn.Module = nn.Sequential(Block(cfg), Experts(cfg.hidden)) if moe else Block(cfg)
+            layers.append(Checkpointed(inner, ac) if ac else inner)
+        if s == n_stages - 1:
+            layers.append(Head(cfg))
+        out.append(nn.Sequential(*layers))
+    return out
+
+
+def _steps(sched: Any, stages: list, mine: list, m: int, steps: int, box: list, vocab: int) -> list:
+    cfg = TinyGPTConfig(**{**SHAPE, "vocab": vocab})
+    last = max(st.stage_index for st in stages) == _num_stages(stages) - 1
+    peaks = []
+    for step in range(steps):
+        ids, tgt = synthetic_batch(cfg, m * ROWS, step)
+        for st in stages:
+            st.submod.zero_grad(set_to_none=True)
+        gc.collect()
+        box[0] = meter = LiveStorageMeter()
+        with meter:
+            sched.step(*((ids,) if 0 in mine else ()), target=tgt if last else None)
+        box[0] = None
+        gc.collect()
+        peaks.append(meter.step_peaks()[0])
+    return peaks
+
+
+def run(rank: int, world: int, name: str, m: int, steps: int, build_kw: dict, **options: Any):
+    """This rank's held peak per step (and the schedule, for its predictions)."""
+    v = name != "torch" and zbpipe.get_schedule_class(name).layout == "v"
+    n = 2 * world if v else world
+    mods = build(n, world, **build_kw)
+    placement = v_placement(world) if v else loop_placement(world, n)
+    mine = sorted(s for s, r in placement.items() if r == rank)
+    stages = [PipelineStage(mods[s], s, n, torch.device("cpu")) for s in mine]
+    box: list = [None]
+    if name == "torch":
+        sched: Any = Schedule1F1B(stages[0], m, loss_fn=lm_loss)
+        mark_after(stages[0], TORCH_ACTIONS, box)
+    else:
+        sched = zbpipe.get_schedule_class(name)(stages, m, loss_fn=lm_loss, trace=False, **options)
+        mark_after(sched.seam, SEAM_ACTIONS, box)
+    vocab = build_kw.get("vocab") or SHAPE["vocab"]
+    return _steps(sched, stages, mine, m, steps, box, vocab), sched
+
+
+def _num_stages(stages: list) -> int:
+    return int(stages[0].num_stages)
+
+
+def promise_rows(rank: int, world: int, m: int, runs: list) -> dict:
+    """torch 1F1B's held peak per step, then each ``(name, split, mode)`` of ``runs``."""
+    torch.set_num_threads(1)
+    out: dict = {"torch": run(rank, world, "torch", m, 2, {})[0]}
+    for name, split, mode in runs:
+        options: dict = {"split": split}
+        steps = 3
+        if mode == "profile":
+            options.update(costs="profile", profile=zbpipe.ProfileConfig(comm=0.0))
+            steps = 4  # one warm-up, two profiled steps, then the re-made plan
+        out[(name, split, mode)] = run(rank, world, name, m, steps, {}, **options)[0]
+    return out
+
+
+def checkpointed_rows(rank: int, world: int, m: int, build_kw: dict, names: list) -> dict:
+    """Per schedule (deferred engine, defaults): the held peak of the step after the re-plan,
+    and the re-made plan's predicted peak in bytes (max over ranks, every rank alike)."""
+    torch.set_num_threads(1)
+    out: dict = {}
+    for name in names:
+        peaks, sched = run(rank, world, name, m, 2, build_kw, split="deferred")
+        r = simulate(sched.plan, sched.memory_costs)
+        out[name] = {
+            "measured": peaks[-1],
+            "predicted": max(r.peak_memory.values()) * sched.memory_unit_bytes,
+        }
+    return out
