@@ -24,10 +24,9 @@ torch's own runtime does. Before any backward, the seam checks that every stage 
 requires grad got a gradient (:func:`check_output_grads`).
 
 The engine (:mod:`zbpipe.engines`; docs/design/backward.md says when each is right) is an object
-with
-one protocol, :class:`~zbpipe.engines.SplitEngine`: the seam never asks which one it holds.
-Keys are ``(stage_index, microbatch)``, the microbatch being whatever index the stage's caches
-use (the step's for planned schedules, a global one for continuous).
+with one protocol, :class:`~zbpipe.engines.SplitEngine`: the seam never asks which one it holds.
+Keys are ``(stage_index, microbatch)``, the microbatch being whatever index the stage's caches use
+(the step's for planned schedules, a global one for continuous).
 """
 
 from __future__ import annotations
