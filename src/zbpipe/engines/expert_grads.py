@@ -5,8 +5,9 @@ An expert weight ``w`` of shape ``(E, N, K)`` is ``E`` Linears at once: torchtit
 one grouped GEMM (``torch._grouped_mm``, the rows sorted by expert and cut at ``offs``), and a
 model that pads every expert to a capacity writes ``out = torch.bmm(x, w)`` over ``(E, C, K)``
 rows. Either way the weight gradient is one product per expert, the shape of ``w``, whatever
-the number of rows: :class:`GroupedProduct` and :class:`BatchedProduct` compute it from the
-``(x, grad_output)`` that B queued, in the weight's own layout, and add it to ``.grad``.
+the number of rows: :class:`GroupedProduct` computes it from the
+``(x, grad_output)`` that B queued, in the weight's own layout, and add it to ``.grad``
+(:class:`EinsumProduct` for a bmm or an einsum).
 
 They follow the rule of :mod:`zbpipe.engines.accumulate` (``AccumulateGrad``'s), and compute
 the same bits as autograd's fused backward: the GEMM in the compute dtype (bf16 under
@@ -26,7 +27,7 @@ from torch import Tensor
 from .. import _compat as C
 from .accumulate import accumulate, as_param_grad
 
-__all__ = ["BatchedProduct", "GroupedProduct", "WeightProduct"]
+__all__ = ["EinsumProduct", "GroupedProduct", "WeightProduct"]
 
 #: elements converted and added at once when the product's dtype is not the weight's
 _SLICE_ELEMENTS = 1 << 20
@@ -83,21 +84,6 @@ class GroupedProduct(WeightProduct):
         return C.grouped_mm(g.t(), x, self.offs)
 
 
-class BatchedProduct(WeightProduct):
-    """``dw = x.transpose(-2, -1) @ g``: the gradient of ``torch.bmm(x, w)`` with respect to
-    ``w`` (``transposed``: of ``torch.bmm(x, w.transpose(-2, -1))``, so ``g.T @ x``)."""
-
-    __slots__ = ("transposed",)
-
-    def __init__(self, *, transposed: bool) -> None:
-        self.transposed = transposed
-
-    def compute(self, x: Tensor, g: Tensor) -> Tensor:
-        if self.transposed:
-            return torch.bmm(g.transpose(-2, -1), x)
-        return torch.bmm(x.transpose(-2, -1), g)
-
-
 def _add_converted(grad: Tensor, dw: Tensor) -> None:
     """``grad += dw.to(grad.dtype)``, a slice of experts at a time through one buffer."""
     per = max(1, _SLICE_ELEMENTS // max(1, dw[0].numel()))
@@ -107,3 +93,16 @@ def _add_converted(grad: Tensor, dw: Tensor) -> None:
         if buf is None or buf.shape != part.shape:
             buf = torch.empty(part.shape, dtype=grad.dtype, device=grad.device)
         grad[start : start + per].add_(buf.copy_(part))
+
+
+class EinsumProduct(WeightProduct):
+    """``dw = torch.einsum(equation, x, g)``: the weight gradient of a two-operand einsum (a
+    bmm is ``"bij,bik->bjk"``, the same product as autograd's ``x.transpose(1, 2).bmm(g)``)."""
+
+    __slots__ = ("equation",)
+
+    def __init__(self, equation: str) -> None:
+        self.equation = equation
+
+    def compute(self, x: Tensor, g: Tensor) -> Tensor:
+        return torch.einsum(self.equation, x, g)

@@ -46,6 +46,7 @@ from torch import Tensor, nn
 from .. import _compat as C
 from .compiled_experts import compiled_grouped_linear, route_compiled_experts
 from .expert_grads import GroupedProduct, WeightProduct
+from .expert_matmuls import batched_modules, batched_weights, deferred_matmuls
 from .linear_patch import StoreSlot
 
 logger = logging.getLogger(__name__)
@@ -134,7 +135,8 @@ def _deferred_forward(self: Any, x: Tensor, num_tokens_per_expert: Tensor) -> Te
     compiling = torch.compiler.is_compiling()
     store = self._zbpipe_slot.store
     if (store is None and not compiling) or _spmd_checking():
-        return self._zbpipe_experts_unpatched.forward(self, x, num_tokens_per_expert)
+        own: Tensor = self._zbpipe_experts_unpatched.forward(self, x, num_tokens_per_expert)
+        return own
     leaves = [getattr(self, name) for name in EXPERT_WEIGHTS]
     weights = [C.local_tensor(w) if C.is_dtensor(w) else w for w in leaves]
     offs = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
@@ -184,33 +186,40 @@ def _mirrors(base: type) -> bool:
     return _CHECKED[fn]
 
 
-def expert_modules(module: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
-    """(the expert modules under ``module`` :func:`patch_experts` patches, the torchtitan
-    ``GroupedExperts`` it leaves alone: converted, or another forward than the mirrored one)."""
+def expert_modules(module: nn.Module) -> tuple[list[nn.Module], list[nn.Module], list[nn.Module]]:
+    """Expert modules under ``module``: (torchtitan ``GroupedExperts`` :func:`patch_experts`
+    patches, modules whose own 3-D weights it defers in their matmuls and einsums
+    (:func:`~zbpipe.engines.expert_matmuls.batched_modules`), torchtitan ``GroupedExperts`` it
+    leaves alone: converted, or another forward than the mirrored one)."""
     base = _torchtitan_experts_class()
-    if base is None:
-        return [], []
-    ok, left = [], []
+    grouped: list[nn.Module] = []
+    batched: list[nn.Module] = []
+    left: list[nn.Module] = []
     for m in module.modules():
-        if "_zbpipe_experts_unpatched" in m.__dict__:
-            ok.append(m)
-        elif isinstance(m, base):
+        kind = m.__dict__.get("_zbpipe_experts_kind")
+        if kind is not None:
+            (grouped if kind == "grouped" else batched).append(m)
+        elif base is not None and isinstance(m, base):
             cls = type(m)
             same = cls.forward is base.forward and cls._grouped_mm is base._grouped_mm  # type: ignore[attr-defined]
-            (ok if same and _mirrors(base) else left).append(m)
-    return ok, left
+            (grouped if same and _mirrors(base) else left).append(m)
+    seen = {id(m) for m in grouped + batched + left}
+    batched += [m for m in batched_modules(module) if id(m) not in seen]
+    return grouped, batched, left
 
 
 def patch_experts(module: nn.Module, slot: StoreSlot) -> int:
     """Make every patchable expert module under ``module`` (:func:`expert_modules`) defer its
     weight gradients through ``slot``; log the ones left alone. Returns how many are patched."""
-    found, left = expert_modules(module)
-    for m in found:
-        if "_zbpipe_experts_unpatched" not in m.__dict__:
-            cls: type = type(m)
-            m._zbpipe_experts_unpatched = cls  # type: ignore[assignment]
-            m.__class__ = _deferred_class(cls)
-        m._zbpipe_slot = slot  # type: ignore[assignment]
+    grouped, batched, left = expert_modules(module)
+    for kind, found in (("grouped", grouped), ("batched", batched)):
+        for m in found:
+            if "_zbpipe_experts_kind" not in m.__dict__:
+                cls: type = type(m)
+                m._zbpipe_experts_unpatched = cls  # type: ignore[assignment]
+                m._zbpipe_experts_kind = kind  # type: ignore[assignment]
+                m.__class__ = _deferred_class(cls, kind)
+            m._zbpipe_slot = slot  # type: ignore[assignment]
     for m in left:
         name = type(m).__name__
         if name not in _WARNED:
@@ -221,31 +230,55 @@ def patch_experts(module: nn.Module, slot: StoreSlot) -> int:
                 "but W has none of them to fill the bubbles with",
                 name,
             )
-    return len(found)
+    return len(grouped) + len(batched)
 
 
-_CLASSES: dict[type, type] = {}
+def _batched_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """The module's own forward, its 3-D weights' matmuls and einsums deferred
+    (:mod:`zbpipe.engines.expert_matmuls`) during a zbpipe F or B and inside compiled code."""
+    compiling = torch.compiler.is_compiling()
+    store = self._zbpipe_slot.store
+    if store is None and not compiling:
+        return self._zbpipe_experts_unpatched.forward(self, *args, **kwargs)
+    with deferred_matmuls(self, store, compiling):
+        return self._zbpipe_experts_unpatched.forward(self, *args, **kwargs)
 
 
-def _deferred_class(cls: type) -> type:
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"Deferred{cls.__name__}", (cls,), {"forward": _deferred_forward})
-    return _CLASSES[cls]
+_CLASSES: dict[tuple[type, str], type] = {}
+
+
+def _deferred_class(cls: type, kind: str) -> type:
+    if (cls, kind) not in _CLASSES:
+        forward = _deferred_forward if kind == "grouped" else _batched_forward
+        _CLASSES[cls, kind] = type(f"Deferred{cls.__name__}", (cls,), {"forward": forward})
+    return _CLASSES[cls, kind]
 
 
 def patched_experts(module: nn.Module) -> list[nn.Module]:
     """The expert modules under ``module`` that :func:`patch_experts` patched."""
-    return [
-        m
-        for m in module.modules()
-        if "_zbpipe_experts_unpatched" in m.__dict__ and type(m) in _CLASSES.values()
-    ]
+    return [m for m in module.modules() if "_zbpipe_experts_kind" in m.__dict__]
+
+
+def deferred_weight_names(expert: nn.Module) -> list[str]:
+    """The names of the parameters whose gradients a patched (or patchable) ``expert`` defers."""
+    return list(EXPERT_WEIGHTS) if _is_grouped(expert) else batched_weights(expert)
+
+
+def _is_grouped(expert: nn.Module) -> bool:
+    kind = expert.__dict__.get("_zbpipe_experts_kind")
+    if kind is not None:
+        return bool(kind == "grouped")
+    base = _torchtitan_experts_class()
+    return base is not None and isinstance(expert, base)
 
 
 def expert_weights(experts: list[nn.Module]) -> list[Tensor]:
     """The parameters whose gradients the patched ``experts`` defer."""
     return [
-        p for m in experts for name in EXPERT_WEIGHTS if (p := C.own_parameter(m, name)) is not None
+        p
+        for m in experts
+        for name in deferred_weight_names(m)
+        if (p := C.own_parameter(m, name)) is not None
     ]
 
 
@@ -254,6 +287,7 @@ def unpatch_experts(module: nn.Module) -> int:
     n = 0
     for m in patched_experts(module):
         m.__class__ = m.__dict__.pop("_zbpipe_experts_unpatched")
+        m.__dict__.pop("_zbpipe_experts_kind")
         m.__dict__.pop("_zbpipe_slot", None)
         n += 1
     return n
@@ -274,7 +308,8 @@ class StageExperts:
         return n
 
     def route_compiled(self, stage_index: int, submod: nn.Module) -> list[Any]:
-        return route_compiled_experts(submod, self._experts.get(stage_index, []), EXPERT_WEIGHTS)
+        experts = self._experts.get(stage_index, [])
+        return route_compiled_experts(submod, experts, deferred_weight_names)
 
     def claim(self, slots: dict[int, StoreSlot]) -> None:
         for idx, experts in self._experts.items():
