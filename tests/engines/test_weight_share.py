@@ -37,7 +37,7 @@ def test_moe_layer_census_by_hand():
     stage = nn.ModuleDict({"moe": cases.moe_layer(top_k=2), "norm": nn.RMSNorm(D)})
     got = {c.kind: c for c in census(stage)}
     experts = 3 * E * H * D
-    assert got["experts"].elements == experts and got["experts"].modules == 1
+    assert got["experts"].elements == experts and got["experts"].n_modules == 1
     assert got["experts"].flops_per_token == 2 * experts * 2 / E  # each token visits 2 of 4
     assert got["linear"].elements == E * D and got["linear"].flops_per_token == 2 * E * D
     assert got["vector"].elements == D and got["vector"].in_w == ("graph",)
@@ -79,5 +79,5 @@ def test_compiled_converted_experts_still_get_the_deferred_engine(caplog):
 
 def test_bmm_experts_count_as_deferred():
     got = {c.kind: c for c in census(cases.BatchedExperts())}
-    assert got["experts"].modules == 1
+    assert got["experts"].n_modules == 1
     assert got["experts"].elements == E * D * 2 * H + E * H * D + 2 * E * D * D

@@ -41,7 +41,7 @@ class WeightClass:
     """"linear", "experts", "embedding", "vector" (1-D), "converted experts", "other\""""
     elements: int
     flops_per_token: float
-    modules: int
+    n_modules: int
     """modules of this kind (Linears, expert modules); 0 where it does not apply"""
     in_w: tuple[str, ...]
     """the engines that compute these gradients in W"""
@@ -120,7 +120,7 @@ def census(module: nn.Module) -> list[WeightClass]:
             kind=kind,
             elements=int(e),
             flops_per_token=f,
-            modules=counts.get(kind, 0),
+            n_modules=counts.get(kind, 0),
             in_w=("deferred", "graph") if kind in deferred_kinds else ("graph",),
         )
         for kind, (e, f) in sums.items()
@@ -155,9 +155,9 @@ def describe(stage_index: Any, classes: list[WeightClass], shares: dict[str, Eng
         what = ""
         if s.engine == "deferred":
             kinds = [
-                f"{c.modules} {'Linears' if c.kind == 'linear' else 'expert modules'}"
+                f"{c.n_modules} {'Linears' if c.kind == 'linear' else 'expert modules'}"
                 for c in sorted(classes, key=lambda c: c.kind != "linear")
-                if c.modules and c.kind in ("linear", "experts")
+                if c.n_modules and c.kind in ("linear", "experts")
             ]
             what = f" [{', '.join(kinds)}]" if kinds else ""
         parts.append(
