@@ -164,7 +164,8 @@ def split_cost(model: str, compiled: bool, reps: int, seq: int) -> dict[str, Any
     for key, acc in (("first_microbatch", False), ("accumulating", True)):
         got = samples[acc]
         res: dict[str, Any] = {
-            "fused_ms": 1e3 * statistics.median(s["fused"]["fused"] for s in got)
+            "fused_ms": 1e3 * statistics.median(s["fused"]["fused"] for s in got),
+            "fused_page_faults": statistics.median(s["fused"]["fused_faults"] for s in got),
         }
         for n in engines:
             bw = [s[n]["B"] + s[n]["W"] for s in got]
