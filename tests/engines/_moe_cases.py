@@ -121,3 +121,78 @@ def twins(module: nn.Module) -> tuple[nn.Module, nn.Module]:
 
 def grads(module: nn.Module) -> dict[str, torch.Tensor | None]:
     return {n: None if p.grad is None else p.grad.clone() for n, p in module.named_parameters()}
+
+
+class MoEBlock(nn.Module):
+    """``x + moe(norm(x))`` with torchtitan's ``MoE`` (the shape of its blocks' MoE half)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(DIM)
+        self.moe = moe_layer(seed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = x + self.moe(self.norm(x))
+        return out
+
+
+def moe_v_pipeline(rank: int, world: int, compiled: bool, m: int = 4) -> dict[str, Any]:
+    """One rank holding a 2-stage V pipeline (ZBV, default arguments) of torchtitan MoE blocks
+    (2 per stage; ``compiled``: each block compiled with ``fullgraph=True``, aot_eager) against
+    an unpipelined eager copy run microbatch by microbatch: the largest gradient difference, the
+    engine, how many expert weight gradients the W passes added, and whether the load-balancing
+    counts (``tokens_per_expert_E``) a step adds equal the unpipelined model's (one forward per
+    microbatch, as 1F1B). The second step's are compared: torch's metadata inference runs each
+    stage's forward once more in the first step, on ``torch.empty`` inputs past stage 0 (so
+    under any schedule, torch's 1F1B included, the first step's counts hold that forward's)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    import zbpipe
+    from zbpipe.engines import expert_grads
+
+    in_w, added = [False], [0]
+    add, run_w = expert_grads.GroupedProduct.add, DeferredEngine.backward_weight
+
+    def counted_add(self: Any, *args: Any) -> Any:
+        added[0] += in_w[0]
+        return add(self, *args)
+
+    def flagged_w(self: Any, key: Any) -> None:
+        in_w[0] = True
+        try:
+            run_w(self, key)
+        finally:
+            in_w[0] = False
+
+    expert_grads.GroupedProduct.add = counted_add  # type: ignore[method-assign]
+    DeferredEngine.backward_weight = flagged_w  # type: ignore[method-assign]
+
+    mods = [nn.Sequential(MoEBlock(2 * s), MoEBlock(2 * s + 1)) for s in range(2)]
+    ref = copy.deepcopy(nn.Sequential(*mods))
+    torch.manual_seed(7)
+    x, tgt = torch.randn(2 * m, 4, DIM), torch.randn(2 * m, 4, DIM)
+    losses = [F.mse_loss(ref(a), b) for a, b in zip(x.chunk(m), tgt.chunk(m))]
+    (torch.stack(losses).sum() / m).backward()
+    for mod in mods if compiled else ():
+        for block in mod:
+            block.compile(fullgraph=True, backend="aot_eager")
+    stages = [PipelineStage(mods[s], s, 2, torch.device("cpu")) for s in range(2)]
+    sched = zbpipe.ScheduleZBV(stages, m, loss_fn=F.mse_loss)
+
+    def counts() -> list[torch.Tensor]:
+        return [b.moe.tokens_per_expert_E.clone() for mod in mods for b in mod]
+
+    for _ in range(2):
+        before = counts()
+        for mod in mods:
+            mod.zero_grad(set_to_none=True)
+        sched.step(x, target=tgt)
+    made = [a - b for a, b in zip(counts(), before, strict=True)]
+    reference = [b.moe.tokens_per_expert_E for mod in ref for b in mod]
+    counts_equal = all(torch.equal(a, b) for a, b in zip(made, reference, strict=True))
+    worst = max(
+        (p.grad - q.grad).abs().max().item()
+        for s in range(2)
+        for p, q in zip(mods[s].parameters(), ref[s].parameters(), strict=True)
+    )
+    return {"worst": worst, "counts_equal": counts_equal, "split": sched.split, "w_adds": added[0]}
