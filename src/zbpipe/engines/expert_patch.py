@@ -132,8 +132,10 @@ def _deferred_forward(self: Any, x: Tensor, num_tokens_per_expert: Tensor) -> Te
     """torchtitan 0.3.0's ``GroupedExperts.forward`` (the same ops, in the same order: the
     bits are the same), its three grouped GEMMs through :class:`_GroupedLinear` (eager, during
     a zbpipe F or B) or the compiled op (inside ``torch.compile``, always)."""
+    # Compiled code never reads the slot: the graph must not depend on it (a guard on the store
+    # would recompile between zbpipe's passes and everyone else's)
     compiling = torch.compiler.is_compiling()
-    store = self._zbpipe_slot.store
+    store = None if compiling else self._zbpipe_slot.store
     if (store is None and not compiling) or _spmd_checking():
         own: Tensor = self._zbpipe_experts_unpatched.forward(self, x, num_tokens_per_expert)
         return own
@@ -237,7 +239,7 @@ def _batched_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
     """The module's own forward, its 3-D weights' matmuls and einsums deferred
     (:mod:`zbpipe.engines.expert_matmuls`) during a zbpipe F or B and inside compiled code."""
     compiling = torch.compiler.is_compiling()
-    store = self._zbpipe_slot.store
+    store = None if compiling else self._zbpipe_slot.store  # (as in _deferred_forward)
     if store is None and not compiling:
         return self._zbpipe_experts_unpatched.forward(self, *args, **kwargs)
     with deferred_matmuls(self, store, compiling):
