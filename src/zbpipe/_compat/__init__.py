@@ -17,6 +17,7 @@ which module a helper lives in is this package's business.
 | :mod:`.autograd` | autograd's hooks, views, node metadata, Function.apply, AccumulateGrad |
 | :mod:`.modules` | ``nn.Module`` parameter slots and compilation, DTensor's local shard |
 | :mod:`.compiler` | inductor's lowering registry and dynamo's counters |
+| :mod:`.ops` | private operators: ``torch._grouped_mm`` (MoE experts' grouped GEMM) |
 | :mod:`.overlap` | the mode stacks, functional collectives, ``GraphExecGroup`` |
 | :mod:`.shims` | the differences between torch 2.11 and 2.15, and the shared ``step()`` body |
 | :mod:`.census` | the list of every private name above, with what zbpipe relies on |
@@ -81,6 +82,7 @@ from .census import (
     PRIVATE_API,
     PRIVATE_AUTOGRAD_NAMES,
     PRIVATE_OBJECT_ATTRIBUTES,
+    PRIVATE_OPS,
     PRIVATE_OVERLAP_NAMES,
     PRIVATE_SCHEDULE_ATTRIBUTES,
     TORCH_INTERNAL_ATTRIBUTES,
@@ -99,6 +101,7 @@ from .modules import (
     own_parameters,
     set_own_parameter,
 )
+from .ops import grouped_mm, has_grouped_mm
 from .overlap import (
     all_to_all_single,
     backward_group,
@@ -217,6 +220,8 @@ __all__ = [
     "outside_python_modes",
     "wait_tensor",
     "dynamo_counters",
+    "grouped_mm",
+    "has_grouped_mm",
     "TORCH_HAS_LOSS_KWARGS",
     "TORCH_SENDS_TO_LOCAL_NEIGHBOURS",
     "stage_metas",
@@ -231,5 +236,6 @@ __all__ = [
     "TORCH_INTERNAL_ATTRIBUTES",
     "PRIVATE_AUTOGRAD_NAMES",
     "PRIVATE_OBJECT_ATTRIBUTES",
+    "PRIVATE_OPS",
     "PRIVATE_OVERLAP_NAMES",
 ]

@@ -121,3 +121,7 @@ PRIVATE_OBJECT_ATTRIBUTES = (
     ("nn.Module", "_compiled_call_impl"),
     ("DTensor", "_local_tensor"),
 )
+#: private torch operators the helpers in :mod:`.ops` call: (module, name, keyword arguments
+#: zbpipe passes). Checked by calling them (tests/test_compat_names.py): a builtin has no
+#: signature to read
+PRIVATE_OPS: tuple[tuple[str, str, tuple[str, ...]], ...] = (("torch", "_grouped_mm", ("offs",)),)

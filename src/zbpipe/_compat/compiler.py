@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 
-def lower_with_operands_kept(op: Any, kept_op: Any) -> None:
+def lower_with_operands_kept(op: Any, kept_op: Any, kept: int = 2) -> None:
     """Have inductor lower calls of the custom op ``op`` to calls of ``kept_op`` (same schema)
-    whose first two tensor operands' buffers it never reuses nor writes in place afterwards
+    whose first ``kept`` tensor operands' buffers it never reuses nor writes in place afterwards
     (``GraphLowering.never_reuse_buffers``, as its own lowerings of ``resize_storage_bytes_``
     and ``set_`` do). Once per process; a no-op without inductor. Graphs compiled earlier, and
     graphs compiled for CUDA graphs (whose static buffers a later replay overwrites), keep
@@ -24,16 +24,16 @@ def lower_with_operands_kept(op: Any, kept_op: Any) -> None:
     emit = fallback_handler(kept_op, add_to_fallback_set=False)  # type: ignore[no-untyped-call]
     emit_copying = fallback_handler(op, add_to_fallback_set=False)  # type: ignore[no-untyped-call]
 
-    def lower(x: Any, grad_out: Any, weight: Any) -> Any:
+    def lower(*operands: Any) -> Any:
         from torch._inductor import config
 
         if config.triton.cudagraphs:
             # CUDA graphs (mode="reduce-overhead") replay their partitions into static buffers,
             # which the next replay overwrites whatever inductor's allocator was told
-            return emit_copying(x, grad_out, weight)
-        x, grad_out = (ir.ExternKernel.realize_input(t) for t in (x, grad_out))
-        V.graph.never_reuse_buffers.update((x.get_name(), grad_out.get_name()))
-        return emit(x, grad_out, weight)
+            return emit_copying(*operands)
+        held = [ir.ExternKernel.realize_input(t) for t in operands[:kept]]
+        V.graph.never_reuse_buffers.update(t.get_name() for t in held)
+        return emit(*held, *operands[kept:])
 
     register_lowering(op, type_promotion_kind=None)(lower)
 

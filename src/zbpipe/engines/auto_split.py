@@ -1,5 +1,5 @@
-"""Which engine a schedule's ``split`` option gives a rank's stages (``"auto"``: by their
-weights)."""
+"""Which engine a schedule's ``split`` option gives a rank's stages (``"auto"``: by the weight work
+each would defer), and the log line per stage that says what W carries."""
 
 from __future__ import annotations
 
@@ -7,62 +7,81 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from .._compat import compiled_submodule
 from .deferred import DeferredEngine
 from .graph import GraphEngine
-from .linear_patch import weight_census
 from .protocol import SPLITS, EngineName, SplitEngine
+from .weight_share import EngineShare, census, describe, engine_shares
 
 logger = logging.getLogger(__name__)
+
+#: ``auto`` takes the graph engine only where the deferred one would leave more of the
+#: estimated weight-gradient FLOPs in B than it defers
+GRAPH_BELOW = 0.5
 
 
 def choose_engine(
     split: str, stages: Sequence[Any], owner: str, *, exact: bool = False
 ) -> SplitEngine:
-    """The engine for ``split``: ``"auto"`` is deferred unless most weight work is not in Linears.
+    """The engine for ``split``: ``"auto"`` is the one that defers the most weight work at the
+    least cost (:func:`_auto`).
 
-    ``auto`` counts weight elements (:func:`~zbpipe.engines.linear_patch.weight_census`): where
-    matrix-like weights outside ``nn.Linear`` (convolutions, custom matmuls) outnumber the
-    Linears', the deferred engine would leave most weight-gradient work in B, so the graph
-    engine is chosen and a log line says why. A stage with a ``torch.compile``d submodule always
-    gets the deferred engine: the graph engine cannot split a compiled region and refuses it.
+    Each stage's share of weight elements and of estimated weight-gradient FLOPs that W carries
+    under each engine is logged (INFO; :mod:`zbpipe.engines.weight_share` says how it counts).
     ``exact``: the deferred engine's W adds as a fused backward does, bit for bit
     (:class:`~zbpipe.engines.deferred.WeightGradStore`); the graph engine has no such option.
     """
     if split not in SPLITS:
         raise ValueError(f"{owner}: split must be one of {SPLITS}, got {split!r}")
-    name = split if split != "auto" else _auto(stages, owner)
+    for st in stages:
+        one = engine_shares([st])
+        logger.info(
+            "zbpipe %s: %s",
+            owner,
+            describe(getattr(st, "stage_index", "?"), census(st.submod), one),
+        )
+    name = split if split != "auto" else _auto(engine_shares(list(stages)), owner)
     if name == "graph":
         return GraphEngine()
     return DeferredEngine(exact=exact)
 
 
-def _auto(stages: Sequence[Any], owner: str) -> EngineName:
-    compiled = [
-        getattr(st, "stage_index", i)
-        for i, st in enumerate(stages)
-        if compiled_submodule(st.submod) is not None
-    ]
-    if compiled:
+def _auto(shares: dict[str, EngineShare], owner: str) -> EngineName:
+    """The deferred engine unless it would leave most weight-gradient work in B.
+
+    It costs what a fused backward costs (one autograd pass, then GEMMs), where the graph engine
+    walks the graph in Python in B and again per weight region in W (1.1x-3x a fused backward,
+    docs/design/backward.md): it is worth that only where it defers much more. It also refuses
+    compiled regions, so a rank with one always gets the deferred engine.
+    """
+    deferred, graph = shares["deferred"], shares["graph"]
+    if graph.refused:
         logger.info(
-            "zbpipe %s: split='auto' chose the deferred engine: stage(s) %s hold torch.compile'd "
-            "submodules, which the graph engine cannot split (their weight gradients come in B)",
+            "zbpipe %s: split='auto' chose the deferred engine: these stages hold torch.compile'd "
+            "submodules, which the graph engine cannot split; W carries %.1f%% of the est. "
+            "weight-gradient FLOPs",
             owner,
-            compiled,
+            100 * deferred.flops,
         )
         return "deferred"
-    linear = other = 0
-    for st in stages:
-        a, b = weight_census(st.submod)
-        linear, other = linear + a, other + b
-    if other > linear:
+    if deferred.flops < GRAPH_BELOW:
         logger.info(
-            "zbpipe %s: split='auto' chose the graph engine: %d weight elements are outside "
-            "nn.Linear against %d inside, so deferring Linear GEMMs would leave most weight "
-            "work in B; pass split='deferred' to override",
+            "zbpipe %s: split='auto' chose the graph engine: the deferred engine would defer only "
+            "%.1f%% of the est. weight-gradient FLOPs (%.1f%% of weight elements; what it leaves "
+            "in B: modules other than nn.Linear and MoE experts), the graph engine all of them; "
+            "pass split='deferred' to override",
             owner,
-            other,
-            linear,
+            100 * deferred.flops,
+            100 * deferred.elements,
         )
         return "graph"
+    logger.info(
+        "zbpipe %s: split='auto' chose the deferred engine: it defers %.2f%% of the est. "
+        "weight-gradient FLOPs (%.2f%% of weight elements) at the cost of a fused backward; "
+        "the graph engine would defer %.2f%% more, at the cost of walking the graph in Python "
+        "in B and again in W",
+        owner,
+        100 * deferred.flops,
+        100 * deferred.elements,
+        100 * (graph.flops - deferred.flops),
+    )
     return "deferred"

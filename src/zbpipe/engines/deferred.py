@@ -36,6 +36,8 @@ from .. import _compat as C
 from ..memory.saved import Holder, Observer, SavedTensors
 from .accumulate import accumulate, accumulate_hooked, add_product, as_param_grad, weight_grad
 from .compiled_linear import route_compiled_linears
+from .expert_grads import WeightProduct
+from .expert_patch import StageExperts
 from .fused import backward_full
 from .linear_patch import StoreSlot, patch_linears, patched_linears, post_accumulate_hooks_parked
 from .segmented import SegmentRecord, segmented_backward
@@ -77,7 +79,8 @@ class WeightGradStore:
         self.immediate = False
         #: ids of the weights whose post-accumulate hooks B parked: always queued, so W fires them
         self.parked: frozenset[int] = frozenset()
-        # (weight, x2d, g2d, dtype, holders for the observer), each set to None once computed
+        # (weight, x2d, g2d, dtype or WeightProduct, holders for the observer), each set to None
+        # once computed
         self._entries: list[Any] | None = []
         self._observer = observer
 
@@ -90,13 +93,15 @@ class WeightGradStore:
         """GEMMs :meth:`run` will compute (one per Linear call of the microbatch)."""
         return len(self._entries or ())
 
-    def put(self, weight: Tensor, x2d: Tensor, g2d: Tensor, dtype: torch.dtype | None) -> None:
-        """Queue ``weight``'s gradient ``g2d^T @ x2d`` (in ``dtype`` under autocast)."""
+    def put(self, weight: Tensor, x2d: Tensor, g2d: Tensor, dtype: Product) -> None:
+        """Queue ``weight``'s gradient ``g2d^T @ x2d`` (in ``dtype`` under autocast), or, for
+        a :class:`~zbpipe.engines.expert_grads.WeightProduct` (MoE experts' 3-D weights), the
+        product it names."""
         entries = self._entries
         if entries is None:
             raise RuntimeError("zbpipe: a weight gradient was queued after its W ran")
         if not self.keeps(weight):
-            dw = add_product(weight, x2d, g2d, dtype)
+            dw = _add_product(weight, x2d, g2d, dtype)
             if dw is not None:  # post-accumulate hooks B did not park: autograd fires them
                 accumulate_hooked([(weight, dw)])
             return
@@ -136,7 +141,7 @@ class WeightGradStore:
         with torch.no_grad():
             for i, (weight, x, g, dtype, held) in enumerate(entries):
                 entries[i] = None
-                dw = as_param_grad(weight, weight_grad(g, x, dtype, weight.dtype))
+                dw = _product(weight, x, g, dtype)
                 del x, g
                 if held is not None:
                     for h in held:
@@ -175,7 +180,7 @@ def _run_accumulating(entries: list[Any]) -> None:
     with torch.no_grad():
         for i, (weight, x, g, dtype, held) in enumerate(entries):
             entries[i] = None
-            dw = add_product(weight, x, g, dtype)
+            dw = _add_product(weight, x, g, dtype)
             if dw is not None:
                 later.append((weight, dw))
             del x, g
@@ -183,6 +188,23 @@ def _run_accumulating(entries: list[Any]) -> None:
                 for h in held:
                     h.release()
     accumulate_hooked(later)
+
+
+#: what an entry's GEMM is: a Linear's ``g^T @ x`` in this dtype (None: the operands'), or an
+#: expert weight's product
+Product = torch.dtype | None | WeightProduct
+
+
+def _add_product(weight: Tensor, x: Tensor, g: Tensor, spec: Product) -> Tensor | None:
+    if isinstance(spec, WeightProduct):
+        return spec.add(weight, x, g)
+    return add_product(weight, x, g, spec)
+
+
+def _product(weight: Tensor, x: Tensor, g: Tensor, spec: Product) -> Tensor:
+    if isinstance(spec, WeightProduct):
+        return spec.grad(weight, x, g)
+    return as_param_grad(weight, weight_grad(g, x, spec, weight.dtype))
 
 
 class DeferredEngine:
@@ -208,6 +230,8 @@ class DeferredEngine:
         self.bw_through_store = not exact
         self._slots: dict[int, StoreSlot] = {}
         self._linears: dict[int, list[nn.Module]] = {}
+        #: the stages' patched MoE expert modules (zbpipe.engines.expert_patch)
+        self._experts = StageExperts()
         self._stores: dict[Key, WeightGradStore] = {}  # opened by F, waiting for B
         self._pending: dict[Key, WeightGradStore] = {}  # B ran, waiting for W
         #: the AccumulateGrad nodes of compiled Linears' weights, kept alive with their pre-hooks
@@ -227,14 +251,21 @@ class DeferredEngine:
             slot = self._slots[st.stage_index] = StoreSlot()
             n = patch_linears(st.submod, slot)
             self._linears[st.stage_index] = patched_linears(st.submod)
+            e = self._experts.attach(st.stage_index, st.submod, slot)
             self._unrouted[st.stage_index] = st.submod
-            logger.debug("zbpipe: stage %d: %d Linears defer their W", st.stage_index, n)
+            logger.debug(
+                "zbpipe: stage %d: %d Linears, %d expert modules defer their W",
+                st.stage_index,
+                n,
+                e,
+            )
 
     def _route_compiled(self) -> None:
         """Route the weight GEMMs of the compiled Linears of stages not routed yet (their first
         step): the parameters are the ones training uses by then."""
         for idx, submod in self._unrouted.items():
             nodes = route_compiled_linears(submod, self._linears[idx])
+            nodes += self._experts.route_compiled(idx, submod)
             self._accumulators.extend(nodes)
             logger.debug("zbpipe: stage %d: %d compiled Linears routed", idx, len(nodes))
         self._unrouted.clear()
@@ -252,6 +283,7 @@ class DeferredEngine:
             if linears and linears[0].__dict__.get("_zbpipe_slot") is not slot:
                 for lin in linears:
                     lin._zbpipe_slot = slot  # type: ignore[assignment]
+        self._experts.claim(self._slots)
 
     def check_stages(self, owner: type, stages: Sequence[Any]) -> None:
         """Nothing to refuse: a compiled region's Linears defer their W too
@@ -284,8 +316,13 @@ class DeferredEngine:
         # Activation checkpointing recomputes forwards inside this pass: they must reach the
         # same store (and the same autograd.Function) as the original forward did.
         linears = self._linears[key[0]]
-        with self._slot_holding(key[0], store), post_accumulate_hooks_parked(linears) as hooked:
-            store.parked = hooked  # those weights' GEMMs wait for W, which fires the hooks
+        with (
+            self._slot_holding(key[0], store),
+            post_accumulate_hooks_parked(linears) as hooked,
+            self._experts.parked(key[0]) as hooked_experts,
+        ):
+            # those weights' GEMMs wait for W, which fires the hooks
+            store.parked = hooked | hooked_experts
             store.deferring = True
             try:
                 grads = backward_full(outputs, output_grads, inputs)
