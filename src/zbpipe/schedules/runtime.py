@@ -370,6 +370,11 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
                 )
             if self.scale_grads and self._n_microbatches != 1:
                 self._scale_grads_once()
+        except BaseException:
+            # torch hands the losses over (and empties its list) only at a step's end: a failed
+            # step's losses, whose graphs B freed, must not be the next step's
+            self._internal_losses.clear()
+            raise
         finally:
             # A failed step must not leak autograd graphs or saved activations into the next one
             # (nor wait on sends a failed peer will never receive).
