@@ -214,7 +214,9 @@ def first_step_times(args: argparse.Namespace, reps: int) -> dict[str, list[int]
 
 
 def linear_pieces(args: argparse.Namespace, n: int = 3000) -> dict[str, float]:
-    """Microseconds per call: a Linear of one block's ``qkv`` shape, plain and patched."""
+    """Microseconds per call: a Linear of one block's ``qkv`` shape, plain and patched (the
+    capture a schedule's steps after the first take: the output hook where zbpipe has one,
+    engines/weight_capture.py; the autograd.Function on older revisions)."""
     import torch
     from torch import nn
 
@@ -238,7 +240,12 @@ def linear_pieces(args: argparse.Namespace, n: int = 3000) -> dict[str, float]:
     x = torch.randn(args.seq, h, requires_grad=True)
     plain.weight.grad = torch.zeros_like(plain.weight)
     patched.weight.grad = torch.zeros_like(patched.weight)
-    store = WeightGradStore()
+    try:
+        from zbpipe.engines.weight_capture import CaptureState
+
+        store = WeightGradStore(capture=CaptureState(fast=True))
+    except ImportError:  # a revision before the output hook
+        store = WeightGradStore()
     store.immediate = True  # a fused BW through the store: each GEMM accumulated in B
 
     def fwd_bwd(lin: nn.Module) -> None:
