@@ -240,12 +240,13 @@ def linear_pieces(args: argparse.Namespace, n: int = 3000) -> dict[str, float]:
     x = torch.randn(args.seq, h, requires_grad=True)
     plain.weight.grad = torch.zeros_like(plain.weight)
     patched.weight.grad = torch.zeros_like(patched.weight)
+    store = WeightGradStore()
     try:
         from zbpipe.engines.weight_capture import CaptureState
 
-        store = WeightGradStore(capture=CaptureState(fast=True))
+        store.capture = CaptureState(fast=True)
     except ImportError:  # a revision before the output hook
-        store = WeightGradStore()
+        pass
     store.immediate = True  # a fused BW through the store: each GEMM accumulated in B
 
     def fwd_bwd(lin: nn.Module) -> None:

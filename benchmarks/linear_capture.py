@@ -175,8 +175,8 @@ class Rig:
             if self.variant == "plain":
                 mse_loss(self.mod(x), y).backward()
             else:
-                store = WeightGradStore(capture=CaptureState(fast=True))
-                store.immediate = self.args.immediate
+                store = WeightGradStore()
+                store.immediate, store.capture = self.args.immediate, CaptureState(fast=True)
                 self.slot.store = store
                 loss = mse_loss(self.mod(x), y)
                 store.deferring = True
@@ -253,7 +253,12 @@ def steps_table(args: argparse.Namespace) -> dict[str, Any]:
     hook = lp.deferred_linear
 
     def deferred_linear(x: Any, weight: Any, bias: Any, store: Any) -> Any:
-        if use["cpp"] and store.fast and type(weight) is nn.Parameter and type(x) is torch.Tensor:
+        if (
+            use["cpp"]
+            and store.capture.fast
+            and type(weight) is nn.Parameter
+            and type(x) is torch.Tensor
+        ):
             return cpp.deferred_linear(x, weight, bias, id(store))
         return hook(x, weight, bias, store)
 

@@ -26,9 +26,9 @@ from zbpipe.engines.linear_patch import StoreSlot, patch_linears
 from zbpipe.engines.weight_capture import CaptureState
 
 
-def _store(fast: bool, *, exact: bool = True, immediate: bool = False) -> WeightGradStore:
-    store = WeightGradStore(exact=exact, capture=CaptureState(fast=fast))
-    store.immediate = immediate
+def _store(fast: bool, *, exact: bool = True, immediate: bool = False, state=None):
+    store = WeightGradStore(exact=exact)
+    store.immediate, store.capture = immediate, state or CaptureState(fast=fast)
     return store
 
 
@@ -190,7 +190,7 @@ def test_a_create_graph_backward_over_a_hooked_linear_raises_and_switches_back()
     slot = StoreSlot()
     patch_linears(lin, slot)
     state = CaptureState(fast=True)
-    store = WeightGradStore(exact=True, capture=state)
+    store = _store(True, state=state)
     x = torch.randn(5, 8, requires_grad=True)
     with _holding(slot, store):
         out = lin(torch.tanh(x))
@@ -198,7 +198,7 @@ def test_a_create_graph_backward_over_a_hooked_linear_raises_and_switches_back()
         with pytest.raises(RuntimeError, match="create_graph=True"):
             torch.autograd.grad(out.square().sum(), x, create_graph=True)
     assert not state.fast and state.create_graph_seen
-    with _holding(slot, WeightGradStore(exact=True, capture=state)):
+    with _holding(slot, _store(True, state=state)):
         assert not _hooked(lin(x))  # the Function from then on
 
 

@@ -67,30 +67,12 @@ class WeightGradStore:
     the bits equal a fused backward's (``ScheduleZBH1(exact=True)`` asks for this).
     """
 
-    __slots__ = (
-        "deferring",
-        "exact",
-        "immediate",
-        "parked",
-        "capture",
-        "fast",
-        "_entries",
-        "_observer",
-    )
+    __slots__ = ("deferring", "exact", "immediate", "parked", "capture", "_entries", "_observer")
 
-    def __init__(
-        self,
-        observer: Observer | None = None,
-        *,
-        exact: bool = False,
-        capture: CaptureState | None = None,
-    ) -> None:
+    def __init__(self, observer: Observer | None = None, *, exact: bool = False) -> None:
         self.deferring = False
-        #: the engine's capture state: whether its Linears may take the output hook
-        #: (zbpipe.engines.weight_capture); None: always the autograd.Function
-        self.capture = capture
-        #: ``capture.fast`` when this store opened (read once per Linear call)
-        self.fast = capture is not None and capture.fast
+        #: may its Linears take the output hook (zbpipe.engines.weight_capture; None: never)
+        self.capture: CaptureState | None = None
         #: True: accumulate as a fused backward does, bit for bit (see :meth:`run`)
         self.exact = exact
         #: True (a fused BW, W right after B): each GEMM is computed and accumulated at once, in
@@ -250,8 +232,7 @@ class DeferredEngine:
         #: keeps torch's (see ``StageSeam.assign``)
         self.bw_through_store = not exact
         self._slots: dict[int, StoreSlot] = {}
-        #: whether the Linears may take the output hook (from a schedule's second step on)
-        self.capture = CaptureState()
+        self.capture = CaptureState()  # the output hook from a schedule's second step on
         self._linears: dict[int, list[nn.Module]] = {}
         #: the stages' patched MoE expert modules (zbpipe.engines.expert_patch)
         self._experts = StageExperts()
@@ -321,8 +302,8 @@ class DeferredEngine:
         ``fused``: its backward is a fused BW run as B then W at once, so each GEMM is computed
         and accumulated during B (:attr:`WeightGradStore.immediate`).
         """
-        store = self._stores[key] = WeightGradStore(meter, exact=self.exact, capture=self.capture)
-        store.immediate = fused
+        store = self._stores[key] = WeightGradStore(meter, exact=self.exact)
+        store.immediate, store.capture = fused, self.capture
         return self._slot_holding(key[0], store)
 
     def backward_input(

@@ -91,8 +91,7 @@ class WeightGradQueue(Protocol):
     protocol here, not an import there, keeps the files out of an import circle)."""
 
     deferring: bool
-    #: may this store's Linears take the output hook (its engine's ``CaptureState.fast``)
-    fast: bool
+    #: its engine's capture state: whether the Linears may take the output hook (None: never)
     capture: CaptureState | None
 
     def put(self, weight: Tensor, x2d: Tensor, g2d: Tensor, dtype: torch.dtype | None) -> None:
@@ -181,8 +180,10 @@ def deferred_linear(input: Tensor, weight: Tensor, bias: Tensor | None, store: A
     elsewhere. Checked per call (a few C calls): autocast, checkpointing and grad mode can
     change between the Linears of one forward.
     """
+    capture = store.capture
     if (
-        store.fast
+        capture is not None
+        and capture.fast
         and type(weight) is _Parameter  # not a DTensor or another tensor subclass
         and type(input) is Tensor
         and weight.requires_grad
