@@ -6,6 +6,11 @@ A refactor that should change nothing (issue 28 moved every module) is checked w
     python benchmarks/grads_fingerprint.py save after.pt      # on the new one
     python benchmarks/grads_fingerprint.py compare before.pt after.pt
 
+``save PATH --steps 2`` records the gradients of each case's second step instead (gradients
+zeroed between): the first step of a schedule measures memory (its saved-tensor holders make
+the deferred Linears take their general path) and the second runs the plan made from it, what
+training runs.
+
 The cases cover both engines, loop and V placement, every V memory mode, ZB-H1's exact mode,
 ZB-H2, the automatic schedule and zbpipe's 1F1B, on the tiny GPT of ``zbpipe.testing.models``
 (seeded; the same bits on the same machine and torch). Only public names are imported, so the
@@ -37,7 +42,7 @@ CASES = [
 ]
 
 
-def _rank(rank: int, world: int) -> dict[str, object]:
+def _rank(rank: int, world: int, steps: int = 1) -> dict[str, object]:
     out: dict[str, object] = {}
     for name, m, options in CASES:
         cls = getattr(zbpipe, name)
@@ -48,9 +53,12 @@ def _rank(rank: int, world: int) -> dict[str, object]:
         mine = sorted(s for s, r in cls.stage_index_to_rank(world).items() if r == rank)
         stages = [PipelineStage(mods[s], s, n, torch.device("cpu")) for s in mine]
         sched = cls(stages, m, loss_fn=lm_loss, **options)
-        losses: list[torch.Tensor] = []
         args = (ids,) if 0 in mine else ()
-        sched.step(*args, target=tgt if n - 1 in mine else None, losses=losses)
+        for _ in range(steps):
+            for s in mine:
+                mods[s].zero_grad(set_to_none=True)
+            losses: list[torch.Tensor] = []
+            sched.step(*args, target=tgt if n - 1 in mine else None, losses=losses)
         for s in mine:
             for pname, p in mods[s].named_parameters():
                 out[f"{name}{options} m={m} stage {s} {pname}"] = p.grad.clone()
@@ -65,8 +73,11 @@ def _same(a: object, b: object) -> bool:
 
 
 def main(argv: list[str]) -> int:
+    steps = 1
+    if len(argv) == 4 and argv[0] == "save" and argv[2] == "--steps":
+        steps, argv = int(argv[3]), argv[:2]
     if len(argv) == 2 and argv[0] == "save":
-        ranks = run_ranks(_rank, 2, timeout=300)
+        ranks = run_ranks(_rank, 2, steps, timeout=300)
         torch.save(ranks, argv[1])
         print(f"saved {sum(len(r) for r in ranks)} entries to {argv[1]}")
         return 0

@@ -30,7 +30,6 @@ Writes benchmarks/results/<--out>.json; docs/results/host-time.md quotes them.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -40,14 +39,15 @@ import tarfile
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-#: row -> (class, options); "torch:1F1B" is torch's Schedule1F1B
+#: row -> (class, options); "torch:1F1B" is torch's Schedule1F1B. ZBV rows hold the same blocks
+#: as two stages (V placement on one rank); the others one stage.
 ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     "torch:1F1B": ("torch", {}),
     "1F1BMulti": ("Schedule1F1BMulti", {}),
@@ -56,13 +56,10 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     "1F1BMulti exact": ("Schedule1F1BMulti", {"exact": True}),
     "ZBH1": ("ScheduleZBH1", {}),
     "ZBH1 graph": ("ScheduleZBH1", {"split": "graph"}),
-    "1F1BMulti without profiler ranges": ("Schedule1F1BMulti", {}),
+    "ZBV": ("ScheduleZBV", {}),
 }
-#: rows whose steps run with torch's action runtime opening no ``record_function`` range per
-#: action (the benchmark swaps the name torch's schedules module calls, for those steps only):
-#: what torch's runtime loop costs zbpipe's schedules, which run on it
-NO_PROFILER_RANGES = {"1F1BMulti without profiler ranges"}
-COMPARED = ("torch:1F1B", "1F1BMulti", "1F1BMulti exact", "ZBH1", "ZBH1 graph")
+#: rows the compare mode times (and what the issue's targets name)
+COMPARED = ("torch:1F1B", "1F1BMulti", "1F1BMulti exact", "ZBH1", "ZBH1 graph", "ZBV")
 
 
 def _setup() -> None:
@@ -120,28 +117,43 @@ def build(row: str, args: argparse.Namespace, timed: Timed | None) -> tuple[Any,
 
     cls_name, options = ROWS[row]
     cpu = torch.device("cpu")
-    mods = build_chunks(args.hidden, args.blocks, 1, seed=0, dtype=torch.float32, device=cpu)
-    stage = PipelineStage(mods[0], 0, 1, cpu)
+    chunks = 2 if cls_name == "ScheduleZBV" else 1
+    dt = torch.float32
+    mods = build_chunks(args.hidden, args.blocks, chunks, seed=0, dtype=dt, device=cpu)
+    stages = [PipelineStage(mod, i, chunks, cpu) for i, mod in enumerate(mods)]
     if cls_name == "torch":
-        sched: Any = Schedule1F1B(stage, args.microbatches, loss_fn=mse_loss)
+        sched: Any = Schedule1F1B(stages[0], args.microbatches, loss_fn=mse_loss)
     else:
         cls = getattr(zbpipe, cls_name)
-        sched = cls([stage], args.microbatches, loss_fn=mse_loss, **options)
+        sched = cls(stages, args.microbatches, loss_fn=mse_loss, **options)
     if timed is not None:
-        stage.forward_one_chunk = timed.wrap("forward", stage.forward_one_chunk, int)
-        stage.backward_one_chunk = timed.wrap("torch backward", stage.backward_one_chunk)
+        for stage in stages:
+            stage.forward_one_chunk = timed.wrap("forward", stage.forward_one_chunk, int)
+            stage.backward_one_chunk = timed.wrap("torch backward", stage.backward_one_chunk)
         sched._maybe_compute_loss = timed.wrap("loss", sched._maybe_compute_loss)
         if cls_name != "torch":
-            from zbpipe import _compat as C
-
-            actions = {"F": C.FORWARD, "B": C.BACKWARD_INPUT, "W": C.BACKWARD_WEIGHT}
-            actions["BW"] = C.FULL_BACKWARD
-            table = sched._comp_type_to_function_map  # torch's runtime: kind -> callback
-            for kind, ctype in actions.items():
-                table[ctype] = timed.wrap(
-                    f"action {kind}", table[ctype], lambda a: a.microbatch_index
-                )
+            _time_actions(sched, timed)
     return sched, mods
+
+
+def _time_actions(sched: Any, timed: Timed) -> None:
+    """Time each compute action's whole call, as the action loop makes it (its binders' calls
+    wrapped; the schedule binds its actions again at its next step)."""
+    from zbpipe import _compat as C
+
+    kinds = {C.FORWARD: "F", C.BACKWARD_INPUT: "B", C.BACKWARD_WEIGHT: "W"}
+    kinds[C.FULL_BACKWARD] = "BW"
+    binders = dict(sched.action_binders)
+    for ctype, kind in kinds.items():
+
+        def bind(s: Any, action: Any, binder: Any = binders[ctype], kind: str = kind) -> Any:
+            call = binder(s, action)
+            mb = action.microbatch_index
+            return timed.wrap(f"action {kind}", call, lambda ctx, mb=mb: mb)
+
+        binders[ctype] = bind
+    sched.action_binders = binders  # this instance only
+    sched._program = None
 
 
 def _batch(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -179,29 +191,12 @@ def step_times(
     for rep in range(args.reps):
         k = rep % len(rows)
         for row in rows[k:] + rows[:k]:
-            with _profiler_ranges(row not in NO_PROFILER_RANGES):
-                steps[row].append(_step(*runs[row], x, y))
+            steps[row].append(_step(*runs[row], x, y))
             if timed is not None:
                 ns, n = timed.take()
                 pieces[row].append(ns)
                 calls[row] = n
     return {"step_ns": steps, "pieces_ns": pieces, "calls": calls}
-
-
-@contextlib.contextmanager
-def _profiler_ranges(on: bool) -> Iterator[None]:
-    """With ``on=False``, torch's schedules module opens no ``record_function`` range."""
-    import torch.distributed.pipelining.schedules as torch_schedules
-
-    if on:
-        yield
-        return
-    kept = torch_schedules.record_function
-    torch_schedules.record_function = lambda name: contextlib.nullcontext()  # type: ignore
-    try:
-        yield
-    finally:
-        torch_schedules.record_function = kept
 
 
 def first_step_times(args: argparse.Namespace, reps: int) -> dict[str, list[int]]:
@@ -219,7 +214,9 @@ def first_step_times(args: argparse.Namespace, reps: int) -> dict[str, list[int]
 
 
 def linear_pieces(args: argparse.Namespace, n: int = 3000) -> dict[str, float]:
-    """Microseconds per call: a Linear of one block's ``qkv`` shape, plain and patched."""
+    """Microseconds per call: a Linear of one block's ``qkv`` shape, plain and patched (the
+    capture a schedule's steps after the first take: the output hook where zbpipe has one,
+    engines/weight_capture.py; the autograd.Function on older revisions)."""
     import torch
     from torch import nn
 
@@ -244,6 +241,12 @@ def linear_pieces(args: argparse.Namespace, n: int = 3000) -> dict[str, float]:
     plain.weight.grad = torch.zeros_like(plain.weight)
     patched.weight.grad = torch.zeros_like(patched.weight)
     store = WeightGradStore()
+    try:
+        from zbpipe.engines.weight_capture import CaptureState
+
+        store.capture = CaptureState(fast=True)
+    except ImportError:  # a revision before the output hook
+        pass
     store.immediate = True  # a fused BW through the store: each GEMM accumulated in B
 
     def fwd_bwd(lin: nn.Module) -> None:
@@ -298,8 +301,8 @@ def attribute(args: argparse.Namespace) -> dict[str, Any]:
     for row in rows:
         pieces, calls = res["pieces_ns"][row], res["calls"][row]
         entry: dict[str, Any] = {"step_ms": statistics.median(res["step_ns"][row]) / 1e6}
-        forward = _median_per(pieces, "forward", m)
-        loss = _median_per(pieces, "loss", m)
+        forward = _median_per(pieces, "forward", calls["forward"])  # per stage forward
+        loss = _median_per(pieces, "loss", calls["loss"])  # per call (none off the last stage)
         if row == "torch:1F1B":
             entry["F_us"] = torch_f = (forward or 0) + (loss or 0)
             entry["BW_us"] = _median_per(pieces, "torch backward", m)
@@ -308,7 +311,9 @@ def attribute(args: argparse.Namespace) -> dict[str, Any]:
                 tag = f"action {kind}"
                 if calls.get(tag):
                     entry[f"{kind}_us"] = _median_per(pieces, tag, calls[tag])
-            entry["F_around_forward_us"] = entry["F_us"] - (forward or 0) - (loss or 0)
+            # per F action: its module forward, and its share of the losses (one in chunks F)
+            share = (loss or 0) * calls["loss"] / calls["action F"]
+            entry["F_around_forward_us"] = entry["F_us"] - (forward or 0) - share
             for part in ("mb0", "mb>0"):
                 tag = f"action F {part}"
                 entry[f"F_{part}_us"] = _median_per(pieces, tag, calls[tag])
@@ -327,20 +332,14 @@ def attribute(args: argparse.Namespace) -> dict[str, Any]:
     exact, multi = table["1F1BMulti exact"], table["1F1BMulti"]
     linears = 5 * args.blocks  # LlamaBlock: qkv, proj, gate, up, down
     fn_in_f = multi["forward_mb>0_us"] - exact["forward_mb>0_us"]
-    ranges = (
-        multi["outside_actions_us"]
-        - table["1F1BMulti without profiler ranges"]["outside_actions_us"]
-    )
     derived = {
         "linears_per_F": linears,
-        # a microbatch after the first: 1F1BMulti's F runs the patched Linears' Function (its BW
+        # a microbatch after the first: 1F1BMulti's F runs the patched Linears' capture (its BW
         # goes through the store), exact's runs plain Linears; the same forward otherwise
-        "patched_linear_function_in_F_us": fn_in_f,
-        "patched_linear_function_per_linear_us": fn_in_f / linears,
+        "weight_capture_in_F_us": fn_in_f,
+        "weight_capture_per_linear_us": fn_in_f / linears,
         "F_minus_torch_F_us": multi["F_us"] - table["torch:1F1B"]["F_us"],
-        "torch_profiler_ranges_per_step_us": ranges,
-        # one rank: UNSHARD, m F, m BW, REDUCE_GRAD, RESHARD
-        "torch_profiler_ranges_per_action_us": ranges / (2 * m + 3),
+        "BW_minus_torch_BW_us": multi["BW_us"] - table["torch:1F1B"]["BW_us"],
         "outside_actions_minus_torch_us": multi["outside_actions_us"]
         - table["torch:1F1B"]["outside_actions_us"],
     }

@@ -12,13 +12,14 @@ which module a helper lives in is this package's business.
 |---|---|
 | :mod:`.action_ir` | pipelining's action IR: computation types, ``_Action``, the paper's letters |
 | :mod:`.stage` | a ``PipelineStage``'s receive buffers, caches and local V hand-offs |
-| :mod:`.schedule_runtime` | the schedule runtime's receives, sends, counters, shape inference |
+| :mod:`.schedule_runtime` | the runtime's receives, FSDP actions, counters, custom functions |
 | :mod:`.torch_orders` | torch's own schedule orders, generated without a process group |
 | :mod:`.autograd` | autograd's hooks, views, node metadata, Function.apply, AccumulateGrad |
 | :mod:`.modules` | ``nn.Module`` parameter slots and compilation, DTensor's local shard |
 | :mod:`.compiler` | inductor's lowering registry and dynamo's counters |
 | :mod:`.ops` | private operators: ``torch._grouped_mm`` (MoE experts' grouped GEMM) |
 | :mod:`.overlap` | the mode stacks, functional collectives, ``GraphExecGroup`` |
+| :mod:`.profiler` | whether a profiler records; a cheap named range |
 | :mod:`.shims` | the differences between torch 2.11 and 2.15, and the shared ``step()`` body |
 | :mod:`.census` | the list of every private name above, with what zbpipe relies on |
 
@@ -60,21 +61,29 @@ from .action_ir import (
     RECV_B,
     RECV_F,
     REDUCE_GRAD,
+    RESHARD,
     SEND_B,
     SEND_F,
     TORCH_TO_KIND,
+    UNSHARD,
     sub_actions,
     torch_action,
     torch_pair_action,
 )
 from .autograd import (
+    any_autocast_enabled,
     autograd_function_apply,
+    functorch_transforms_active,
     grad_accumulator,
+    grad_hook_dict,
     has_grad_hooks,
     has_post_accumulate_grad_hooks,
     is_view,
     node_input_metadata,
+    on_output_grad,
     post_accumulate_grad_hooks,
+    saved_tensor_hooks,
+    tensor_version,
 )
 from .census import (
     HELPER_API,
@@ -108,15 +117,22 @@ from .overlap import (
     outside_python_modes,
     wait_tensor,
 )
+from .profiler import profiler_range, profiler_recording
 from .schedule_runtime import (
     activation_receives,
     backward_counter,
     backward_receives,
+    check_unshards_used,
+    custom_functions,
+    format_order,
     forward_receives,
     grad_receives,
-    handle_sends,
     key_by_global_microbatch,
     order_with_comms,
+    pipeline_context,
+    post_receive,
+    reshard_stage,
+    unshard_stage,
     wait_batch_p2p,
     wrap_shape_inference,
 )
@@ -125,6 +141,7 @@ from .shims import (
     TORCH_SENDS_TO_LOCAL_NEIGHBOURS,
     PipelineScheduleMultiBase,
     _PipelineScheduleRuntime,
+    initialize_stages,
     run_microbatches,
     stage_metas,
     with_local_stage_init,
@@ -170,6 +187,8 @@ __all__ = [
     "SEND_B",
     "RECV_F",
     "RECV_B",
+    "UNSHARD",
+    "RESHARD",
     "KIND_TO_TORCH",
     "TORCH_TO_KIND",
     "torch_action",
@@ -191,7 +210,22 @@ __all__ = [
     "backward_receives",
     "wait_batch_p2p",
     "order_with_comms",
-    "handle_sends",
+    "custom_functions",
+    "pipeline_context",
+    "post_receive",
+    "unshard_stage",
+    "reshard_stage",
+    "check_unshards_used",
+    "format_order",
+    "profiler_recording",
+    "profiler_range",
+    "initialize_stages",
+    "any_autocast_enabled",
+    "saved_tensor_hooks",
+    "grad_hook_dict",
+    "functorch_transforms_active",
+    "tensor_version",
+    "on_output_grad",
     "backward_counter",
     "activation_receives",
     "grad_receives",

@@ -16,6 +16,8 @@ SEND_F = _ComputationType.SEND_F
 SEND_B = _ComputationType.SEND_B
 RECV_F = _ComputationType.RECV_F
 RECV_B = _ComputationType.RECV_B
+UNSHARD = _ComputationType.UNSHARD
+RESHARD = _ComputationType.RESHARD
 OVERLAP_F_B = _ComputationType.OVERLAP_F_B
 
 #: zbpipe's paper letters -> torch's computation types (lossless both ways).

@@ -1,8 +1,12 @@
 """What zbpipe reads of autograd: hooks on tensors, views, a node's input metadata, the C++ entry
-of an ``autograd.Function`` and a leaf's ``AccumulateGrad`` node."""
+of an ``autograd.Function``, a leaf's ``AccumulateGrad`` node, and what the deferred engine's
+Linear asks on every call (autocast, saved-tensor hooks, a tensor's version, a hook on its
+output's gradient)."""
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -77,3 +81,35 @@ def grad_accumulator(leaf: Any) -> Any:
     """The ``AccumulateGrad`` node of the leaf tensor ``leaf`` (autograd keeps it only while a
     graph or the caller holds it, so hooks on it last as long as the caller keeps it)."""
     return leaf.view_as(leaf).grad_fn.next_functions[0][0]
+
+
+#: whether autocast is on for any device type (one C call; ``torch.is_autocast_enabled(device)``
+#: asks one device per call)
+any_autocast_enabled: Callable[[], bool] = torch._C._is_any_autocast_enabled
+
+
+#: the innermost ``saved_tensors_hooks`` installed here (activation checkpointing, zbpipe's
+#: saved-tensor holders), None without any: ``saved_tensor_hooks() is None`` is the deferred
+#: Linear's per-call check (``torch._C._autograd._top_saved_tensors_default_hooks``, bound to
+#: its argument: a C call, no Python frame)
+saved_tensor_hooks: Callable[[], Any] = functools.partial(
+    torch._C._autograd._top_saved_tensors_default_hooks, False
+)
+
+#: ``t``'s version counter (``Tensor._version``: bumped by every in-place write), which autograd
+#: checks when it unpacks a saved tensor (an attribute getter: no Python frame)
+tensor_version: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
+
+#: whether a functorch transform (vmap, grad) is active (its wrapped tensors look plain)
+functorch_transforms_active: Callable[[], bool] = torch._C._are_functorch_transforms_active
+
+#: the dict of ``t.register_hook`` hooks, or None (``Tensor._backward_hooks``; a getter)
+grad_hook_dict: Callable[[torch.Tensor], Any] = operator.attrgetter("_backward_hooks")
+
+
+def on_output_grad(out: torch.Tensor, hook: Callable[[torch.Tensor], Any]) -> None:
+    """Call ``hook(grad)`` when the gradient of ``out`` (a fresh op output) reaches its
+    ``grad_fn``, before the node runs: ``Tensor.register_hook`` without its removable handle
+    (which costs most of that method's few microseconds). ``out`` must have no hooks yet."""
+    out._backward_hooks = {0: hook}
+    out.grad_fn._register_hook_dict(out)  # type: ignore[union-attr]  # out has a grad_fn

@@ -36,6 +36,7 @@ INHERITED_API: tuple[tuple[type, str, tuple[str, ...]], ...] = (
     (_TorchPipelineScheduleRuntime, "_prepare_schedule_with_comms", ("actions",)),
     (_TorchPipelineScheduleRuntime, "_assert_unsharded", ("stage",)),
     (PipelineScheduleMulti, "_initialize_stages", ("args", "kwargs")),
+    (PipelineScheduleMulti, "_check_inputs", ("arg_mbs", "kwarg_mbs", "target_mbs", "losses")),
     (PipelineScheduleMulti, "_maybe_compute_loss", ("stage", "output", "target_mbs", "mb_index")),
     (PipelineScheduleMulti, "_maybe_get_loss", ("stage", "mb_index")),
     (PipelineScheduleMulti, "_update_losses", ("stages", "losses")),
@@ -62,6 +63,8 @@ HELPER_API: tuple[tuple[type | None, str, tuple[str, ...]], ...] = (
         "_Action",
         ("stage_index", "computation_type", "microbatch_index", "sub_actions"),
     ),
+    (None, "_PipelineContext", ("schedule_ref", "arg_mbs", "kwarg_mbs", "target_mbs", "losses")),
+    (None, "_format_pipeline_order", ("pipeline_order", "error_step_number")),
 )
 PRIVATE_API = INHERITED_API + HELPER_API
 #: instance attributes zbpipe's schedules read as their own (torch's schedules set them in
@@ -90,16 +93,24 @@ TORCH_INTERNAL_ATTRIBUTES: tuple[tuple[str, str], ...] = (
     ("schedules", "fwd_recv_ops"),
     ("schedules", "bwd_recv_ops"),
     ("schedules", "backward_counter"),
+    ("schedules", "unshard_ops"),
+    ("schedules", "unsharded_stages"),
     ("schedules", "n_local_stages"),
     ("schedules", "number_of_rounds"),
     ("schedules", "microbatches_per_round"),
 )
-#: torch's private autograd entry points :func:`autograd_function_apply` calls (module, name)
+#: torch's private autograd and profiler entry points the helpers call (module, name):
+#: :func:`autograd_function_apply`'s, the deferred Linear's per-call checks, the action loop's
+#: profiler check and range
 PRIVATE_AUTOGRAD_NAMES: tuple[tuple[str, str], ...] = (
     ("torch._C._FunctionBase", "apply"),
     ("torch._C", "_are_functorch_transforms_active"),
     ("torch._C._functorch", "unwrap_if_dead"),
     ("torch.autograd.function._SingleLevelFunction", "setup_context"),
+    ("torch._C", "_is_any_autocast_enabled"),
+    ("torch._C._autograd", "_top_saved_tensors_default_hooks"),
+    ("torch._C._autograd", "_profiler_enabled"),
+    ("torch._C._profiler", "_RecordFunctionFast"),
 )
 #: torch's private names the overlapped pairs use (:mod:`.overlap`; module, name)
 PRIVATE_OVERLAP_NAMES: tuple[tuple[str, str], ...] = (
@@ -116,8 +127,11 @@ PRIVATE_OBJECT_ATTRIBUTES = (
     ("autograd Node", "_input_metadata"),
     ("Tensor", "_is_view"),
     ("Tensor", "_backward_hooks"),
+    ("Tensor", "_version"),
+    ("autograd Node", "_register_hook_dict"),
     ("Tensor", "_post_accumulate_grad_hooks"),
     ("nn.Module", "_parameters"),
+    ("schedule runtime", "_comp_type_to_function_map"),
     ("nn.Module", "_compiled_call_impl"),
     ("DTensor", "_local_tensor"),
 )

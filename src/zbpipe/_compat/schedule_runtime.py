@@ -1,6 +1,7 @@
 """What zbpipe's runtimes read and write of torch's schedule runtime and stages: posted
-receives, the order with communication, the send handlers, the backward counter, receive
-tables, shape inference."""
+receives, the order with communication, the custom-function table, the receive, unshard and
+reshard actions zbpipe's action loop runs as torch's does, the backward counter, receive tables,
+shape inference."""
 
 from __future__ import annotations
 
@@ -9,11 +10,16 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from torch.distributed.pipelining.schedules import _wait_batch_p2p
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining.schedules import (
+    _batch_p2p,
+    _format_pipeline_order,
+    _PipelineContext,
+    _wait_batch_p2p,
+)
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from ..patching import Patch, wrap
-from .action_ir import SEND_B, SEND_F
 
 # --- what the runtimes read of torch's schedule runtime and stages --------------------------------
 
@@ -45,17 +51,68 @@ def order_with_comms(sched: Any) -> dict[int, list[Any]]:
     return orders
 
 
-def handle_sends(sched: Any, handler: Callable[[Any, Any], None]) -> None:
-    """Run ``handler(action, ctx)`` for the SEND_F and SEND_B actions of ``sched``'s runtime.
-
-    torch's ``register_custom_function`` accepts compute and FSDP actions only, but its action
-    loop looks every action type up in the same map (``_comp_type_to_function_map``, in torch
-    2.11 to 2.14) before its built-in handling, which would keep each send's work, and so its
-    tensor, until the step ends (see :mod:`zbpipe.schedules.sends`).
-    """
+def custom_functions(sched: Any) -> dict[Any, Any]:
+    """computation type -> the function ``register_custom_function`` registered for it (torch's
+    ``_comp_type_to_function_map``): zbpipe's action loop runs an entry it did not register
+    itself in place of its own handler, as torch's loop does."""
     table: dict[Any, Any] = sched._comp_type_to_function_map
-    for kind in (SEND_F, SEND_B):
-        table[kind] = handler
+    return table
+
+
+def pipeline_context(sched: Any, arg_mbs: Any, kwarg_mbs: Any, target_mbs: Any, losses: Any) -> Any:
+    """The context torch's loop hands a custom function (``_PipelineContext``): one per step."""
+    return _PipelineContext(sched, arg_mbs, kwarg_mbs, target_mbs, losses)
+
+
+def post_receive(sched: Any, stage: _PipelineStageBase, mb: int, forward: bool) -> None:
+    """torch's RECV_F / RECV_B action: post the receive of ``mb``'s inputs (``forward``) or
+    output gradients, kept in the runtime's table until the compute action waits for it."""
+    table = sched.fwd_recv_ops if forward else sched.bwd_recv_ops
+    key = (stage.stage_index, mb)
+    if key in table:
+        what = "forward" if forward else "backward"
+        raise AssertionError(
+            f"Recv twice for stage_idx={key[0]} mb_index={mb} without executing {what}"
+        )
+    ops = stage.get_fwd_recv_ops(mb) if forward else stage.get_bwd_recv_ops(mb)
+    table[key] = _batch_p2p(ops)
+
+
+def unshard_stage(sched: Any, stage: _PipelineStageBase) -> None:
+    """torch's UNSHARD action on an FSDP2 stage: start the all-gather of every FSDP module of
+    it; the stage's next compute action waits for them (``_assert_unsharded``)."""
+    idx = stage.stage_index
+    if idx in sched.unsharded_stages or idx in sched.unshard_ops:
+        raise AssertionError(f"Unsharding the same stage_idx={idx} twice")
+    for sub in stage.submod.modules():
+        if isinstance(sub, FSDPModule):
+            sched.unshard_ops[idx].append(sub.unshard(async_op=True))
+
+
+def reshard_stage(sched: Any, stage: _PipelineStageBase) -> None:
+    """torch's RESHARD action on an FSDP2 stage."""
+    idx = stage.stage_index
+    if idx not in sched.unsharded_stages:
+        raise AssertionError(f"Resharding stage_idx={idx} without unsharding")
+    if idx in sched.unshard_ops:
+        raise AssertionError(f"Resharding stage_idx={idx} before finishing unshard")
+    for sub in stage.submod.modules():
+        if isinstance(sub, FSDPModule):
+            sub.reshard()
+    sched.unsharded_stages.discard(idx)  # present: checked above
+
+
+def check_unshards_used(sched: Any) -> None:
+    """The end of torch's step: every UNSHARD was waited for by a compute action."""
+    if sched.unshard_ops:
+        raise AssertionError("Unused unshard operations")
+
+
+def format_order(orders: dict[int, list[Any]], error_step: int) -> str:
+    """Every rank's action list as torch prints it when an action fails, the failing step
+    marked (``_format_pipeline_order``)."""
+    text: str = _format_pipeline_order(orders, error_step_number=error_step)
+    return text
 
 
 def backward_counter(sched: Any) -> Counter[int]:

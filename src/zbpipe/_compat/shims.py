@@ -120,6 +120,17 @@ class _LossKwargs:
         return None
 
 
+def initialize_stages(
+    sched: Any, args: Any, kwargs: Any, target: Any, loss_kwargs: dict[str, Any] | None
+) -> None:
+    """What torch's action loop does first: shape inference and link warm-up on the first step
+    (``_initialize_stages``; torch 2.11's takes the first microbatch's inputs only)."""
+    if TORCH_HAS_LOSS_KWARGS:
+        sched._initialize_stages(args, kwargs, target, loss_kwargs)
+    else:
+        sched._initialize_stages(args, kwargs)
+
+
 def _shimmed(base: type) -> type:
     """``base`` with the mixins this torch needs (``base`` itself on torch >= 2.13)."""
     mixins: list[type] = []

@@ -41,6 +41,7 @@ from .expert_patch import StageExperts
 from .fused import backward_full
 from .linear_patch import StoreSlot, patch_linears, patched_linears, post_accumulate_hooks_parked
 from .segmented import SegmentRecord, segmented_backward
+from .weight_capture import CaptureState
 
 if TYPE_CHECKING:
     from .protocol import Key
@@ -66,10 +67,12 @@ class WeightGradStore:
     the bits equal a fused backward's (``ScheduleZBH1(exact=True)`` asks for this).
     """
 
-    __slots__ = ("deferring", "exact", "immediate", "parked", "_entries", "_observer")
+    __slots__ = ("deferring", "exact", "immediate", "parked", "capture", "_entries", "_observer")
 
     def __init__(self, observer: Observer | None = None, *, exact: bool = False) -> None:
         self.deferring = False
+        #: may its Linears take the output hook (zbpipe.engines.weight_capture; None: never)
+        self.capture: CaptureState | None = None
         #: True: accumulate as a fused backward does, bit for bit (see :meth:`run`)
         self.exact = exact
         #: True (a fused BW, W right after B): each GEMM is computed and accumulated at once, in
@@ -100,7 +103,7 @@ class WeightGradStore:
         entries = self._entries
         if entries is None:
             raise RuntimeError("zbpipe: a weight gradient was queued after its W ran")
-        if not self.keeps(weight):
+        if self.immediate and not self.exact and id(weight) not in self.parked:  # not keeps()
             dw = _add_product(weight, x2d, g2d, dtype)
             if dw is not None:  # post-accumulate hooks B did not park: autograd fires them
                 accumulate_hooked([(weight, dw)])
@@ -229,6 +232,7 @@ class DeferredEngine:
         #: keeps torch's (see ``StageSeam.assign``)
         self.bw_through_store = not exact
         self._slots: dict[int, StoreSlot] = {}
+        self.capture = CaptureState()  # the output hook from a schedule's second step on
         self._linears: dict[int, list[nn.Module]] = {}
         #: the stages' patched MoE expert modules (zbpipe.engines.expert_patch)
         self._experts = StageExperts()
@@ -278,6 +282,7 @@ class DeferredEngine:
         """
         if self._unrouted:
             self._route_compiled()
+        self.capture.step_begins()
         for idx, linears in self._linears.items():
             slot = self._slots[idx]
             if linears and linears[0].__dict__.get("_zbpipe_slot") is not slot:
@@ -298,7 +303,7 @@ class DeferredEngine:
         and accumulated during B (:attr:`WeightGradStore.immediate`).
         """
         store = self._stores[key] = WeightGradStore(meter, exact=self.exact)
-        store.immediate = fused
+        store.immediate, store.capture = fused, self.capture
         return self._slot_holding(key[0], store)
 
     def backward_input(

@@ -10,6 +10,8 @@ to one Python check per Linear call.
 During B, a patched Linear computes its input gradient (and its bias gradient, a cheap sum) and
 queues ``(weight, input, grad_output)`` in the slot's
 :class:`~zbpipe.engines.deferred.WeightGradStore` instead of the weight gradient; W runs the GEMM.
+How it captures them (a hook on its output's gradient, or an ``autograd.Function``) is
+:mod:`zbpipe.engines.weight_capture`.
 """
 
 from __future__ import annotations
@@ -20,22 +22,20 @@ import logging
 import types
 import weakref
 from collections.abc import Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._compat import (
-    autograd_function_apply,
-    has_grad_hooks,
     is_compiled,
     is_plain_or_dtensor,
     own_parameter,
     post_accumulate_grad_hooks,
 )
-from .accumulate import weight_grad
 from .compiled_linear import compiled_linear
+from .weight_capture import WeightGradQueue, deferred_linear
 
 logger = logging.getLogger(__name__)
 
@@ -50,17 +50,6 @@ __all__ = [
 ]
 
 
-class WeightGradQueue(Protocol):
-    """What a patched Linear asks of the store in its slot
-    (:class:`~zbpipe.engines.deferred.WeightGradStore`, which imports this module: a protocol
-    here, not an import there, keeps the two files out of an import circle)."""
-
-    deferring: bool
-
-    def put(self, weight: Tensor, x2d: Tensor, g2d: Tensor, dtype: torch.dtype | None) -> None:
-        """Queue ``weight``'s gradient GEMM ``g2d.T @ x2d`` for W."""
-
-
 class StoreSlot:
     """Which weight-gradient store (:class:`WeightGradQueue`) a stage's patched Linears use right
     now (None: none)."""
@@ -69,78 +58,6 @@ class StoreSlot:
 
     def __init__(self) -> None:
         self.store: WeightGradQueue | None = None
-
-
-def _deferrable(weight: Tensor) -> bool:
-    """Whether W may compute ``weight``'s gradient. Not: a weight computed in the forward (a
-    parametrization such as weight_norm: B's autograd pass walks its small graph and frees it,
-    so W could not reach the parameters behind it); a weight with ``register_hook`` hooks
-    (autograd calls them with the gradient B computes, which a deferred GEMM would leave None).
-    Complex Linears never get here: :class:`DeferredLinear` runs them as plain ``F.linear``."""
-    return weight.grad_fn is None and not has_grad_hooks(weight)
-
-
-class _LinearFunction(torch.autograd.Function):
-    """``F.linear`` whose weight gradient waits in a :class:`WeightGradStore` during B.
-
-    Runs once per Linear call in F and in B, so it is written for speed: one context attribute,
-    no reshape of 2-D tensors (docs/design/backward.md has the per-call costs).
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, store: WeightGradQueue
-    ) -> Tensor:
-        device = x.device.type
-        # Autocast casts inside F.linear; the backward (which autograd runs without autocast)
-        # must compute in the same dtype, then cast back as autocast's _to_copy backward would.
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-        x_dtype = x.dtype
-        if dtype is not None and x_dtype != dtype and x.is_floating_point():
-            x = x.to(dtype)  # saved (and held until W) at the size autocast's own Linear saves
-        ctx.save_for_backward(x, weight)
-        # (store, the weight W accumulates into, whether W may compute it, autocast dtype,
-        # input dtype, bias dtype). The weight is kept apart from the saved one: non-reentrant
-        # activation checkpointing hands B a detached copy from its recompute in place of each
-        # saved tensor. Some weights get their gradient in B, like a fused backward's
-        # (:func:`_deferrable`).
-        ctx.state = (
-            store,
-            weight,
-            _deferrable(weight),
-            dtype,
-            x_dtype,
-            None if bias is None else bias.dtype,
-        )
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        x, weight = ctx.saved_tensors
-        store, leaf_weight, deferrable, dtype, x_dtype, bias_dtype = ctx.state
-        need_x, need_w, need_b, _ = ctx.needs_input_grad
-        g2d = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, grad_out.shape[-1])
-        grad_x = grad_w = grad_b = None
-        if need_x:
-            grad_x = grad_out.matmul(weight if dtype is None else weight.to(dtype))
-            if grad_x.dtype != x_dtype:
-                grad_x = grad_x.to(x_dtype)
-        if need_b:
-            grad_b = g2d.sum(0)
-            if grad_b.dtype != bias_dtype:
-                grad_b = grad_b.to(bias_dtype)
-        if need_w:
-            x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-            if deferrable and store.deferring and not torch.is_grad_enabled():
-                store.put(leaf_weight, x2d, g2d, dtype)  # W computes it
-            else:  # a fused backward, or create_graph=True: an ordinary Linear
-                grad_w = weight_grad(g2d, x2d, dtype, weight.dtype)
-        return grad_x, grad_w, grad_b, None
-
-
-#: ``_LinearFunction.apply`` entering torch's C++ directly (``_compat.autograd_function_apply``):
-#: called once per Linear in every F of a deferred microbatch
-_apply_linear = autograd_function_apply(_LinearFunction)
 
 
 class DeferredLinear(nn.Linear):
@@ -166,8 +83,7 @@ class DeferredLinear(nn.Linear):
         # Complex weights: autograd's gradients take conjugates, which this engine's GEMMs do not.
         if store is None or weight.is_complex():
             return F.linear(input, weight, self.bias)
-        out: Tensor = _apply_linear(input, weight, self.bias, store)
-        return out
+        return deferred_linear(input, weight, self.bias, store)
 
 
 @functools.cache

@@ -26,6 +26,7 @@ torch's own ``ScheduleDualPipeV`` does.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -36,6 +37,7 @@ from torch import Tensor
 from .. import _compat as C
 from ..engines.segmented import Collective, Exchange
 from ..planning import Plan
+from . import planned_actions
 from .comm_points import CommPoint, install, restore
 
 logger = logging.getLogger(__name__)
@@ -126,37 +128,49 @@ class PairRunner:
             self._stepping = False
 
     # ------------------------------------------------------------------ the action
-    def run(self, action: Any, ctx: Any) -> None:
-        """torch's ``OVERLAP_F_B`` action: F of one stage with the B (or BW) of another."""
+    def bind(self, action: Any) -> Any:
+        """torch's ``OVERLAP_F_B`` action as one call of the action loop, its halves bound once
+        (:mod:`zbpipe.schedules.action_loop`): F of one stage with the B (or BW) of another."""
         sched = self._sched
         first, second = C.sub_actions(action)
-        f_stage, f_mb = first.stage_index, first.microbatch_index
-        tracer = sched.tracer
-        with tracer.span("F+B", f_stage, f_mb):
+        forward = planned_actions.bind_forward(sched, first)
+        backward = planned_actions.bind_action_of(sched, second)
+        return functools.partial(self._run_bound, first, second, forward, backward)
+
+    def run(self, action: Any, ctx: Any) -> None:
+        """Run one ``OVERLAP_F_B`` action (binding it first: for callers outside the loop)."""
+        self.bind(action)(ctx)
+
+    def _run_bound(self, first: Any, second: Any, forward: Any, backward: Any, ctx: Any) -> None:
+        tracer = self._sched.tracer
+        with tracer.span("F+B", first.stage_index, first.microbatch_index):
             enabled, tracer.enabled = tracer.enabled, False  # one span for the pair
             try:
-                self._run_halves(first, second, ctx)
+                self._run_halves(second, forward, backward, ctx)
             finally:
                 tracer.enabled = enabled
 
-    def _run_halves(self, first: Any, second: Any, ctx: Any) -> None:
+    def _run_halves(self, second: Any, forward: Any, backward: Any, ctx: Any) -> None:
         sched = self._sched
-        if second.computation_type != C.BACKWARD_INPUT:  # a fused BW: in turn
-            sched._run_full_backward(second, ctx)
-            sched._run_forward(first, ctx)
-            return
         s, mb = second.stage_index, second.microbatch_index
-        if not sched.seam.stages[s].has_backward:  # eval(): forward only
-            sched._run_backward_input(second, ctx)
-            sched._run_forward(first, ctx)
+        stage = sched.seam.stages[s]
+        # a fused BW, or eval() (forward only): the halves in turn
+        if second.computation_type != C.BACKWARD_INPUT or not stage.has_backward:
+            backward(ctx)
+            forward(ctx)
             return
-        stage = sched._backward_stage(s, mb)
+        planned_actions.prepare_backward(sched, stage, mb)
         steps = sched.seam.backward_input_steps(stage, mb, sched._maybe_get_loss(stage, mb))
         self._backward_half = iter(steps)
         try:
             self._step()  # its last segment, and its first collective started
-            sched._run_forward(first, ctx)  # its points step the backward half
+            forward(ctx)  # its points step the backward half
             while self._backward_half is not None:
                 self._step()
         finally:
             self._backward_half = None
+
+
+def bind_pair(sched: Any, action: Any) -> Any:
+    """The action loop's binder for ``OVERLAP_F_B`` (``PlannedSchedule.action_binders``)."""
+    return sched._pairs.bind(action)

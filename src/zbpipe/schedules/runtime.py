@@ -22,7 +22,7 @@ re-plan share state.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -35,11 +35,13 @@ from ..observe.profile import ProfileConfig
 from ..observe.trace import Tracer
 from ..planning import Costs, Layout, Plan
 from ..planning.fuse import fuse_adjacent_backward
+from . import planned_actions
+from .action_loop import ActionProgram, Binder, bind_action, bind_program
 from .inputs import FirstStageKeywords, drop_inputs_off_stage0, microbatch_inputs
 from .memory_promise import first_step_plan
 from .memory_replan import MemoryReplanner
 from .nonfinite import NonfiniteLosses
-from .pairs import PairRunner
+from .pairs import PairRunner, bind_pair
 from .replan import CostProfiler
 from .sends import PendingSends, proven_sends
 from .stage_seam import StageSeam
@@ -93,6 +95,13 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
     #: (:func:`zbpipe.schedules.memory_promise.first_step_plan`)? Set where the promise is
     #: 1F1B's peak (or a multiple) or a V formula
     safe_first_step: bool = False
+    #: how each of torch's computation types becomes a call of the action loop
+    #: (:mod:`zbpipe.schedules.action_loop`); a schedule with an action kind of its own adds
+    #: an entry: ``action_binders = {**PlannedSchedule.action_binders, KIND: bind_kind}``
+    action_binders: ClassVar[Mapping[Any, Binder]] = {
+        **planned_actions.BINDERS,
+        C.OVERLAP_F_B: bind_pair,  # overlapped pairs: zbpipe.schedules.pairs
+    }
 
     def __init__(
         self,
@@ -185,7 +194,8 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         # tensor it sent) until the end of the step as torch's runtime does
         # (zbpipe.schedules.sends).
         self._sends = PendingSends()
-        C.handle_sends(self, self._run_send)
+        self._program: ActionProgram | None = None  # bound at the first step (action_loop)
+        self._program_functions: dict[Any, Any] = {}
         self._lower(self.plan)
         self.tracer = Tracer(rank=self.rank, enabled=trace or profiling, device=stages[0].device)
         self._profiler = (
@@ -207,15 +217,19 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         self._warned_ignored_inputs = False  # step(x) on a rank without stage 0: warned once
         # NaN/Inf losses of the last step, checked on the device and resolved when read
         self._nonfinite = NonfiniteLosses(self.rank)
-        for kind, fn in (
-            (C.FORWARD, self._run_forward),
-            (C.BACKWARD_INPUT, self._run_backward_input),
-            (C.BACKWARD_WEIGHT, self._run_backward_weight),
-            (C.FULL_BACKWARD, self._run_full_backward),
-            (C.REDUCE_GRAD, self._run_reduce_grad),
-            (C.OVERLAP_F_B, self._pairs.run),
+        # torch's custom-function table lists zbpipe's handler for its compute and FSDP actions
+        # (one generic function), so code that reads or wraps the table sees a working handler;
+        # the action loop binds its table's calls wherever the entry is still this one.
+        self._run_action = self.run_action
+        for kind in (
+            C.FORWARD,
+            C.BACKWARD_INPUT,
+            C.BACKWARD_WEIGHT,
+            C.FULL_BACKWARD,
+            C.REDUCE_GRAD,
+            C.OVERLAP_F_B,
         ):
-            self.register_custom_function(kind, fn)
+            self.register_custom_function(kind, self._run_action)
 
     # ------------------------------------------------------------------ planning
     def _lower(self, plan: Plan) -> None:
@@ -226,6 +240,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         torch_order = plan_to_torch_actions(executed)
         self.pipeline_order = {r: list(acts) for r, acts in torch_order.items()}
         self._prepare_schedule_with_comms(torch_order)
+        self._program = None  # bound again at the next step
         self._sends.set_proofs(
             proven_sends(C.order_with_comms(self), self.rank, plan.placement.__getitem__)
         )
@@ -347,9 +362,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         self.seam.claim_linears()
         self._pairs.claim()
         try:
-            super()._step_microbatches(
-                arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs
-            )
+            self._run_actions(arg_mbs, kwarg_mbs, target_mbs, losses, loss_kwargs)
             self._sends.wait_all()
             if pending := self.seam.pending_weight_passes():
                 raise RuntimeError(
@@ -357,6 +370,11 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
                 )
             if self.scale_grads and self._n_microbatches != 1:
                 self._scale_grads_once()
+        except BaseException:
+            # torch hands the losses over (and empties its list) only at a step's end: a failed
+            # step's losses, whose graphs B freed, must not be the next step's
+            self._internal_losses.clear()
+            raise
         finally:
             # A failed step must not leak autograd graphs or saved activations into the next one
             # (nor wait on sends a failed peer will never receive).
@@ -384,110 +402,38 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         """Count this rank's saved-activation bytes with ``meter`` (see :mod:`zbpipe.memory`)."""
         self.seam.meter = meter
 
-    def _wait_recv(self, stage_idx: int, mb: int, forward: bool) -> None:
-        """Wait for the receive torch posted for this F (``forward``) or backward, then let go of
-        the sends it proves complete (:mod:`zbpipe.schedules.sends`)."""
-        ops = C.forward_receives(self) if forward else C.backward_receives(self)
-        key = (stage_idx, mb)
-        if key not in ops:
-            raise RuntimeError(
-                f"zbpipe: rank {self.rank} ran {'F' if forward else 'backward'} of stage "
-                f"{stage_idx} mb {mb} before its receive"
+    # ------------------------------------------------------------------ the action loop
+    def _run_actions(
+        self,
+        arg_mbs: list[Any] | None,
+        kwarg_mbs: list[Any] | None,
+        target_mbs: list[Any] | None,
+        losses: list[Any] | None,
+        loss_kwargs: dict[str, Any] | None,
+    ) -> None:
+        """torch's ``_PipelineScheduleRuntime._step_microbatches`` with zbpipe's action loop:
+        the same prologue (input checks, shape inference on the first step) and epilogue
+        (unshard check, losses), the actions run as bound calls (:mod:`.action_loop`)."""
+        arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
+        first_target = target_mbs[0] if target_mbs is not None else None
+        C.initialize_stages(self, arg_mbs[0], kwarg_mbs[0], first_target, loss_kwargs)
+        C.backward_counter(self).clear()
+        functions = C.custom_functions(self)
+        if self._program is None or functions != self._program_functions:
+            self._program = bind_program(
+                self, C.order_with_comms(self), self.action_binders, functions, self._run_action
             )
-        works = ops.pop(key)
-        C.wait_batch_p2p(works)
-        if works:  # an empty receive (nothing requires grad there) proves nothing
-            self._sends.received((forward, stage_idx, mb))
+            self._program_functions = dict(functions)
+        self._program.run(C.pipeline_context(self, arg_mbs, kwarg_mbs, target_mbs, losses))
+        C.check_unshards_used(self)
+        self._update_losses(self._stages, losses)
 
-    def _run_send(self, action: Any, ctx: Any) -> None:
-        stage = self.seam.stages[action.stage_index]
-        self._sends.post(stage, action.microbatch_index, action.computation_type == C.SEND_F)
-
-    # Compute actions: wait for the receive torch posted, then let the stage seam do the work.
-    # Each first lets go of the sends that completed meanwhile (zbpipe.schedules.sends).
-    def _run_forward(self, action: Any, ctx: Any) -> None:
-        self._sends.prune()
-        s, mb = action.stage_index, action.microbatch_index
-        stage = self.seam.stages[s]
-        self._assert_unsharded(stage)
-        if not stage.is_first and (s - 1) not in self.seam.stages:
-            self._wait_recv(s, mb, forward=True)
-        return_outputs, loss_kwargs = self._step_opts
-        # what the caller holds for the step (slices of its batch and targets, for the seam)
-        given = (
-            ctx.arg_mbs[mb] if stage.is_first else (),
-            ctx.kwarg_mbs[mb] if stage.is_first else {},
-            ctx.target_mbs[mb] if stage.is_last and ctx.target_mbs is not None else (),
-        )
-        with self.tracer.span("F", s, mb), self.seam.forward(stage, mb, given):
-            output = stage.forward_one_chunk(
-                mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb], save_forward_output=return_outputs
-            )
-            # eval(x) without a target: outputs only (torch would index the missing targets)
-            if ctx.target_mbs is not None or stage.has_backward:
-                self._maybe_compute_loss(stage, output, ctx.target_mbs, mb, loss_kwargs)
-        self.seam.hand_forward(stage, output, mb)
-
-    def _backward_stage(self, s: int, mb: int) -> Any:
-        self._sends.prune()
-        stage = self.seam.stages[s]
-        self._assert_unsharded(stage)
-        if not stage.is_last and (s + 1) not in self.seam.stages:
-            self._wait_recv(s, mb, forward=False)
-        return stage
-
-    def _skip_backward(self, s: int, mb: int) -> None:
-        """A forward-only step's B or BW: nothing to compute, but torch's RECV_B was posted.
-
-        torch lowers a receive before every B/BW that is not fed by a local stage, and posts it
-        even in a forward-only step (an empty batch then: a stage without backward receives no
-        gradient). Its own B pops that entry; skipping the pop left it behind, and the next
-        step's receive failed with torch's "Recv twice ... without executing backward".
-        """
-        pending = C.backward_receives(self).pop((s, mb), None)
-        if pending is not None:
-            C.wait_batch_p2p(pending)
-
-    def _run_backward_input(self, action: Any, ctx: Any) -> None:
-        s, mb = action.stage_index, action.microbatch_index
-        if not self.seam.stages[s].has_backward:  # eval(), or no loss_fn: forward only, like torch
-            self._skip_backward(s, mb)
-            return
-        stage = self._backward_stage(s, mb)
-        with self.tracer.span("B", s, mb):
-            self.seam.backward_input(stage, mb, self._maybe_get_loss(stage, mb))
-
-    def _count_backward(self, s: int) -> bool:
-        """Count a W or BW of stage ``s`` as torch does; True for the stage's last of the step."""
-        counter = C.backward_counter(self)
-        counter[s] += 1
-        return bool(counter[s] == self._n_microbatches)
-
-    def _run_backward_weight(self, action: Any, ctx: Any) -> None:
-        s, mb = action.stage_index, action.microbatch_index
-        stage = self.seam.stages[s]
-        if not stage.has_backward:
-            return
-        self._sends.prune()
-        self._assert_unsharded(stage)
-        last = self._count_backward(s)
-        with self.tracer.span("W", s, mb):
-            self.seam.backward_weight(stage, mb, last_backward=last)
-
-    def _run_reduce_grad(self, action: Any, ctx: Any) -> None:
-        # FSDP's post-backward (gradient reduce-scatter), as torch runs it, without torch's
-        # division by n_microbatches: _scale_grads_once divides at the end of the step.
-        self.seam.stages[action.stage_index].perform_reduce_grad(1)
-
-    def _run_full_backward(self, action: Any, ctx: Any) -> None:
-        s, mb = action.stage_index, action.microbatch_index
-        if not self.seam.stages[s].has_backward:  # eval(), or no loss_fn: forward only
-            self._skip_backward(s, mb)
-            return
-        stage = self._backward_stage(s, mb)
-        last = self._count_backward(s)
-        with self.tracer.span("BW", s, mb):
-            self.seam.full_backward(stage, mb, self._maybe_get_loss(stage, mb), last)
+    def run_action(self, action: Any, ctx: Any) -> None:
+        """Run one action through :attr:`action_binders` (binding it first): what torch's
+        custom-function table lists for zbpipe's actions, for code that calls it directly."""
+        call = bind_action(self, action, self.action_binders, {}, None)
+        if call is not None:
+            call(ctx)
 
 
 def _check_profile_args(cls: type, costs: Any, profile: Any) -> bool:
