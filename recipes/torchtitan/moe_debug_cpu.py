@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torchtitan_cpu import use_cpu_device
+from torchtitan_cpu import use_cpu_device, use_gloo_reductions
 
 import zbpipe.torchtitan  # noqa: F401  (the integration: registers zbpipe's names, patches torchtitan)
 
@@ -38,6 +38,7 @@ def _on_cpu(config: Any, layers: int | None = None) -> Any:
     from torchtitan.models.common.attention import ScaledDotProductAttention
 
     use_cpu_device()
+    use_gloo_reductions()  # expert parallelism on CPU shards the experts with FSDP over gloo
     model = config.model_spec.model
     if layers is not None:
         model.layers = model.layers[:layers]
