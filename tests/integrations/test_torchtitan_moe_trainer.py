@@ -19,7 +19,9 @@ full AC) ZBV on Qwen3, ZBH1 and ZBVHalf on DeepSeek-V3, against the compiled 1F1
 (compiled, torchtitan counts a block's tokens once per microbatch, eager twice: the checkpoint's
 recompute runs the count again). Two more: ``"ZBV:graph"`` on Qwen3 (the graph engine, by name,
 on the blocks it crashed on) and torch's ``ZBVZeroBubble`` on DeepSeek-V3 (the control: a
-schedule whose W recomputes, so its counts must differ).
+schedule whose W recomputes, so its counts must differ). And expert parallelism: DeepSeek-V3 on
+4 ranks, EP = 2 x PP = 2 (each stage's experts split over its two replicas), ZBH1 and ZBV
+against 1F1B; the two replicas' counts are summed, as torchtitan's update sums them.
 
 Parameters stay fp32 (``--training.mixed_precision_param float32``; torchtitan's default casts
 them to bf16 for the forward): the split backward sums microbatch gradients in another order
@@ -29,7 +31,8 @@ expert by step 2 (seen: two experts' counts off by 2 in one layer). In fp32 the 
 
 Cost: the eager runs of a model share one torchrun launch with its first compiled run (a
 compiled Trainer run must be its process's only one: tests/integrations/test_torchtitan_trainer.py
-says why); each further compiled run gets a launch; both seed checkpoints come from one launch.
+says why); each further compiled run gets a launch, the EP runs one of 4 ranks; both seed
+checkpoints come from one launch.
 Deselected by default; CI runs it in its torch 2.14.1 line (``pytest -m torchtitan_trainer``).
 """
 
@@ -58,6 +61,13 @@ MODELS = {
     "deepseek_v3": ("deepseek_v3_debugmodel_4_layers_cpu", ["layers.1", "layers.2", "layers.3"]),
 }
 COMPILE = ("--compile.enable", "--compile.backend", "aot_eager")
+#: expert parallelism on gloo: torchtitan's functional all-to-all (uneven splits through
+#: ``all_to_all_single``; its default ``spmd_types`` dispatch calls a list ``all_to_all`` gloo
+#: refuses), and the experts split over 2 ranks (the recipe makes FSDP reduce with sums)
+EXPERT_PARALLEL = (
+    "--parallelism.expert_parallel_degree=2",
+    "--parallelism.spmd_backend=partial_dtensor",
+)
 #: (model, run): (schedule, activation checkpointing, compiled)
 RUNS: dict[tuple[str, str], tuple[str, str, bool]] = {}
 for _model in MODELS:
@@ -76,10 +86,18 @@ RUNS[GRAPH] = ("ZBV:graph", "full", False)
 #: the control: torch's own V schedule, whose W recomputes checkpointed blocks
 TORCH_ZBV = ("deepseek_v3", "torch ZBVZeroBubble, full AC")
 RUNS[TORCH_ZBV] = ("ZBVZeroBubble", "full", False)
+#: EP = 2 x PP = 2 on 4 ranks (the two replicas of each stage split its experts)
+EP_RUNS = {("deepseek_v3", f"{schedule}, EP 2") for schedule in ("1F1B", "ZBH1", "ZBV")}
+for _key in sorted(EP_RUNS):
+    RUNS[_key] = (_key[1].split(",")[0], "full", False)
 #: every zbpipe run under its default name and its reference: torchtitan's 1F1B under the same
 #: AC and compile
 CASES = [
-    (model, name, f"1F1B, {'compiled' if compiled else f'{ac} AC'}")
+    (
+        model,
+        name,
+        f"1F1B, {'EP 2' if (model, name) in EP_RUNS else 'compiled' if compiled else f'{ac} AC'}",
+    )
     for (model, name), (schedule, ac, compiled) in RUNS.items()
     if schedule in ("ZBH1", "ZBV", "ZBVHalf")
 ]
@@ -88,17 +106,20 @@ _MOE_LINE = re.compile(
 )
 
 
-def _launches(args: dict[tuple[str, str], list[str]]) -> list[dict[tuple[str, str], list[str]]]:
-    """Each model's eager runs, then its first compiled run, in one launch; every further
-    compiled run alone."""
+def _launches(
+    args: dict[tuple[str, str], list[str]],
+) -> list[tuple[int, dict[tuple[str, str], list[str]]]]:
+    """``(ranks, runs)`` per torchrun launch: each model's eager runs, then its first compiled
+    run, in one launch of 2 ranks; every further compiled run alone; the EP runs on 4."""
     out = []
     for model in MODELS:
-        mine = [key for key in args if key[0] == model]
+        mine = [key for key in args if key[0] == model and key not in EP_RUNS]
         eager = [key for key in mine if not RUNS[key][2]]
         compiled = [key for key in mine if RUNS[key][2]]
-        out.append({key: args[key] for key in eager + compiled[:1]})
-        out += [{key: args[key]} for key in compiled[1:]]
-    return out
+        out.append((2, {key: args[key] for key in eager + compiled[:1]}))
+        out += [(2, {key: args[key]}) for key in compiled[1:]]
+    ep = sorted(EP_RUNS, key=lambda key: key[1] != "1F1B, EP 2")
+    return out + [(4, {key: args[key] for key in ep})]
 
 
 @pytest.fixture(scope="module")
@@ -152,11 +173,12 @@ def trained(tmp_path_factory) -> dict[tuple[str, str], str]:
             f"--checkpoint.initial_load_path={seed}",
             "--checkpoint.load_only",  # the seed in, nothing out
             *(COMPILE if compiled else ()),
+            *(EXPERT_PARALLEL if (model, name) in EP_RUNS else ()),
             f"activation-checkpoint:{ac}",
         ]
     logs: dict[tuple[str, str], str] = {}
-    for i, launch in enumerate(_launches(args)):
-        found = torchrun_runs(2, _named(launch), tmp / f"logs-{i}")
+    for i, (ranks, launch) in enumerate(_launches(args)):
+        found = torchrun_runs(ranks, _named(launch), tmp / f"logs-{i}")
         logs |= {key: found[_name(key)] for key in launch}
     write_losses(
         "torchtitan_moe_trainer_losses",
@@ -176,12 +198,21 @@ def _named(runs: dict[tuple[str, str], list[str]]) -> dict[str, list[str]]:
 
 def moe_state(log: str) -> dict[tuple[str, str, str], list[float]]:
     """{(when, layer, what): values} from the ``zbpipe-test-moe:`` lines: each MoE layer's tokens
-    per expert before every optimizer step and its expert bias after the run."""
+    per expert before every optimizer step and its expert bias after the run.
+
+    Ranks that hold one layer (the expert-parallel ranks of a stage) each count their own
+    tokens: the state is their sum, what torchtitan's bias update reduces them to; their biases
+    must be one."""
     found: dict[tuple[str, str, str], list[float]] = {}
     for when, layer, what, values in _MOE_LINE.findall(log):
         key = (when, layer, what)
         parsed = [float(v) for v in values.strip("[]").split(",")]
-        assert found.setdefault(key, parsed) == parsed, f"{key} logged twice differently"
+        if key not in found:
+            found[key] = parsed
+        elif what == "tokens":
+            found[key] = [a + b for a, b in zip(found[key], parsed, strict=True)]
+        else:
+            assert found[key] == parsed, f"{key}: the ranks holding the layer disagree"
     return found
 
 
