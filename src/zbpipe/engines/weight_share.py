@@ -157,8 +157,8 @@ def describe(stage_index: Any, classes: list[WeightClass], shares: dict[str, Eng
     for s in shares.values():
         if s.refused:
             parts.append(
-                f"nothing under the {s.engine} engine (it refuses compiled and selectively "
-                "checkpointed stages)"
+                f"nothing under the {s.engine} engine (it refuses compiled stages and "
+                "selectively checkpointed ones)"
             )
             continue
         what = ""
