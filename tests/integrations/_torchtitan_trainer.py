@@ -131,7 +131,9 @@ def assert_same_losses(got: dict[int, float], ref: dict[int, float]) -> None:
         assert got[step] == pytest.approx(loss, rel=RTOL), f"step {step}: {got} vs {ref}"
 
 
-def write_losses(name: str, found: dict[str, dict[int, float]], steps: int) -> None:
+def write_losses(
+    name: str, found: dict[str, dict[int, float]], steps: int, extra: dict | None = None
+) -> None:
     """With ``ZBPIPE_WRITE_RESULTS=1``, store {run: losses per step} as
     benchmarks/results/NAME.json (docs/results/torchtitan-trainer.md quotes them); otherwise
     nothing."""
@@ -151,5 +153,6 @@ def write_losses(name: str, found: dict[str, dict[int, float]], steps: int) -> N
             "losses_per_step": {
                 run: [by_step[s] for s in sorted(by_step)] for run, by_step in found.items()
             },
+            **(extra or {}),
         },
     )

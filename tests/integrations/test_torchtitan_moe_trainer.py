@@ -184,8 +184,23 @@ def trained(tmp_path_factory) -> dict[tuple[str, str], str]:
         "torchtitan_moe_trainer_losses",
         {_name(key): losses(log, STEPS) for key, log in logs.items()},
         STEPS,
+        {"tokens_per_expert_vs_1f1b": _count_ratios(logs)},
     )
     return logs
+
+
+def _count_ratios(logs: dict[tuple[str, str], str]) -> dict[str, dict[str, float]]:
+    """For the runs whose counts are not 1F1B's: the tokens they counted per (step, layer),
+    over 1F1B's (full AC, same model)."""
+    out = {}
+    for key in (GRAPH, TORCH_ZBV):
+        got, want = moe_state(logs[key]), moe_state(logs[key[0], "1F1B, full AC"])
+        out[_name(key)] = {
+            f"{when} {layer}": sum(got[when, layer, what]) / sum(values)
+            for (when, layer, what), values in want.items()
+            if what == "tokens"
+        }
+    return out
 
 
 def _name(key: tuple[str, str]) -> str:
