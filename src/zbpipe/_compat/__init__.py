@@ -71,8 +71,8 @@ from .action_ir import (
     torch_pair_action,
 )
 from .autograd import (
-    asked_by_checkpoint,
     any_autocast_enabled,
+    asked_by_checkpoint,
     autograd_function_apply,
     functorch_transforms_active,
     grad_accumulator,
