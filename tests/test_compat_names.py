@@ -281,3 +281,46 @@ def test_local_hand_off_buffers_are_dropped_and_a_later_none_gradient_reads_as_z
     handed = torch.full((2, 3), 5.0)
     C.set_local_bwd_input(stage, (handed,), 0)
     assert grad.buffer is handed
+
+
+def test_asked_by_checkpoint_tells_a_recompute_from_a_nodes_own_unpack():
+    """B keeps a checkpointed region's inputs for W's recompute by this answer
+    (zbpipe.memory.saved): the unpack of the region's input comes from torch.utils.checkpoint's
+    recompute, a node's own unpack from the engine (torch 2.11: ``_NoopSaveInputs``' saved
+    tensors in checkpoint's unpack hook; 2.13 and 2.14: ``_CheckpointFrame.get_inputs``)."""
+    import sys
+
+    from torch.utils.checkpoint import checkpoint
+
+    seen: list[bool] = []
+
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        seen.append(C.asked_by_checkpoint(sys._getframe(1)))
+        return t
+
+    lin = torch.nn.Linear(3, 3)
+    x = torch.randn(2, 3, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+        y = torch.sin(x) + checkpoint(lambda t: torch.tanh(lin(t)), x, use_reentrant=False)
+    y.sum().backward()
+    # sin's input (its node's unpack), then the region's inputs (the recompute's: torch 2.11
+    # also saves an empty placeholder beside them)
+    assert seen.count(False) == 1 and seen.count(True) >= 1, seen
+
+
+def test_selective_checkpoint_submodule_finds_torchs_wrapper_with_a_context_fn():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def context():
+        return create_selective_checkpoint_contexts(policy)
+
+    full = torch.nn.Sequential(torch.nn.Linear(2, 2), checkpoint_wrapper(torch.nn.Linear(2, 2)))
+    selective = torch.nn.Sequential(
+        torch.nn.Linear(2, 2), checkpoint_wrapper(torch.nn.Linear(2, 2), context_fn=context)
+    )
+    assert C.selective_checkpoint_submodule(full) is None
+    assert C.selective_checkpoint_submodule(selective) == "1"

@@ -51,3 +51,31 @@ def use_cpu_device() -> None:
             module.device_type = "cpu"
         if getattr(module, "device_module", None) is torch.cuda:
             module.device_module = cpu
+
+
+def use_gloo_reductions() -> None:
+    """Make FSDP2 reduce gradients with plain sums, the reductions gloo has (CPU runs only).
+
+    torchtitan 0.3 turns FSDP's gradient division off (``gradient_divide_factor=1.0``: it scales
+    by the global token count itself); FSDP then reduce-scatters with ``ReduceOp.PREMUL_SUM(1.0)``,
+    which gloo refuses ("Cannot use ReduceOp.PREMUL_SUM with Gloo") as soon as a data-parallel
+    or expert-parallel mesh has two ranks. ``set_force_sum_reduction_for_comms(True)`` makes FSDP
+    sum and multiply by that same factor after the reduction instead: the same gradients. With
+    an accelerator it does nothing.
+    """
+    if torch.accelerator.is_available():
+        return
+    from torchtitan.distributed import fsdp
+
+    original = fsdp.disable_fsdp_gradient_division
+    if getattr(original, "__wrapped__", None) is not None:
+        return
+
+    def disable_fsdp_gradient_division(model: torch.nn.Module) -> None:
+        original(model)
+        for module in model.modules():
+            if isinstance(module, fsdp.FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+
+    disable_fsdp_gradient_division.__wrapped__ = original  # type: ignore[attr-defined]
+    fsdp.disable_fsdp_gradient_division = disable_fsdp_gradient_division

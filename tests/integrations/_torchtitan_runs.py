@@ -29,6 +29,11 @@ digit.
 Every rank writes its stdout and stderr, in order, to ``LOG_DIR/rank{RANK}.log``, and a line
 ``zbpipe-test-run: NAME`` before each run, so the caller can split a rank's log by run (ranks
 interleave in any shared stream; one rank's file does not).
+
+On MoE models each rank also logs the load-balancing state of the MoE layers it holds
+(:func:`_log_moe_state`): before every optimizer step, each layer's tokens per expert (what
+torchtitan's step pre-hook turns into the expert-bias update), and after training each layer's
+expert bias, as ``zbpipe-test-moe:`` lines. Nothing is logged for a model without MoE layers.
 """
 
 import importlib
@@ -40,6 +45,7 @@ import sys
 from datetime import timedelta
 
 MARKER = "zbpipe-test-run: "
+MOE_MARKER = "zbpipe-test-moe: "
 
 
 def _forget_imports(recipe_dir: str) -> None:
@@ -60,6 +66,56 @@ def _forget_imports(recipe_dir: str) -> None:
         file = getattr(module, "__file__", None) or ""
         if name.split(".")[0] in ("torchtitan", "zbpipe") or file.startswith(recipes):
             del sys.modules[name]
+
+
+def _moe_layers(model_parts: list) -> list:
+    """``(fqn, moe module)`` of every MoE layer in ``model_parts`` (torchtitan 0.3's decoders: a
+    ``layers`` ModuleDict keyed by the layer's index in the whole model)."""
+    found = []
+    for part in model_parts:
+        layers = getattr(part, "layers", None)
+        for key, block in getattr(layers, "items", dict)():
+            if getattr(block, "moe_enabled", False):
+                found.append((f"layers.{key}", block.moe))
+    return found
+
+
+def _log_moe_state() -> None:
+    """Make torchtitan's ``Trainer.train`` log the MoE load-balancing state (module docstring).
+
+    The tokens per expert are read by a global optimizer step pre-hook (torch runs those before
+    an optimizer's own pre-hooks, where torchtitan turns the counts into the bias update and
+    zeroes them), once per training step."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    from torchtitan.trainer import Trainer
+
+    original = Trainer.train
+
+    def train(self):  # type: ignore[no-untyped-def]
+        layers = _moe_layers(self.model_parts)
+        logged = set()
+
+        def before_step(optimizer, args, kwargs):  # type: ignore[no-untyped-def]
+            if self.step in logged:
+                return
+            logged.add(self.step)
+            for fqn, moe in layers:
+                tokens = [float(v) for v in moe.tokens_per_expert_E.detach().cpu().tolist()]
+                print(f"{MOE_MARKER}step={self.step} {fqn} tokens={tokens}", flush=True)
+
+        hook = register_optimizer_step_pre_hook(before_step) if layers else None
+        try:
+            return original(self)
+        finally:
+            if hook is not None:
+                hook.remove()
+            for fqn, moe in layers:
+                bias = getattr(moe, "expert_bias_E", None)
+                if bias is not None:
+                    values = [float(v) for v in bias.detach().cpu().tolist()]
+                    print(f"{MOE_MARKER}final {fqn} bias={values}", flush=True)
+
+    Trainer.train = train
 
 
 def free_port() -> int:
@@ -89,6 +145,7 @@ def main() -> None:
         _forget_imports(recipe_dir)
         sys.argv = ["torchtitan.train", *args]  # before the import: torchtitan 0.2 reads it then
         importlib.import_module("torchtitan.train")  # the run's imports, before its port
+        _log_moe_state()
         key = f"zbpipe-test-run/{i}/port"
         if rank == 0:
             agent.set(key, str(free_port()))

@@ -14,8 +14,8 @@ which module a helper lives in is this package's business.
 | :mod:`.stage` | a ``PipelineStage``'s receive buffers, caches and local V hand-offs |
 | :mod:`.schedule_runtime` | the runtime's receives, FSDP actions, counters, custom functions |
 | :mod:`.torch_orders` | torch's own schedule orders, generated without a process group |
-| :mod:`.autograd` | autograd's hooks, views, node metadata, Function.apply, AccumulateGrad |
-| :mod:`.modules` | ``nn.Module`` parameter slots and compilation, DTensor's local shard |
+| :mod:`.autograd` | hooks, views, node metadata, Function.apply, AccumulateGrad, AC's recompute |
+| :mod:`.modules` | ``nn.Module`` slots, compilation, checkpoint wrappers, DTensor's local shard |
 | :mod:`.compiler` | inductor's lowering registry and dynamo's counters |
 | :mod:`.ops` | private operators: ``torch._grouped_mm`` (MoE experts' grouped GEMM) |
 | :mod:`.overlap` | the mode stacks, functional collectives, ``GraphExecGroup`` |
@@ -72,6 +72,7 @@ from .action_ir import (
 )
 from .autograd import (
     any_autocast_enabled,
+    asked_by_checkpoint,
     autograd_function_apply,
     functorch_transforms_active,
     grad_accumulator,
@@ -108,6 +109,7 @@ from .modules import (
     local_tensor,
     own_parameter,
     own_parameters,
+    selective_checkpoint_submodule,
     set_own_parameter,
 )
 from .ops import grouped_mm, has_grouped_mm
@@ -248,6 +250,8 @@ __all__ = [
     "is_dtensor",
     "local_tensor",
     "compiled_submodule",
+    "selective_checkpoint_submodule",
+    "asked_by_checkpoint",
     "lower_with_operands_kept",
     "all_to_all_single",
     "backward_group",

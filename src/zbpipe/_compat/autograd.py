@@ -1,16 +1,21 @@
 """What zbpipe reads of autograd: hooks on tensors, views, a node's input metadata, the C++ entry
-of an ``autograd.Function``, a leaf's ``AccumulateGrad`` node, and what the deferred engine's
+of an ``autograd.Function``, a leaf's ``AccumulateGrad`` node, what the deferred engine's
 Linear asks on every call (autocast, saved-tensor hooks, a tensor's version, a hook on its
-output's gradient)."""
+output's gradient), and who asked for a saved tensor (activation checkpointing's recompute)."""
 
 from __future__ import annotations
 
 import functools
 import operator
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
+
+#: the file of torch's activation checkpointing (``torch.utils.checkpoint``)
+_CHECKPOINT_FILE = torch.utils.checkpoint.__file__
 
 
 def post_accumulate_grad_hooks(t: Any) -> dict[Any, Any] | None:
@@ -113,3 +118,25 @@ def on_output_grad(out: torch.Tensor, hook: Callable[[torch.Tensor], Any]) -> No
     (which costs most of that method's few microseconds). ``out`` must have no hooks yet."""
     out._backward_hooks = {0: hook}
     out.grad_fn._register_hook_dict(out)  # type: ignore[union-attr]  # out has a grad_fn
+
+
+def asked_by_checkpoint(caller: FrameType | None) -> bool:
+    """Whether a saved tensor is being unpacked for ``torch.utils.checkpoint``'s non-reentrant
+    recompute: ``caller`` is the Python frame that asked for it (``sys._getframe(1)`` in an unpack
+    hook).
+
+    A checkpointed region saves its inputs (under the hooks around it, a microbatch's
+    :class:`~zbpipe.memory.saved.SavedTensors`) and nothing else of ours: its nodes' saved
+    tensors go to checkpoint's own hooks. The first of its nodes a backward call runs unpacks one
+    of those; checkpoint's unpack hook then asks for the region's inputs and runs the region's
+    forward again, once per backward call (per graph task). So the node doing that unpack is
+    whichever of the region's nodes a call reaches first, not the tensor's user: the recompute
+    is. torch asks for the inputs from Python in ``torch/utils/checkpoint.py`` (torch 2.11:
+    ``ctx.saved_tensors`` of its ``_NoopSaveInputs`` node in the unpack hook; 2.13 and 2.14:
+    ``_CheckpointFrame.get_inputs``), while an autograd node's own unpack comes from C++ (its
+    caller is the Python code that started the backward) and a custom ``Function``'s from its
+    ``backward``. Only the immediate caller is read: a reentrant checkpoint's backward (also in
+    that file) starts an inner backward whose nodes' unpacks have the engine's entry as caller.
+    tests/test_compat_names.py checks both kinds of unpack against the installed torch.
+    """
+    return caller is not None and caller.f_code.co_filename == _CHECKPOINT_FILE

@@ -1,5 +1,5 @@
 """What zbpipe reads of ``nn.Module`` and DTensor: a module's own parameter slots, whether it is
-compiled, a DTensor's local shard."""
+compiled or wrapped for selective activation checkpointing, a DTensor's local shard."""
 
 from __future__ import annotations
 
@@ -64,5 +64,28 @@ def compiled_submodule(module: Any) -> str | None:
     """
     for name, mod in module.named_modules():
         if is_compiled(mod):
+            return str(name)
+    return None
+
+
+def selective_checkpoint_submodule(module: Any) -> str | None:
+    """The name of ``module``'s first submodule wrapped by torch's ``checkpoint_wrapper`` with a
+    ``context_fn`` (``""``: itself), else None: selective activation checkpointing as torchtitan
+    applies it (``context_fn=lambda: create_selective_checkpoint_contexts(policy)``).
+
+    Read from the wrapper's ``checkpoint_fn``, a ``functools.partial`` of
+    ``torch.utils.checkpoint.checkpoint`` holding the wrapper's keyword arguments (the wrapper
+    class lives in a private module, ``torch.distributed.algorithms._checkpoint``: it is matched
+    by name). A ``context_fn`` other than torch's ``noop_context_fn`` counts: torch's only use of
+    it is selective checkpointing.
+    """
+    from torch.utils.checkpoint import noop_context_fn
+
+    for name, mod in module.named_modules():
+        if type(mod).__name__ != "CheckpointWrapper":
+            continue
+        keywords = getattr(getattr(mod, "checkpoint_fn", None), "keywords", None) or {}
+        context_fn = keywords.get("context_fn", noop_context_fn)
+        if context_fn is not noop_context_fn:
             return str(name)
     return None

@@ -10,8 +10,9 @@ docs/design/backward.md says when each engine is right:
   :mod:`zbpipe.engines.linear_patch`): B is one ordinary autograd pass in which patched
   ``nn.Linear`` modules queue their weight GEMMs; W runs them.
 * **graph** (:mod:`zbpipe.engines.graph`, its algorithms in
-  :mod:`zbpipe.engines.graph_backward` and :mod:`zbpipe.engines.graph_regions`): B asks autograd
-  for the input edges only, W re-enters the graph per weight region. Every weight in W.
+  :mod:`zbpipe.engines.graph_backward` (B), :mod:`zbpipe.engines.graph_weight` (W) and
+  :mod:`zbpipe.engines.graph_regions`): B asks autograd for the input edges only, W re-enters
+  the graph per weight region. Every weight in W.
 
 Both add weight gradients to ``.grad`` by one rule (:mod:`zbpipe.engines.accumulate`).
 Keys are ``(stage_index, microbatch)``, the microbatch being whatever index the stage's caches

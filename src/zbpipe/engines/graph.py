@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from torch import Tensor
 
-from .._compat import compiled_submodule
+from .._compat import compiled_submodule, selective_checkpoint_submodule
 from ..memory.saved import Observer, SavedTensors
 from .graph_backward import WeightGrad, backward_input
 
@@ -51,8 +51,11 @@ class GraphEngine:
         """Nothing to claim: no module is patched."""
 
     def check_stages(self, owner: type, stages: Sequence[Any]) -> None:
-        """Refuse compiled submodules: a compiled region is one opaque node B cannot split."""
+        """Refuse compiled submodules (a compiled region is one opaque node B cannot split) and
+        selective activation checkpointing (W would backward through its regions a second
+        time)."""
         check_not_compiled(owner, stages)
+        check_no_selective_checkpoint(owner, stages)
 
     def forward_scope(
         self, key: Key, meter: Observer | None, *, fused: bool
@@ -90,7 +93,19 @@ class GraphEngine:
 
     def backward_weight(self, key: Key) -> None:
         """W: re-enter the graph where B recorded the boundary gradients."""
-        self._pending.pop(key).run()
+        try:
+            self._pending.pop(key).run()
+        except RuntimeError as e:
+            if _SAC_SECOND_BACKWARD not in str(e):
+                raise
+            raise RuntimeError(
+                f"zbpipe: stage {key[0]}'s graph holds a region under selective activation "
+                "checkpointing (torch.utils.checkpoint with a context_fn), which torch lets "
+                "backward run through once; the graph engine's W is a second backward call "
+                "through it. Use split='deferred' (its B is the one backward; the checkpointed "
+                "Linears' weight GEMMs still wait for W), full checkpointing, or a "
+                "fused-backward schedule"
+            ) from e
 
     def pending_keys(self) -> list[Key]:
         return list(self._pending)
@@ -118,4 +133,35 @@ def check_not_compiled(cls: type, stages: Sequence[Any]) -> None:
                 "which hides the autograd graph the graph engine's split backward (B/W) needs; "
                 "use split='deferred' (it splits compiled blocks, their Linears' GEMMs in W), "
                 "remove the compile, or use a fused-backward schedule (Schedule1F1BMulti)"
+            )
+
+
+#: the part of torch's error for a second backward through a selective-checkpoint region
+#: (``torch.utils.checkpoint``, torch 2.11 to 2.14)
+_SAC_SECOND_BACKWARD = "only allowed to backward once on any region computed under selective"
+
+
+def check_no_selective_checkpoint(cls: type, stages: Sequence[Any]) -> None:
+    """Refuse submodules wrapped for selective activation checkpointing (torch's
+    ``checkpoint_wrapper`` with a ``context_fn``, as torchtitan's ``SelectiveAC`` wraps each
+    block) under the graph engine.
+
+    Selective checkpointing caches the outputs of the ops its policy saves and hands each out to
+    one backward call only; torch raises on a second ("You are only allowed to backward once on
+    any region computed under selective activation checkpoint"). The graph engine's W is a
+    second call through every region it re-enters, so it cannot split such a stage. Full
+    (non-selective) checkpointing recomputes the region in each call and works, at the price of
+    that second recompute. A selective ``torch.utils.checkpoint`` call written in a forward is
+    not visible here; its first W raises the same advice (:meth:`GraphEngine.backward_weight`).
+    """
+    for st in stages:
+        name = selective_checkpoint_submodule(st.submod)
+        if name is not None:
+            where = name or "the stage module itself"
+            raise ValueError(
+                f"{cls.__name__}: stage {st.stage_index} submodule {where!r} runs under selective "
+                "activation checkpointing (a checkpoint_wrapper with a context_fn), whose regions "
+                "torch lets backward run through once; the graph engine's W is a second pass "
+                "through them. Use split='deferred' (or 'auto', which picks it here), full "
+                "checkpointing, or a fused-backward schedule (Schedule1F1BMulti)"
             )

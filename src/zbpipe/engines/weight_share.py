@@ -9,8 +9,8 @@ defers some classes to W and leaves the rest in B:
   norms and other 1-D weights, embeddings (a scatter of rows), Linears that override
   ``forward`` (torchtitan's Float8 / MXFP8 Linears), converted experts (Float8 / MXFP8
   ``GroupedExperts``), convolutions and any other weight.
-* **graph**: every weight goes to W; it refuses compiled regions (a stage holding one cannot
-  use it).
+* **graph**: every weight goes to W; it refuses compiled regions and selective activation
+  checkpointing (a stage holding either cannot use it).
 
 Shares are given in weight elements and in estimated weight-gradient FLOPs per token: a
 Linear's or any matrix's ``2 x elements``, an expert weight's ``2 x elements x k / E`` (each token
@@ -57,7 +57,8 @@ class EngineShare:
     flops: float
     """share of estimated weight-gradient FLOPs W computes (0 to 1)"""
     refused: bool = False
-    """the engine refuses these stages (the graph engine, on compiled ones)"""
+    """the engine refuses these stages (the graph engine, on compiled or selectively
+    checkpointed ones)"""
 
 
 def _top_k(expert: nn.Module, parents: dict[int, nn.Module]) -> tuple[int, int]:
@@ -130,7 +131,12 @@ def census(module: nn.Module) -> list[WeightClass]:
 def engine_shares(stages: list[Any]) -> dict[str, EngineShare]:
     """Each engine's share of the weight work of ``stages`` (their ``submod``\\ s together)."""
     classes = [c for st in stages for c in census(st.submod)]
-    compiled = any(C.compiled_submodule(st.submod) is not None for st in stages)
+    # the graph engine refuses compiled regions and selective checkpointing (engines/graph.py)
+    compiled = any(
+        C.compiled_submodule(st.submod) is not None
+        or C.selective_checkpoint_submodule(st.submod) is not None
+        for st in stages
+    )
     total_e = sum(c.elements for c in classes) or 1
     total_f = sum(c.flops_per_token for c in classes) or 1.0
     out = {}
@@ -150,7 +156,10 @@ def describe(stage_index: Any, classes: list[WeightClass], shares: dict[str, Eng
     parts = []
     for s in shares.values():
         if s.refused:
-            parts.append(f"nothing under the {s.engine} engine (it refuses compiled stages)")
+            parts.append(
+                f"nothing under the {s.engine} engine (it refuses compiled stages and "
+                "selectively checkpointed ones)"
+            )
             continue
         what = ""
         if s.engine == "deferred":

@@ -9,10 +9,11 @@ matches a key of :data:`SCHEDULE_CLASSES` or a class's own name (``"ZBVHalf"``,
 ``"ScheduleZBVHalf"``), in any case. To add a schedule class, add a line to the table.
 
 Options a config can only give in the name (torchtitan passes none to the constructor) follow
-it after colons, ``"<name>[:<budget>][:profile]"``: ``":profile"`` fixes ``costs="profile"``
-(``"ZBV:profile"``, ``"ZBVHalf:profile"``: :func:`with_profile`), a budget fixes
-``memory_limit=`` (``"Auto:40GiB"``, ``"AutoV:80%:profile"``: :func:`with_budget`). Each name
-with options is one class, made once, whatever the options' order.
+it after colons, ``"<name>[:<budget>][:<engine>][:profile]"``: ``":profile"`` fixes
+``costs="profile"`` (``"ZBV:profile"``, ``"ZBVHalf:profile"``: :func:`with_profile`), a budget
+fixes ``memory_limit=`` (``"Auto:40GiB"``, ``"AutoV:80%:profile"``: :func:`with_budget`), an
+engine fixes ``split=`` (``"ZBV:deferred"``, ``"ZBH1:graph:profile"``: :func:`with_split`). Each
+name with options is one class, made once, whatever the options' order.
 
 Plan names (``plan("ZBVHalf", ...)``) are a different table, :data:`zbpipe.planning.GENERATORS`:
 a name there maps to a plan generator, here to a class that runs a plan. The fixed-option classes
@@ -44,6 +45,7 @@ from collections.abc import Callable
 from types import ModuleType
 
 from ..continuous.schedule import ScheduleContinuous
+from ..engines.protocol import SPLITS
 from ..patching import rebind
 from ..schedules import chooser
 from ..schedules import classes as c
@@ -109,18 +111,26 @@ def find_schedule_class(name: str, *, torch_shaped_only: bool = False) -> type |
 
 def with_options(cls: type, name: str, options: list[str]) -> type:
     """``cls`` with the options of the name ``name`` fixed: at most one memory budget (classes in
-    :data:`BUDGETED`) and at most one ``profile``, in either order; the same class for either
-    order. Anything else raises ``ValueError`` saying what a name can carry."""
+    :data:`BUDGETED`), at most one engine (``deferred``, ``graph``, ``auto``) and at most one
+    ``profile``, in any order; the same class for any order. Anything else raises
+    ``ValueError`` saying what a name can carry."""
     budget: str | None = None
+    split: str | None = None
     profile = False
     for raw in options:
         option = raw.strip()
-        if option.lower() in ("1p", "2p"):
+        if option.lower() in ("1p", "2p", PROFILE, *SPLITS):
             option = option.lower()
-        if option.lower() == PROFILE:
+        if option == PROFILE:
             if profile:
                 raise ValueError(f"schedule name {name!r}: ':profile' given twice")
             profile = True
+        elif option in SPLITS:
+            if split is not None:
+                raise ValueError(
+                    f"schedule name {name!r}: two engines ({split!r}, {option!r}); give one"
+                )
+            split = option
         elif _is_budget(option):
             if budget is not None:
                 raise ValueError(
@@ -131,12 +141,15 @@ def with_options(cls: type, name: str, options: list[str]) -> type:
             raise ValueError(
                 f"schedule name {name!r}: unknown option {option!r}. A name takes "
                 f"':{PROFILE}' (costs measured on the first steps, every schedule but "
-                f"Continuous) and, for {_budgeted_names()}, a memory budget per rank: '1p', "
-                "'2p', bytes like '40GiB' or a share of the device like '80%'; e.g. "
-                "'ZBV:profile', 'Auto:40GiB', 'AutoV:40GiB:profile'"
+                f"Continuous), an engine for the split backward ({_split_names()}) and, for "
+                f"{_budgeted_names()}, a memory budget per rank: '1p', '2p', bytes like '40GiB' "
+                "or a share of the device like '80%'; e.g. 'ZBV:profile', 'ZBV:deferred', "
+                "'Auto:40GiB', 'AutoV:40GiB:profile'"
             )
     if budget is not None:
         cls = with_budget(cls, budget)
+    if split is not None:
+        cls = with_split(cls, split)
     return with_profile(cls) if profile else cls
 
 
@@ -174,6 +187,33 @@ def with_budget(cls: type, budget: str) -> type:
         )
     fixed = c.with_fixed_option(cls, f"{cls.__name__}:{budget}", "memory_limit", budget)
     return fixed
+
+
+def _split_names() -> str:
+    return ", ".join(f"':{x}'" for x in SPLITS)
+
+
+@functools.cache  # one class per (class, engine): torchtitan compares classes
+def with_split(cls: type, split: str) -> type:
+    """``cls`` with ``split=split`` fixed: the class ``"ZBV:deferred"`` names. ``"deferred"``
+    defers the weight GEMMs of ``nn.Linear`` modules, ``"graph"`` every weight gradient through
+    the autograd graph, ``"auto"`` (every class's default) picks by the stage
+    (:mod:`zbpipe.engines`).
+
+    Raises ``ValueError`` for an engine zbpipe does not have, a class that takes no ``split=``
+    (torch's own names take no options) or one with its engine fixed already.
+    """
+    if split not in SPLITS:
+        raise ValueError(
+            f"schedule {cls.__name__}:{split}: the engine must be one of {_split_names()}"
+        )
+    takes_split = issubclass(cls, (PlannedSchedule, ScheduleContinuous))
+    if not takes_split or "split" in getattr(cls, "fixed_options", {}):
+        works = sorted(SCHEDULE_CLASSES)
+        raise ValueError(
+            f"schedule {cls.__name__} takes no ':{split}': an engine goes after any of {works}"
+        )
+    return c.with_fixed_option(cls, f"{cls.__name__}:{split}", "split", split)
 
 
 @functools.cache  # one class per class: torchtitan compares classes

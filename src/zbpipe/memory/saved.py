@@ -10,7 +10,9 @@ microbatch's forward: every saved tensor is stored in a :class:`Holder`. During 
 which node unpacks each holder (``phase``); afterwards the holders unpacked only by activation
 nodes (GELU's input, attention probabilities, ...) are released, because W never runs those
 nodes. After W everything is released. What W needs (the inputs of weight matmuls, LayerNorm
-statistics, ...) stays until W: exactly the memory ``Costs.mem_w`` models.
+statistics, ...) stays until W: exactly the memory ``Costs.mem_w`` models. So do the inputs of
+a non-reentrant checkpointed region, whichever node's unpack made B recompute it: W's backward
+calls recompute the region again (``zbpipe._compat.asked_by_checkpoint``).
 
 Observers (``on_pack`` / ``on_free``) let :mod:`zbpipe.memory` count bytes.
 
@@ -29,11 +31,14 @@ Nothing here may change when a tensor dies, or a memory meter would measure itse
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from typing import Any, Protocol
 
 import torch
+
+from .. import _compat as C
 
 _state = threading.local()  # which kind of node is unpacking right now (set by B's prehooks)
 
@@ -303,6 +308,10 @@ def _unpack(packed: Any) -> torch.Tensor:
         )
     kind = getattr(_state, "kind", None)
     if kind is not None and packed.unpacked_as != KEEP:
+        if kind == ACTIVATION and C.asked_by_checkpoint(sys._getframe(1)):
+            # A checkpointed region's input, unpacked by its recompute, not by the node B is
+            # running: W's own backward call recomputes the region again and needs it.
+            kind = KEEP
         packed.unpacked_as = kind
     return packed.tensor
 

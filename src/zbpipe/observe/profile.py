@@ -264,15 +264,33 @@ def measure_comm(
 
 
 def gather_stage_values(local: Mapping[int, Any], group: Any) -> dict[int, Any]:
-    """Every rank's ``{stage: value}`` merged; identical on every rank.
+    """Every rank's ``{stage: value}`` merged; identical on every rank of every replica.
 
-    One ``all_gather_object``.
+    One ``all_gather_object``. A pipeline's replicas (its data-, expert- or context-parallel
+    copies: ranks outside ``group`` holding the same stage indices) must plan alike, or the
+    collectives between them (an expert all-to-all, FSDP's gathers) pair one replica's forward
+    with another's backward. So where ``group`` is smaller than the default group, the values
+    are gathered over the default group (every rank runs a replica of this pipeline, as under
+    torchtitan) and a stage several replicas measured takes the largest value, key by key
+    (:func:`_largest`): the plan budgets the heaviest replica.
     """
     import torch.distributed as dist
 
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, dict(local), group=group)
+    everyone = dist.get_world_size(group) < dist.get_world_size()
+    over = dist.group.WORLD if everyone else group
+    gathered: list[Any] = [None] * dist.get_world_size(over)
+    dist.all_gather_object(gathered, dict(local), group=over)
     merged: dict[int, Any] = {}
     for part in gathered:
-        merged.update(part)
+        for stage, value in part.items():
+            merged[stage] = value if stage not in merged else _largest(merged[stage], value)
     return dict(sorted(merged.items()))
+
+
+def _largest(a: Any, b: Any) -> Any:
+    """The larger of two measurements: a number, or ``{kind: number}`` compared key by key."""
+    if isinstance(a, Mapping):
+        return {
+            k: _largest(a[k], b[k]) if k in a and k in b else a.get(k, b.get(k)) for k in {**a, **b}
+        }
+    return max(a, b)
