@@ -87,7 +87,13 @@ def _log_moe_state() -> None:
     an optimizer's own pre-hooks, where torchtitan turns the counts into the bias update and
     zeroes them), once per training step."""
     from torch.optim.optimizer import register_optimizer_step_pre_hook
-    from torchtitan.trainer import Trainer
+
+    try:
+        from torchtitan.trainer import Trainer
+    except ModuleNotFoundError:
+        # torchtitan 0.2 defines its Trainer in torchtitan.train, which runpy executes afresh
+        # as __main__ (a patch here would not reach it); its runs are dense, nothing to log.
+        return
 
     original = Trainer.train
 
