@@ -107,9 +107,12 @@ def test_v_peak_memory_within_the_stated_promise_on_4_ranks_under_both_engines()
             promise = _v_promise(mode, p, chunk_bytes)
             peaks = [out[(split, mode)][0] for out, _ in per_rank]
             assert 0 < max(peaks) <= 1.05 * promise + unmodelled, (split, mode, peaks, promise)
-        # Rank 0 holds the V's first and last chunks: there the modes' budgets bite.
+        # Rank 0 holds the V's first and last chunks: there the modes' budgets bite. V-Min's
+        # promise is a third of a chunk below V-Half's, less than the unmodelled tensors above:
+        # seen on a loaded CI run, rank 0's V-Min one boundary tensor over its V-Half.
         rank0 = {mode: per_rank[0][0][(split, mode)][0] for mode in modes}
-        assert rank0["min"] <= rank0["half"] < rank0["zb"], (split, rank0)
+        assert rank0["min"] <= rank0["half"] + unmodelled, (split, rank0)
+        assert rank0["half"] < rank0["zb"], (split, rank0)
 
 
 def test_1f1b_multi_grads_equal_unpipelined_reference():
