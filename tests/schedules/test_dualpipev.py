@@ -9,10 +9,14 @@ the same ops, summed across microbatches in another order.
 
 from __future__ import annotations
 
+import logging
+import re
+
 import pytest
 import torch
 
 from tests.schedules import _dualpipev_cases as cases
+from tests.schedules import _dualpipev_replan_cases as replan_cases
 from tests.schedules.test_schedule_grads import _v_promise
 from zbpipe import CommPoint, ScheduleDualPipeV, get_schedule_class
 from zbpipe.testing import run_ranks
@@ -93,6 +97,26 @@ def test_peak_memory_within_the_promise_on_4_ranks():
         peaks = [out[mode][0] for out, _ in per_rank]
         assert 0 < max(peaks) <= 1.05 * bound + unmodelled, (mode, peaks, bound)
     assert all(out["zb"][1] > 0 for out, _ in per_rank)  # the DualPipeV order, with its pairs
+
+
+def test_default_arguments_keep_overlapped_pairs_after_the_memory_replan_or_warn_why():
+    """Unequal stages (the first chunk holds about nine times the others after F): the plan
+    re-made for the bytes the first step measured cannot keep every pair of the DualPipeV
+    order within memory="zb"'s budget. It keeps some, they overlap, the step that runs it gives
+    the reference's gradients, and rank 0 warns once, with the budget that keeps them all;
+    given that budget, the re-made plan keeps them all."""
+    first, second = run_ranks(replan_cases.default_arguments, 2, 8, timeout=600)
+    built, after_one, after_two = first["pairs"]
+    assert built >= first["whole"]  # equal bytes per chunk: every pair (and one more)
+    assert 0 < after_one == after_two < first["whole"]
+    assert all(r["overlaps"] and r["worst"] < 1e-5 for r in (first, second))
+    warned = [t for lvl, t in first["lines"] if lvl == logging.WARNING and "pairs per step" in t]
+    assert len(warned) == 1, first["lines"]
+    assert "does not fit its memory budget" in warned[0]
+    limit = float(re.search(r"memory_limit=([0-9.]+)", warned[0]).group(1))
+    again = run_ranks(replan_cases.default_arguments, 2, 8, limit * 1.001, timeout=600)[0]
+    assert again["pairs"][-1] >= again["whole"]
+    assert not [t for lvl, t in again["lines"] if lvl == logging.WARNING and "pairs" in t]
 
 
 def test_the_name_does_not_replace_torchs_dualpipev():

@@ -13,7 +13,9 @@ from typing import Any, NamedTuple
 
 class Event(NamedTuple):
     """One compute action on one rank: ``kind`` (F, B, W, BW) of ``microbatch`` on ``stage``,
-    from ``start`` to ``end`` (seconds for measured runs, cost units for simulated plans)."""
+    from ``start`` to ``end`` (seconds for measured runs, cost units for simulated plans), of
+    which ``waited`` was spent waiting for the action's own collectives (a communication
+    point's all-to-all; :mod:`zbpipe.schedules.pairs`), not computing."""
 
     rank: int
     kind: str
@@ -21,6 +23,7 @@ class Event(NamedTuple):
     microbatch: int
     start: float
     end: float
+    waited: float = 0.0
 
 
 def to_chrome(

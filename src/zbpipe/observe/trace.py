@@ -41,8 +41,9 @@ class Tracer:
         self.enabled = enabled
         self._cuda = device is not None and torch.device(device).type == "cuda"
         self._events: list[Event] = []
-        self._pending: list[tuple[str, int, int, Any, Any]] = []
+        self._pending: list[tuple[str, int, int, Any, Any, float]] = []
         self._anchor: tuple[Any, float] | None = None  # (first CUDA start event, host time then)
+        self._waited = 0.0  # the open span's waits for its own collectives (add_wait)
 
     @property
     def events(self) -> list[Event]:
@@ -63,12 +64,18 @@ class Tracer:
             return _CudaSpan(self, kind, stage, microbatch)
         return _HostSpan(self, kind, stage, microbatch)
 
+    def add_wait(self, seconds: float) -> None:
+        """The open span's action waited ``seconds`` for its own collectives (recorded in its
+        event's ``waited``; the communication points call this)."""
+        self._waited += seconds
+
     def _resolve_cuda(self) -> None:
         torch.cuda.synchronize()
         ref, host = self._anchor
-        for kind, stage, mb, s, e in self._pending:
+        for kind, stage, mb, s, e, waited in self._pending:
             t0 = host + ref.elapsed_time(s) / 1e3
-            self._events.append(Event(self.rank, kind, stage, mb, t0, t0 + s.elapsed_time(e) / 1e3))
+            end = t0 + s.elapsed_time(e) / 1e3
+            self._events.append(Event(self.rank, kind, stage, mb, t0, end, waited))
         self._pending.clear()
 
     def clear(self) -> None:
@@ -104,12 +111,14 @@ class _HostSpan(_Span):
     __slots__ = ("_start",)
 
     def __enter__(self) -> None:
+        self._tracer._waited = 0.0
         self._start = time.perf_counter()
 
     def __exit__(self, *exc: object) -> None:
         t = self._tracer
+        end = time.perf_counter()
         t._events.append(
-            Event(t.rank, self._kind, self._at_stage, self._mb, self._start, time.perf_counter())
+            Event(t.rank, self._kind, self._at_stage, self._mb, self._start, end, t._waited)
         )
 
 
@@ -123,12 +132,14 @@ class _CudaSpan(_Span):
         self._start = torch.cuda.Event(enable_timing=True)
         self._end = torch.cuda.Event(enable_timing=True)
         self._start.record()
+        t._waited = 0.0
         if t._anchor is None:
             t._anchor = (self._start, time.perf_counter())
 
     def __exit__(self, *exc: object) -> None:
         self._end.record()
-        self._tracer._pending.append((self._kind, self._at_stage, self._mb, self._start, self._end))
+        t = self._tracer
+        t._pending.append((self._kind, self._at_stage, self._mb, self._start, self._end, t._waited))
 
 
 @dataclass(frozen=True)
