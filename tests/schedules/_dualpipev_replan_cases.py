@@ -83,3 +83,42 @@ def default_arguments(rank, world, m, memory_limit=None, seed=7):
         "worst": worst,
         "lines": lines.lines,
     }
+
+
+def profiled(rank, world, m, latency, seed=11):
+    """costs="profile" on the MoE model whose every all-to-all waits ``latency`` seconds: four
+    steps (the profile re-plans after the third); the measured costs, the pairs' halves of the
+    profiled steps, the plan's pairs and mode, and the largest gradient difference of the
+    fourth step (run by the re-made plan) from an unpipelined reference."""
+    pp_group, ep_group, _, _ = groups(rank, world, 1)
+    mods = build_moe_stages(CFG, 4, ep_group, 0, latency=latency, seed=seed)
+    ref = copy.deepcopy(nn.Sequential(*mods))
+    ids, tgt = synthetic_batch(CFG, batch=2 * m, step=seed)
+    losses = [lm_loss(ref(x), y) for x, y in zip(ids.chunk(m), tgt.chunk(m))]
+    (torch.stack(losses).sum() / m).backward()
+    mine = (rank, 3 - rank)
+    stages = [PipelineStage(mods[s], s, 4, torch.device("cpu"), group=pp_group) for s in mine]
+    sched = ScheduleDualPipeV(
+        stages, m, loss_fn=lm_loss, comm_points=points(mods[s] for s in mine), costs="profile"
+    )
+    for _ in range(4):
+        for mod in mods:
+            mod.zero_grad(set_to_none=True)
+        sched.step(*((ids,) if rank == 0 else ()), target=tgt if rank == 0 else None)
+    worst = 0.0
+    for s in mine:
+        ref_params = dict(ref[s].named_parameters())
+        for name, p in mods[s].named_parameters():
+            torch.testing.assert_close(p.grad, ref_params[name].grad, rtol=1e-5, atol=1e-6)
+            worst = max(worst, (p.grad - ref_params[name].grad).abs().max().item())
+    halves = [
+        (e.kind, e.stage, e.end - e.start - e.waited, overlapped)
+        for e, overlapped in sched._profiler.halves
+    ]
+    return {
+        "costs": sched.measured_costs,
+        "plan": sched.plan,
+        "halves": halves,
+        "worst": worst,
+        "overlaps": sched.overlaps,
+    }

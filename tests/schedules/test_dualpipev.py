@@ -15,6 +15,7 @@ import re
 import pytest
 import torch
 
+import zbpipe
 from tests.schedules import _dualpipev_cases as cases
 from tests.schedules import _dualpipev_replan_cases as replan_cases
 from tests.schedules.test_schedule_grads import _v_promise
@@ -117,6 +118,31 @@ def test_default_arguments_keep_overlapped_pairs_after_the_memory_replan_or_warn
     again = run_ranks(replan_cases.default_arguments, 2, 8, limit * 1.001, timeout=600)[0]
     assert again["pairs"][-1] >= again["whole"]
     assert not [t for lvl, t in again["lines"] if lvl == logging.WARNING and "pairs" in t]
+
+
+@pytest.mark.parametrize("latency_ms", [0.0, 20.0])
+def test_profile_measures_what_the_collectives_cost_and_keeps_the_pairs_that_pay(latency_ms):
+    """costs="profile" with every all-to-all waiting ``latency_ms`` (two per chunk's F and B:
+    dispatch, combine): Costs.a2a is what they waited, F and B only what they computed, each
+    pair's halves are measured too, and the re-made plan (pairs chosen where they pay) is no
+    longer than ZB-V's plan for the same measured costs and gives the reference's gradients."""
+    first, second = run_ranks(replan_cases.profiled, 2, 8, latency_ms / 1e3, timeout=600)
+    costs, plan = first["costs"], first["plan"]
+    waited = 2 * latency_ms  # ms: the measured costs' unit
+    # a sleep wakes late, never early; the tiny model computes in a few ms
+    assert all(waited <= a <= waited + 5.0 for a in costs.a2a), costs.a2a
+    if latency_ms:
+        assert all(f < 0.5 * waited and b < 0.5 * waited for f, b in zip(costs.f, costs.b))
+    assert plan.meta["pairs_mode"] == "paying"
+    zbv = zbpipe.plan("ZBV", 2, 8, costs=costs)
+    assert zbpipe.simulate(plan, costs).makespan <= zbpipe.simulate(zbv, costs).makespan + 1e-9
+    if latency_ms:  # the pairs hide the all-to-alls: the plan keeps them
+        assert len(plan.pairs) >= plan.meta["skeleton_pairs"]
+    for r in (first, second):
+        assert r["worst"] < 1e-5 and r["overlaps"]
+        assert r["halves"] and all(t > 0 for *_, t, _ in r["halves"])
+        if latency_ms:  # a half's compute holds none of the all-to-alls' waits
+            assert all(t < latency_ms / 1e3 for *_, t, _ in r["halves"])
 
 
 def test_the_name_does_not_replace_torchs_dualpipev():
