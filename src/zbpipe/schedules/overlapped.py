@@ -36,11 +36,17 @@ class ScheduleDualPipeV(PlannedSchedule):
     ``comm_points``: ``"auto"`` finds torchtitan's MoE token dispatchers in the stages; or a
     list of :class:`~zbpipe.schedules.comm_points.CommPoint` (docs/use/dualpipev.md).
     ``overlap=False`` runs each pair's halves in turn (the same plan, what torch's
-    ``ScheduleDualPipeV`` does). ``pairs``: ``"auto"`` (default) keeps as many pairs as the
-    memory budget allows until ``costs="profile"`` has measured what the collectives cost (or
-    ``costs`` give it, ``Costs(a2a=...)``), then only the pairs that pay; ``"most"`` or
-    ``"paying"`` fix either. Its name in the schedule tables is ``"ZBDualPipeV"``, so torch's
-    ``"DualPipeV"`` stays torch's.
+    ``ScheduleDualPipeV`` does). Where points are found or declared, ``split="auto"`` takes
+    the deferred engine: only it runs a B in segments between them.
+
+    ``pairs`` (:mod:`zbpipe.planning.v.pair_choice`): ``"auto"`` keeps the pairs that pay once
+    ``costs="profile"`` has measured what the collectives cost (``Costs.a2a``; or ``costs``
+    give it); before, not knowing, the plan nearest the best both with free collectives and
+    with collectives as long as the compute. ``"most"`` keeps as many as the memory budget
+    allows, ``"paying"`` only those that pay. A plan with fewer pairs than the DualPipeV order
+    says why in the log (and, where memory took them, the ``memory_limit`` that keeps them).
+    Its name in the schedule tables is ``"ZBDualPipeV"``, so torch's ``"DualPipeV"`` stays
+    torch's.
     """
 
     plan_name = "ZBDualPipeV"
@@ -71,25 +77,45 @@ class ScheduleDualPipeV(PlannedSchedule):
             raise ValueError(f"{name}: pairs must be 'auto', 'most' or 'paying', got {pairs!r}")
         self.memory = memory
         self.pairs = pairs
+        found = comm_points == "auto"
+        stages = args[0] if args else kwargs.get("stages", ())
+        mods = [st.submod for st in (stages if isinstance(stages, (list, tuple)) else [stages])]
+        points = find_points(mods) if found else list(comm_points)
+        if overlap and points and kwargs.get("split", "auto") == "auto":
+            # Only the deferred engine runs a B in segments between the points; the graph
+            # engine (which split="auto" picks where most weights are outside nn.Linear, as an
+            # MoE's grouped experts are) would run every pair's halves in turn.
+            kwargs["split"] = "deferred"
         super().__init__(*args, **kwargs)
         self.overlap = overlap
-        found = comm_points == "auto"
-        points = find_points(st.submod for st in self._stages) if found else list(comm_points)
         self._pairs.enable(points, overlap=overlap)  # type: ignore[arg-type]
-        if overlap and not points and self.rank == 0:
-            level = logging.WARNING if found else logging.INFO
+        if overlap and self.rank == 0:
+            self._report_no_overlap(points, found)
+        self._report_pairs(self.plan)
+
+    def _report_no_overlap(self, points: Sequence[CommPoint], found: bool) -> None:
+        """Warn (rank 0) where pairs were asked to overlap and cannot: no points, or an
+        engine that runs B whole."""
+        name, level = type(self).__name__, logging.WARNING if found else logging.INFO
+        if not points:
+            where = "comm_points='auto' found no communication point (torchtitan's MoE token "
+            where += "dispatchers) in the stages" if found else "comm_points is empty"
             logger.log(
                 level,
                 "zbpipe: %s: %s, so each pair runs its halves in turn (as torch's "
                 "ScheduleDualPipeV does) and no collective is hidden; declare the model's "
                 "collectives with comm_points=[CommPoint(...)] (docs/use/dualpipev.md)",
                 name,
-                "comm_points='auto' found no communication point (torchtitan's MoE token "
-                "dispatchers) in the stages"
-                if found
-                else "comm_points is empty",
+                where,
             )
-        self._report_pairs(self.plan)
+        elif not self.overlaps:
+            logger.warning(
+                "zbpipe: %s: the %s engine runs each B whole, so each pair runs its halves in "
+                "turn and no collective is hidden; split='deferred' (the default here) "
+                "interleaves them",
+                name,
+                self.split,
+            )
 
     @property
     def overlaps(self) -> bool:

@@ -36,7 +36,6 @@ the other half's compute left of it).
 from __future__ import annotations
 
 import functools
-import logging
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -50,8 +49,6 @@ from ..observe.timeline import Event
 from ..planning import Plan
 from . import planned_actions
 from .comm_points import CommPoint, install, restore
-
-logger = logging.getLogger(__name__)
 
 
 class PairRunner:
@@ -85,12 +82,6 @@ class PairRunner:
         self._patches = install(self._points, self.exchange) if self._points else []
         engine = self._sched.seam.engine
         self._overlap = overlap and bool(self._points) and engine.segments_backward
-        if overlap and self._points and not engine.segments_backward:
-            logger.info(
-                "zbpipe: the %s engine runs B whole: pairs run their backward, then their "
-                "forward (split='deferred' interleaves them)",
-                engine.name,
-            )
         self.lowered(self._sched.plan)
 
     def claim(self) -> None:
