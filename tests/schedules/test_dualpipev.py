@@ -1,7 +1,7 @@
 """ScheduleDualPipeV: gradients equal to an unpipelined reference (2 ranks, and 4 ranks as a
 2 x 2 grid of pipelines and expert-parallel rows with a real all-to-all), eager, under full and
 selective activation checkpointing, with compiled blocks; the overlap itself, from the order the
-model logs; the memory promise; and the construction errors.
+model logs; a pair's two halves in the trace; the memory promise; and the construction errors.
 
 The model is zbpipe.testing.moe (per-rank bodies in _dualpipev_cases.py). Tolerances are fp32's:
 the same ops, summed across microbatches in another order.
@@ -20,6 +20,7 @@ from tests.schedules import _dualpipev_cases as cases
 from tests.schedules import _dualpipev_replan_cases as replan_cases
 from tests.schedules.test_schedule_grads import _v_promise
 from zbpipe import CommPoint, ScheduleDualPipeV, get_schedule_class
+from zbpipe.observe import draw
 from zbpipe.testing import run_ranks
 
 #: (m, wrapping, options): m >= 2p gives the DualPipeV order with its pairs
@@ -80,6 +81,36 @@ def test_a_pair_overlaps_each_halfs_collective_with_the_other_halfs_compute():
         assert _hidden(log, collective_backward=True), "no backward all-to-all hid a forward"
     for log in off:  # the same plan with each pair's halves in turn: nothing hidden
         assert not _hidden(log, False) and not _hidden(log, True)
+
+
+def test_a_traced_pair_shows_its_two_halves_inside_its_span():
+    """The tracer keeps one F+B event per pair (the rank's busy time) and, inside it, each half
+    piece by piece: the plan's F and B of that pair, alternating where the halves interleave
+    (F cut by B at the points), B then F where they ran in turn."""
+    for overlap in (True, False):
+        for events, pieces, pairs, chrome in run_ranks(cases.pair_trace, 2, 4, overlap):
+            spans = [e for e in events if e.kind == "F+B"]
+            assert len(spans) == len(pairs) > 0
+            planned = {(f_stage, f_mb): (b_kind, b_stage, b_mb) for f_stage, f_mb, *b in pairs}
+            for span in spans:
+                inside = [p for p in pieces if span.start <= p.start and p.end <= span.end]
+                b_kind, b_stage, b_mb = planned[(span.stage, span.microbatch)]
+                kinds = [p.kind for p in inside]
+                assert {(p.kind, p.stage, p.microbatch) for p in inside} == {
+                    ("F", span.stage, span.microbatch),
+                    (b_kind, b_stage, b_mb),
+                }
+                assert all(a.end <= b.start for a, b in zip(inside, inside[1:]))  # in turn
+                if overlap:  # the first B segment, F to its first point, B, F, ..., B
+                    assert kinds[0] == "B" and kinds.count("F") >= 2, kinds
+                    assert ("F", "F") not in zip(kinds, kinds[1:]), kinds
+                else:
+                    assert kinds == ["B", "F"], kinds
+                covered = sum(p.end - p.start for p in inside)
+                assert covered <= span.end - span.start
+            halves = [r for r in chrome["traceEvents"] if r.get("args", {}).get("pair_half")]
+            assert len(halves) == len(pieces)
+            assert sum(len(b) for b in draw.boxes_from_chrome(chrome).values()) == len(events)
 
 
 def test_peak_memory_within_the_promise_on_4_ranks():

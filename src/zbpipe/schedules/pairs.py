@@ -26,8 +26,10 @@ torch's own ``ScheduleDualPipeV`` does.
 **What the collectives cost** (for ``costs="profile"``): every collective a point starts is
 timed where it is waited for (:class:`_Timed`). Outside a pair, the wait goes to the running
 action's traced span (``Event.waited``: ``Costs.a2a`` is its median, and F or B its span less
-the wait). A pair is traced as one ``F+B`` span; its halves' compute is recorded apart
-(:attr:`PairRunner.halves`): the backward half's steps, less the waits inside them, are its B;
+the wait). A pair is traced as one ``F+B`` span (the rank's busy time: its halves share one
+thread), and inside it each half piece by piece (``Tracer.pieces``: an ``F`` or ``B`` event per
+stretch one half ran without the other; a Chrome trace nests them under the pair). Its halves'
+compute is recorded apart for the costs (:attr:`PairRunner.halves`): the backward half's steps, less the waits inside them, are its B;
 the rest of the pair, less the forward half's own waits, its F. A pair whose halves ran in turn
 also tells what its collectives took; an interleaved one does not (a wait then shows only what
 the other half's compute left of it).
@@ -68,6 +70,9 @@ class PairRunner:
         #: each pair's halves, compute only, and whether they interleaved (``costs="profile"``
         #: reads and clears it after each step)
         self.halves: list[tuple[Event, bool]] = []
+        #: tracing the running pair's pieces: (F's stage, F's microbatch, B's stage, B's
+        #: microbatch, where the forward half's current piece began or None outside it)
+        self._trace: list[Any] | None = None
 
     @property
     def overlaps(self) -> bool:
@@ -132,6 +137,10 @@ class PairRunner:
         if half is None:
             return
         self._stepping = True
+        trace = self._trace
+        began = self._mark()
+        if trace is not None and trace[4] is not None:  # the forward half's piece ends here
+            self._sched.tracer.piece("F", trace[0], trace[1], trace[4], began)
         t0 = time.perf_counter()
         try:
             with C.outside_python_modes(), torch.enable_grad():
@@ -141,6 +150,11 @@ class PairRunner:
         finally:
             self._stepping = False
             self._clock[0] += time.perf_counter() - t0
+            if trace is not None:
+                ended = self._sched.tracer.mark()
+                self._sched.tracer.piece("B", trace[2], trace[3], began, ended)
+                if trace[4] is not None:
+                    trace[4] = ended
 
     def waited(self, seconds: float) -> None:
         """A point's collective was waited for ``seconds`` (module docstring)."""
@@ -165,21 +179,27 @@ class PairRunner:
 
     def _run_bound(self, first: Any, second: Any, forward: Any, backward: Any, ctx: Any) -> None:
         tracer = self._sched.tracer
+        s_b, mb_b = second.stage_index, second.microbatch_index
         with tracer.span("F+B", first.stage_index, first.microbatch_index):
             enabled, tracer.enabled = tracer.enabled, False  # one span for the pair
+            if enabled:  # and its halves' pieces
+                self._trace = [first.stage_index, first.microbatch_index, s_b, mb_b, None]
             try:
                 self._run_halves(first, second, forward, backward, ctx)
             finally:
-                tracer.enabled = enabled
+                tracer.enabled, self._trace = enabled, None
 
     def _run_halves(self, first: Any, second: Any, forward: Any, backward: Any, ctx: Any) -> None:
         sched = self._sched
         s, mb = second.stage_index, second.microbatch_index
         stage = sched.seam.stages[s]
-        # a fused BW, or eval() (forward only): the halves in turn
-        if second.computation_type != C.BACKWARD_INPUT or not stage.has_backward:
+        fused = second.computation_type != C.BACKWARD_INPUT
+        if fused or not stage.has_backward:  # a fused BW, or eval() (forward only): in turn
+            began = self._mark()
             backward(ctx)
+            between = self._piece("BW" if fused else "B", s, mb, began)
             forward(ctx)
+            self._piece("F", first.stage_index, first.microbatch_index, between)
             return
         planned_actions.prepare_backward(sched, stage, mb)
         steps = sched.seam.backward_input_steps(stage, mb, sched._maybe_get_loss(stage, mb))
@@ -189,7 +209,12 @@ class PairRunner:
         t0 = time.perf_counter()
         try:
             self._step()  # its last segment, and its first collective started
+            if self._trace is not None:
+                self._trace[4] = self._mark()
             forward(ctx)  # its points step the backward half
+            if self._trace is not None:
+                self._piece("F", first.stage_index, first.microbatch_index, self._trace[4])
+                self._trace[4] = None
             while self._backward_half is not None:
                 self._step()
         finally:
@@ -204,6 +229,18 @@ class PairRunner:
             )
         )
         self.halves.append((Event(rank, "B", s, mb, 0.0, stepped - waited_b), interleaved))
+
+    def _mark(self) -> Any:
+        """Now, for a piece of the running pair (None when its pieces are not traced)."""
+        return None if self._trace is None else self._sched.tracer.mark()
+
+    def _piece(self, kind: str, stage: int, microbatch: int, began: Any) -> Any:
+        """Trace a piece of the running pair's half from ``began`` to now; return now."""
+        if self._trace is None:
+            return None
+        now = self._sched.tracer.mark()
+        self._sched.tracer.piece(kind, stage, microbatch, began, now)
+        return now
 
 
 def bind_pair(sched: Any, action: Any) -> Any:
