@@ -91,7 +91,7 @@ def test_a_traced_pair_shows_its_two_halves_inside_its_span():
         for events, pieces, pairs, chrome in run_ranks(cases.pair_trace, 2, 4, overlap):
             spans = [e for e in events if e.kind == "F+B"]
             assert len(spans) == len(pairs) > 0
-            planned = {(f_stage, f_mb): (b_kind, b_stage, b_mb) for f_stage, f_mb, *b in pairs}
+            planned = {(f_stage, f_mb): tuple(b) for f_stage, f_mb, *b in pairs}
             for span in spans:
                 inside = [p for p in pieces if span.start <= p.start and p.end <= span.end]
                 b_kind, b_stage, b_mb = planned[(span.stage, span.microbatch)]

@@ -29,8 +29,9 @@ action's traced span (``Event.waited``: ``Costs.a2a`` is its median, and F or B 
 the wait). A pair is traced as one ``F+B`` span (the rank's busy time: its halves share one
 thread), and inside it each half piece by piece (``Tracer.pieces``: an ``F`` or ``B`` event per
 stretch one half ran without the other; a Chrome trace nests them under the pair). Its halves'
-compute is recorded apart for the costs (:attr:`PairRunner.halves`): the backward half's steps, less the waits inside them, are its B;
-the rest of the pair, less the forward half's own waits, its F. A pair whose halves ran in turn
+compute is recorded apart for the costs (:attr:`PairRunner.halves`): the backward half's
+steps, less the waits inside them, are its B; the rest of the pair, less the forward half's own
+waits, its F. A pair whose halves ran in turn
 also tells what its collectives took; an interleaved one does not (a wait then shows only what
 the other half's compute left of it).
 """
