@@ -1,5 +1,6 @@
-"""Overlapped pairs on a slow network: zbpipe's ScheduleDualPipeV with and without overlap, torch's
-ScheduleDualPipeV and zbpipe's ScheduleZBV, on the same MoE model, 2 gloo ranks.
+"""Overlapped pairs on a slow network: zbpipe's ScheduleDualPipeV with and without overlap (and
+with ``costs="profile"``), torch's ScheduleDualPipeV and zbpipe's ScheduleZBV, on the same MoE
+model, 2 gloo ranks.
 
 The model is zbpipe.testing.moe (attention, then an MoE layer whose tokens go through an
 all-to-all, the experts, and an all-to-all back), one block per chunk, 4 chunks in V placement.
@@ -13,13 +14,16 @@ same latency; repetitions are interleaved (each runs every schedule once, in a r
 Reported per schedule and latency: step time (the slower rank's), its median, and the overlapped
 ScheduleDualPipeV's time over it, paired per repetition (min/median/max).
 
-The zbpipe schedules run with their default arguments but ``measure_memory``: both get
-``measure_memory=False`` so the plan is the same for every step (the first step's byte
-measurement would re-plan after it, differently per run).
+The zbpipe schedules run with their default arguments (the model's points declared): the first
+step measures bytes and re-plans, ``costs="profile"`` re-plans again after its third step (it
+measures what the all-to-alls cost, ``Costs.a2a``, and keeps the pairs that pay). Three untimed
+steps per schedule come first, so every timed step runs the final plan; each run records every
+zbpipe schedule's pairs. ``--measure-memory 0`` gives ``measure_memory=False`` (the first run,
+overlap.json, used it: the plan of equal bytes every step).
 
 Run:  PYTHONPATH=src python benchmarks/overlap.py [--reps 10] [--microbatches 8] [--hidden 512]
-      (--from-json FILE summarises a stored run again)
-Writes benchmarks/results/overlap.json; docs/results/dualpipev.md reports it.
+      [--name overlap]   (--from-json FILE summarises a stored run again)
+Writes benchmarks/results/NAME.json; docs/results/dualpipev.md reports them.
 """
 
 from __future__ import annotations
@@ -30,7 +34,13 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-SCHEDULES = ("DualPipeV overlap", "DualPipeV no overlap", "torch:DualPipeV", "ZBV")
+SCHEDULES = (
+    "DualPipeV overlap",
+    "DualPipeV no overlap",
+    "DualPipeV profile",
+    "torch:DualPipeV",
+    "ZBV",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +55,8 @@ class Config:
     """each all-to-all's latency, as a share of one chunk's forward compute"""
     latencies: tuple[float, ...] = (-1.0, 0.0)
     """-1: ``latency_share`` of the measured forward; else seconds"""
+    measure_memory: int = 1
+    """1: zbpipe's default (bytes measured in the first step, the plan re-made); 0: off"""
 
 
 def _build(name: str, rank: int, cfg: Config, latency: float, groups: dict[str, Any]) -> Any:
@@ -62,8 +74,9 @@ def _build(name: str, rank: int, cfg: Config, latency: float, groups: dict[str, 
     m = cfg.microbatches
     if name == "torch:DualPipeV":
         return ScheduleDualPipeV(stages, m, loss_fn=lm_loss), stages
+    measure = bool(cfg.measure_memory)
     if name == "ZBV":
-        return zbpipe.ScheduleZBV(stages, m, loss_fn=lm_loss, measure_memory=False), stages
+        return zbpipe.ScheduleZBV(stages, m, loss_fn=lm_loss, measure_memory=measure), stages
     points = [
         zbpipe.CommPoint(owner=layer, method="exchange", collective=lambda x, a2a: (x, a2a))
         for s in mine
@@ -74,8 +87,9 @@ def _build(name: str, rank: int, cfg: Config, latency: float, groups: dict[str, 
         m,
         loss_fn=lm_loss,
         comm_points=points,
-        overlap=name == "DualPipeV overlap",
-        measure_memory=False,
+        overlap=name != "DualPipeV no overlap",
+        measure_memory=measure,
+        costs="profile" if name == "DualPipeV profile" else None,
     )
     return sched, stages
 
@@ -116,12 +130,14 @@ def _rank_main(rank: int, world: int, cfg: Config) -> dict | None:
         latency = cfg.latency_share * forward.item() if setting < 0 else setting
         runs = {name: _build(name, rank, cfg, latency, groups) for name in SCHEDULES}
         times = _interleaved(rank, cfg, runs, ids, tgt)
-        pairs = {
-            n: len(getattr(r[0], "plan", None).pairs)
-            for n, r in runs.items()
-            if n != "torch:DualPipeV" and n != "ZBV"
-        }  # type: ignore[union-attr]
-        out["runs"][f"{latency:.6f}"] = {"latency_s": latency, "times": times, "pairs": pairs}
+        plans = {n: r[0].plan for n, r in runs.items() if n != "torch:DualPipeV"}
+        pairs = {n: len(p.pairs) for n, p in plans.items()}
+        how = {n: str(p.meta.get("strategy", "")) for n, p in plans.items()}
+        a2a = getattr(runs["DualPipeV profile"][0].measured_costs, "a2a", None)
+        out["runs"][f"{latency:.6f}"] = {
+            "latency_s": latency, "times": times, "pairs": pairs, "strategy": how,
+            "profiled_a2a_ms": list(a2a) if isinstance(a2a, tuple) else a2a,
+        }  # fmt: skip
     return out if rank == 0 else None
 
 
@@ -142,9 +158,9 @@ def _interleaved(rank: int, cfg: Config, runs: dict, ids: Any, tgt: Any) -> dict
         dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the step ends when its slower rank ends
         return took.item()
 
-    for name in SCHEDULES:  # warm-up: shape inference, the allocator
-        one_step(name)
-        one_step(name)
+    for name in SCHEDULES:  # warm-up: shape inference, the allocator, the re-plans
+        for _ in range(3):
+            one_step(name)
     times: dict[str, list[float]] = {name: [] for name in SCHEDULES}
     for rep in range(cfg.reps):
         order = SCHEDULES[rep % len(SCHEDULES) :] + SCHEDULES[: rep % len(SCHEDULES)]
@@ -165,17 +181,18 @@ def main() -> None:
         if field != "latencies":
             parser.add_argument(f"--{field.replace('_', '-')}", type=type(default), default=default)
     parser.add_argument("--from-json", help="summarise a stored result again (no run)")
+    parser.add_argument("--name", default="overlap", help="results file: NAME.json")
     args = vars(parser.parse_args())
-    stored = args.pop("from_json")
+    stored, name = args.pop("from_json"), args.pop("name")
     if stored:  # the times as measured, with the summary this version computes
         res = json.loads(open(stored).read())
         _summarise(res)
-        (RESULTS / "overlap.json").write_text(json.dumps(res, indent=1) + "\n")
+        (RESULTS / f"{name}.json").write_text(json.dumps(res, indent=1) + "\n")
         return
     cfg = Config(**args)
     res = run_ranks(_rank_main, 2, cfg, timeout=3000)[0]
     _summarise(res)
-    path = write_result("overlap", {"config": asdict(cfg), **res})
+    path = write_result(name, {"config": asdict(cfg), **res})
     print(f"wrote {path}")
 
 
@@ -190,12 +207,17 @@ def _summarise(res: dict[str, Any]) -> None:
         run["median_s"] = {n: statistics.median(t) for n, t in run["times"].items()}
         run["ratio_to_overlap"] = {n: paired_ratios(t, base) for n, t in run["times"].items()}
         run["overlap_over"] = {n: paired_ratios(base, t) for n, t in run["times"].items()}
+        if "DualPipeV profile" in run["times"]:
+            prof = run["times"]["DualPipeV profile"]
+            run["profile_over"] = {n: paired_ratios(prof, t) for n, t in run["times"].items()}
         print(f"latency {run['latency_s'] * 1e3:.2f} ms per all-to-all; pairs {run['pairs']}")
         for name, t in run["times"].items():
             r = run["overlap_over"][name]
+            q = run.get("profile_over", {}).get(name)
             print(
                 f"  {name:<22} median {statistics.median(t) * 1e3:8.1f} ms   overlap / this "
                 f"{r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f})"
+                + (f"   profile / this {q['median']:.3f}" if q else "")
             )
 
 

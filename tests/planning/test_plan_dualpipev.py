@@ -16,7 +16,9 @@ from zbpipe.planning.csv_format import plan_from_csv, plan_to_csv
 from zbpipe.planning.fuse import fuse_adjacent_backward
 from zbpipe.planning.loop.onef1b import plan_1f1b
 from zbpipe.planning.registry import plan
-from zbpipe.planning.v.dualpipev import dualpipev_units, plan_dualpipev
+from zbpipe.planning.v.dualpipev import dualpipev_units, plan_dualpipev, skeleton_budget
+from zbpipe.planning.v.pairing import pair_neighbours
+from zbpipe.planning.v.weight_fill import fill_weight_passes
 from zbpipe.planning.v.zbv import plan_zbv
 
 EPS = 1e-9
@@ -227,8 +229,22 @@ def test_dualpipev_is_complete_correct_deadlock_free_within_budget_and_not_slowe
     r = simulate(pl, costs, memory_limit=budget)  # raises on a missing, misordered or stuck action
     whole = costs.joined(2)
     assert r.makespan <= simulate(plan_1f1b(p, m, whole), whole).makespan + EPS
-    if m >= 2 * p:  # the DualPipeV skeleton, with its pairs
-        assert pl.meta["strategy"].startswith("dualpipev") and pl.pairs
+    zbv = plan_zbv(p, m, costs)
+    if m >= 2 * p:  # equal bytes: the DualPipeV order fits its budget with every pair
+        assert pl.meta["skeleton_fits"]
+    if costs.a2a == 0:  # nothing said of the collectives: hedged between free and a2a = f
+        assert pl.meta["pairs_mode"] == "hedged"
+        slow = Costs(**{**costs.__dict__, "a2a": costs.f})
+        # else ZB-V's plan, a candidate, would be better both ways
+        assert (
+            r.makespan <= simulate(zbv, costs).makespan + EPS
+            or simulate(pl, slow).makespan <= simulate(zbv, slow).makespan + EPS
+        )
+    else:  # pairs where they pay: never longer than ZB-V's plan or the whole skeleton
+        assert pl.meta["pairs_mode"] == "paying"
+        assert r.makespan <= simulate(zbv, costs).makespan + EPS
+        most = plan_dualpipev(p, m, costs, pairs="most")
+        assert r.makespan <= simulate(most, costs).makespan + EPS
 
 
 @settings(max_examples=15, deadline=None)
@@ -248,3 +264,59 @@ def test_with_collectives_to_hide_the_pairs_beat_zbv_and_torchs_sequential_dualp
     assert ours < simulate(plan_zbv(4, 16, costs), costs).makespan
     # torch runs its pairs one half after the other: the same plan without pairs is longer
     assert ours < simulate(pl.without_pairs(), costs).makespan
+
+
+# ------------------------------------------------------------------ when memory takes pairs
+#: bytes measured on tests/schedules/_dualpipev_replan_cases.py's unequal stages (a plain first
+#: chunk, the other three under full checkpointing): the DualPipeV order does not fit "zb"
+UNEQUAL = Costs(
+    mem_f=(2.64, 0.297, 0.297, 0.761),
+    mem_b=(0.2, 2.543, 2.543, 2.369),
+    mem_w=(-2.84, -2.84, -2.84, -3.13),
+)
+
+
+def test_a_pair_that_does_not_fit_is_split_not_the_whole_order():
+    p, m = 2, 8
+    sc = UNEQUAL.per_stage(2 * p)
+    budget = plan_dualpipev(p, m, UNEQUAL).meta["memory_budget"]
+    units = dualpipev_units(p, m)
+    whole = sum(isinstance(u, tuple) for us in units.values() for u in us)
+    assert fill_weight_passes(units, sc, v_placement(p), budget) is None  # not with every pair
+    order, pairs = fill_weight_passes(units, sc, v_placement(p), budget, split_pairs=True)
+    assert 0 < len(pairs) < whole
+    split = make_plan("split", p, m, v_placement(p), order, layout="v", pairs=pairs)
+    simulate(split, UNEQUAL, memory_limit=budget)  # complete, in order, within the budget
+
+
+def test_the_budget_that_keeps_every_pair_is_the_least_that_does():
+    p, m = 2, 8
+    need = skeleton_budget(p, m, UNEQUAL)
+    assert need > plan_dualpipev(p, m, UNEQUAL).meta["memory_budget"]
+    full = plan_dualpipev(p, m, UNEQUAL, memory_limit=need, pairs="most")
+    assert full.meta["skeleton_fits"] and len(full.pairs) >= full.meta["skeleton_pairs"]
+    less = plan_dualpipev(p, m, UNEQUAL, memory_limit=need * 0.99)
+    assert not less.meta["skeleton_fits"]
+
+
+def test_not_knowing_the_collectives_the_plan_is_near_the_best_either_way():
+    """a2a unknown (0): the hedged plan keeps pairs, is within 5% of ZB-V's time with free
+    collectives and beats it with collectives as long as the compute (a2a = f); ZB-V's order
+    with every pair the budget allows is far slower with free collectives (why no mode takes a
+    plan slower than 1F1B's, and the default does not count pairs)."""
+    p, m = 2, 8
+    hedged = plan_dualpipev(p, m, UNEQUAL)
+    most = plan_dualpipev(p, m, UNEQUAL, pairs="most")
+    assert hedged.meta["pairs_mode"] == "hedged" and hedged.pairs
+    assert len(most.pairs) >= len(hedged.pairs)
+    slow = Costs(**{**UNEQUAL.__dict__, "a2a": 1.0})  # f = 1: a2a = f
+    zbv = plan_zbv(p, m, UNEQUAL)
+    assert simulate(hedged, UNEQUAL).makespan <= 1.05 * simulate(zbv, UNEQUAL).makespan
+    assert simulate(hedged, slow).makespan < simulate(zbv, slow).makespan
+    budget = hedged.meta["memory_budget"]
+    every = pair_neighbours(zbv, UNEQUAL, budget, "every pair", most=True)
+    assert len(every.pairs) > len(hedged.pairs)
+    assert simulate(every, UNEQUAL).makespan > 1.2 * simulate(zbv, UNEQUAL).makespan
+    whole = UNEQUAL.joined(2)
+    onef1b = simulate(plan_1f1b(p, m, whole), whole).makespan
+    assert simulate(most, UNEQUAL).makespan <= onef1b + EPS

@@ -139,6 +139,34 @@ def overlap_log(rank, world, m, overlap):
     return log
 
 
+def pair_trace(rank, world, m, overlap):
+    """One step of the overlap test's model (no log); the rank's traced events and pieces, the
+    plan's pairs of this rank as (F's stage, mb, B's kind, stage, mb), and the Chrome JSON."""
+    pp_group, ep_group, pp_rank, ep_rank = groups(rank, world, 1)
+    mods = build_moe_stages(CFG, 2 * world, ep_group, ep_rank, seed=5)
+    mine = sorted(s for s, r in ScheduleDualPipeV.stage_index_to_rank(world).items() if r == rank)
+    stages = [
+        PipelineStage(mods[s], s, 2 * world, torch.device("cpu"), group=pp_group) for s in mine
+    ]
+    sched = ScheduleDualPipeV(
+        stages,
+        m,
+        loss_fn=lm_loss,
+        comm_points=points(mods[s] for s in mine),
+        overlap=overlap,
+        measure_memory=False,  # the plan that ran is the plan read after the step
+    )
+    ids, tgt = synthetic_batch(CFG, batch=2 * m, step=0)
+    sched.step(*((ids,) if 0 in mine else ()), target=tgt if 2 * world - 1 in mine else None)
+    pairs = [
+        (f.stage, f.microbatch, b.kind, b.stage, b.microbatch)
+        for f, b in sched.plan.pairs
+        if f.stage in mine
+    ]
+    trace = sched.tracer.gather()
+    return list(sched.tracer.events), list(sched.tracer.pieces), pairs, trace.to_chrome()
+
+
 def saved_peak(rank, world, m, modes):
     """Per memory mode: this rank's peak bytes held for backward in the third step (the plan
     re-made for the bytes the first step measured) and how many pairs that plan has; and each

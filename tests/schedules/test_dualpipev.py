@@ -1,7 +1,7 @@
 """ScheduleDualPipeV: gradients equal to an unpipelined reference (2 ranks, and 4 ranks as a
 2 x 2 grid of pipelines and expert-parallel rows with a real all-to-all), eager, under full and
 selective activation checkpointing, with compiled blocks; the overlap itself, from the order the
-model logs; the memory promise; and the construction errors.
+model logs; a pair's two halves in the trace; the memory promise; and the construction errors.
 
 The model is zbpipe.testing.moe (per-rank bodies in _dualpipev_cases.py). Tolerances are fp32's:
 the same ops, summed across microbatches in another order.
@@ -9,12 +9,18 @@ the same ops, summed across microbatches in another order.
 
 from __future__ import annotations
 
+import logging
+import re
+
 import pytest
 import torch
 
+import zbpipe
 from tests.schedules import _dualpipev_cases as cases
+from tests.schedules import _dualpipev_replan_cases as replan_cases
 from tests.schedules.test_schedule_grads import _v_promise
 from zbpipe import CommPoint, ScheduleDualPipeV, get_schedule_class
+from zbpipe.observe import draw
 from zbpipe.testing import run_ranks
 
 #: (m, wrapping, options): m >= 2p gives the DualPipeV order with its pairs
@@ -77,6 +83,37 @@ def test_a_pair_overlaps_each_halfs_collective_with_the_other_halfs_compute():
         assert not _hidden(log, False) and not _hidden(log, True)
 
 
+def test_a_traced_pair_shows_its_two_halves_inside_its_span():
+    """The tracer keeps one F+B event per pair (the rank's busy time) and, inside it, each half
+    piece by piece: the plan's F and B of that pair, alternating where the halves interleave
+    (F cut by B at the points), B then F where they ran in turn."""
+    for overlap in (True, False):
+        for events, pieces, pairs, chrome in run_ranks(cases.pair_trace, 2, 4, overlap):
+            spans = [e for e in events if e.kind == "F+B"]
+            assert len(spans) == len(pairs) > 0
+            planned = {(f_stage, f_mb): tuple(b) for f_stage, f_mb, *b in pairs}
+            for span in spans:
+                inside = [p for p in pieces if span.start <= p.start and p.end <= span.end]
+                b_kind, b_stage, b_mb = planned[(span.stage, span.microbatch)]
+                kinds = [p.kind for p in inside]
+                assert {(p.kind, p.stage, p.microbatch) for p in inside} == {
+                    ("F", span.stage, span.microbatch),
+                    (b_kind, b_stage, b_mb),
+                }
+                assert all(a.end <= b.start for a, b in zip(inside, inside[1:]))  # in turn
+                if overlap:  # the first B segment, F to its first point, B, F, ..., B
+                    assert kinds[0] == "B" and kinds.count("F") >= 2, kinds
+                    assert ("F", "F") not in zip(kinds, kinds[1:]), kinds
+                else:
+                    assert kinds == ["B", "F"], kinds
+                covered = sum(p.end - p.start for p in inside)
+                assert covered <= span.end - span.start
+            rank = events[0].rank  # (the Chrome JSON is gathered: both ranks)
+            rows = [r for r in chrome["traceEvents"] if r["ph"] == "X" and r["tid"] == rank]
+            assert len([r for r in rows if r["args"].get("pair_half")]) == len(pieces)
+            assert len(draw.boxes_from_chrome(chrome)[rank]) == len(events)  # pieces skipped
+
+
 def test_peak_memory_within_the_promise_on_4_ranks():
     """The plan re-made for measured bytes holds at most ZB-V's promise plus one chunk
     microbatch ("zb": a pair's forward allocates before its backward frees) or ZB-V's ("half"),
@@ -93,6 +130,51 @@ def test_peak_memory_within_the_promise_on_4_ranks():
         peaks = [out[mode][0] for out, _ in per_rank]
         assert 0 < max(peaks) <= 1.05 * bound + unmodelled, (mode, peaks, bound)
     assert all(out["zb"][1] > 0 for out, _ in per_rank)  # the DualPipeV order, with its pairs
+
+
+def test_default_arguments_keep_overlapped_pairs_after_the_memory_replan_or_warn_why():
+    """Unequal stages (the first chunk holds about nine times the others after F): the plan
+    re-made for the bytes the first step measured cannot keep every pair of the DualPipeV
+    order within memory="zb"'s budget. It keeps some, they overlap, the step that runs it gives
+    the reference's gradients, and rank 0 warns once, with the budget that keeps them all;
+    given that budget, the re-made plan keeps them all."""
+    first, second = run_ranks(replan_cases.default_arguments, 2, 8, timeout=600)
+    built, after_one, after_two = first["pairs"]
+    assert built >= first["whole"]  # equal bytes per chunk: every pair (and one more)
+    assert 0 < after_one == after_two < first["whole"]
+    assert all(r["overlaps"] and r["worst"] < 1e-5 for r in (first, second))
+    warned = [t for lvl, t in first["lines"] if lvl == logging.WARNING and "pairs per step" in t]
+    assert len(warned) == 1, first["lines"]
+    assert "does not fit its memory budget" in warned[0]
+    limit = float(re.search(r"memory_limit=([0-9.]+)", warned[0]).group(1))
+    again = run_ranks(replan_cases.default_arguments, 2, 8, limit * 1.001, timeout=600)[0]
+    assert again["pairs"][-1] >= again["whole"]
+    assert not [t for lvl, t in again["lines"] if lvl == logging.WARNING and "pairs" in t]
+
+
+@pytest.mark.parametrize("latency_ms", [0.0, 20.0])
+def test_profile_measures_what_the_collectives_cost_and_keeps_the_pairs_that_pay(latency_ms):
+    """costs="profile" with every all-to-all waiting ``latency_ms`` (two per chunk's F and B:
+    dispatch, combine): Costs.a2a is what they waited, F and B only what they computed, each
+    pair's halves are measured too, and the re-made plan (pairs chosen where they pay) is no
+    longer than ZB-V's plan for the same measured costs and gives the reference's gradients."""
+    first, second = run_ranks(replan_cases.profiled, 2, 8, latency_ms / 1e3, timeout=600)
+    costs, plan = first["costs"], first["plan"]
+    waited = 2 * latency_ms  # ms: the measured costs' unit
+    # a sleep wakes late, never early; the tiny model computes in a few ms
+    assert all(waited <= a <= waited + 5.0 for a in costs.a2a), costs.a2a
+    if latency_ms:
+        assert all(f < 0.5 * waited and b < 0.5 * waited for f, b in zip(costs.f, costs.b))
+    assert plan.meta["pairs_mode"] == "paying"
+    zbv = zbpipe.plan("ZBV", 2, 8, costs=costs)
+    assert zbpipe.simulate(plan, costs).makespan <= zbpipe.simulate(zbv, costs).makespan + 1e-9
+    if latency_ms:  # the pairs hide the all-to-alls: the plan keeps them
+        assert len(plan.pairs) >= plan.meta["skeleton_pairs"]
+    for r in (first, second):
+        assert r["worst"] < 1e-5 and r["overlaps"]
+        assert r["halves"] and all(t > 0 for *_, t, _ in r["halves"])
+        if latency_ms:  # a half's compute holds none of the all-to-alls' waits
+            assert all(t < latency_ms / 1e3 for *_, t, _ in r["halves"])
 
 
 def test_the_name_does_not_replace_torchs_dualpipev():

@@ -98,9 +98,10 @@ class SegmentRecord:
     points: list[_Point] = field(default_factory=list)
     #: (id(tensor), segment using it) -> (tensor, its alias, the segment that made it)
     aliases: dict[tuple[int, int], tuple[Tensor, Tensor, int]] = field(default_factory=dict)
-    #: the segment that made each tensor the alias mode saw come out of an op
+    #: the segment of each leaf the record made (a point's output, an alias)
     made_in: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
-    #: the same for the autograd nodes of those tensors, and of compiled regions (derived)
+    #: the segment that made each autograd node the alias mode saw come out of an op (a
+    #: tensor's segment is its ``grad_fn``'s), and of compiled regions' nodes (derived)
     node_segment: dict[Any, int] = field(default_factory=dict)
     mode: _AliasMode | None = None
 
@@ -116,10 +117,12 @@ class SegmentRecord:
 
     def segment_of(self, t: Tensor) -> int:
         """The segment that made ``t`` (0: before the first point, or outside the forward)."""
-        seg = self.made_in.get(t)  # type: ignore[no-untyped-call]
-        if seg is not None:
-            return int(seg)
-        return 0 if t.grad_fn is None else self._derived(t.grad_fn)
+        node = t.grad_fn
+        if node is None:  # a leaf: a point's output or an alias, else made outside
+            seg = self.made_in.get(t)  # type: ignore[no-untyped-call]
+            return 0 if seg is None else int(seg)
+        seg = self.node_segment.get(node)
+        return seg if seg is not None else self._derived(node)
 
     def _derived(self, node: Any) -> int:
         """A node the mode did not see (a compiled region's): its inputs' segment."""
@@ -189,15 +192,16 @@ class SegmentRecord:
             and self.segment_of(t) < self.segment
         )
 
-    def note(self, result: Any) -> None:
-        """Mark the tensors an op returned as made in the current segment."""
+    def note(self, result: Any, segment: int) -> None:
+        """Mark the autograd nodes of the tensors an op returned as made in ``segment`` (one
+        dict entry per node: this runs after every op of the forward)."""
         if isinstance(result, Tensor):
-            self.made_in[result] = self.segment
-            if result.grad_fn is not None:
-                self.node_segment.setdefault(result.grad_fn, self.segment)
+            node = result.grad_fn
+            if node is not None:
+                self.node_segment.setdefault(node, segment)
         elif isinstance(result, (list, tuple)):
             for r in result:
-                self.note(r)
+                self.note(r, segment)
 
 
 #: op names that write into their first argument (besides the ``name_`` convention)
@@ -218,6 +222,11 @@ class _AliasMode(TorchFunctionMode):
         if torch.compiler.is_compiling():  # a compiled region is one op to its callers
             return func(*args, **kwargs)
         rec = self.record
+        segment = len(rec.points)
+        if segment == 0:  # before the first point nothing can cross: note, nothing else
+            result = func(*args, **kwargs)
+            rec.note(result, 0)
+            return result
         name = getattr(func, "__name__", "")
         writes = (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDERS
         if (writes and args and rec.crosses(args[0])) or rec.crosses(kwargs.get("out")):
@@ -228,7 +237,7 @@ class _AliasMode(TorchFunctionMode):
                 "overlap=False"
             )
         result = func(*_aliased(rec, args), **{k: _aliased(rec, v) for k, v in kwargs.items()})
-        rec.note(result)
+        rec.note(result, segment)
         return result
 
 

@@ -49,6 +49,7 @@ from ..engines.protocol import SPLITS
 from ..patching import rebind
 from ..schedules import chooser
 from ..schedules import classes as c
+from ..schedules.overlapped import ScheduleDualPipeV
 from ..schedules.runtime import PlannedSchedule
 
 #: zbpipe's schedule classes by the short name configs use (torchtitan's
@@ -64,7 +65,7 @@ SCHEDULE_CLASSES: dict[str, type] = {
     "ZBV": c.ScheduleZBV,
     "ZBVHalf": c.ScheduleZBVHalf,
     "ZBVMin": c.ScheduleZBVMin,
-    "ZBDualPipeV": c.ScheduleDualPipeV,
+    "ZBDualPipeV": ScheduleDualPipeV,
     "Auto": chooser.ScheduleAuto,
     "AutoV": chooser.ScheduleAutoV,
     "Continuous": ScheduleContinuous,

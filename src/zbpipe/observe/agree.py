@@ -18,6 +18,8 @@ def config_fingerprint(cls: type, n_microbatches: int, num_stages: int, plan: Pl
     text = f"{cls.__name__}|{n_microbatches}|{num_stages}|{plan.name}|" + ";".join(
         f"{r}:" + ",".join(map(str, plan.order[r])) for r in sorted(plan.order)
     )
+    if plan.pairs:  # the same order with other pairs runs other actions (OVERLAP_F_B)
+        text += "|pairs:" + ",".join(f"{f}+{b}" for f, b in sorted(plan.pairs))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

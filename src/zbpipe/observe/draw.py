@@ -92,8 +92,8 @@ def boxes_from_chrome(data: Mapping[str, Any], time_scale: float = 1e6) -> dict[
         )
     out: dict[int, list[Box]] = {}
     for ev in events:
-        if ev.get("ph") != "X":
-            continue  # metadata rows (thread names) and anything not a compute span
+        if ev.get("ph") != "X" or ev.get("args", {}).get("pair_half"):
+            continue  # metadata rows, anything not a compute span, pairs' halves (in their pair)
         try:
             rank, kind = int(ev["tid"]), str(ev["cat"])
             args = ev.get("args", {})

@@ -101,7 +101,8 @@ def _flatten(trace_events: Any) -> list[Any]:
 def stage_medians(
     trace_events: Any, stages: Iterable[int] | None = None
 ) -> dict[int, dict[str, float]]:
-    """Median duration (seconds) of each kind of pass, per stage: ``{stage: {kind: median}}``.
+    """Median duration (seconds) of each kind of pass, per stage: ``{stage: {kind: median}}``;
+    an event's ``waited`` (its own collectives) is not counted (:func:`stage_waits` is).
 
     ``trace_events``: events with ``kind``, ``stage``, ``start``, ``end`` (a list, a
     ``{rank: events}`` mapping or a :class:`zbpipe.observe.trace.Trace`). Only ``stages`` are kept
@@ -112,11 +113,24 @@ def stage_medians(
     for e in _flatten(trace_events):
         if e.kind not in KINDS or (keep is not None and e.stage not in keep):
             continue
-        durations.setdefault(e.stage, {}).setdefault(e.kind, []).append(e.end - e.start)
+        computed = e.end - e.start - getattr(e, "waited", 0.0)  # (not waiting on collectives)
+        durations.setdefault(e.stage, {}).setdefault(e.kind, []).append(computed)
     return {
         s: {k: statistics.median(v) for k, v in sorted(kinds.items())}
         for s, kinds in sorted(durations.items())
     }
+
+
+def stage_waits(trace_events: Any, stages: Iterable[int] | None = None) -> dict[int, float]:
+    """Median time (seconds) an F or B of each stage waited for its own collectives (``Event
+    .waited``, the communication points' all-to-alls; 0 for a stage without any): ``Costs.a2a``.
+    Pass only events whose waits were not hidden by other work (not an interleaved pair's)."""
+    keep = None if stages is None else set(stages)
+    waits: dict[int, list[float]] = {}
+    for e in _flatten(trace_events):
+        if e.kind in ("F", "B") and (keep is None or e.stage in keep):
+            waits.setdefault(e.stage, []).append(getattr(e, "waited", 0.0))
+    return {s: statistics.median(w) for s, w in sorted(waits.items())}
 
 
 def costs_from_medians(
@@ -131,7 +145,8 @@ def costs_from_medians(
 
     A stage with B and W measured uses them; a stage measured only with a fused backward BW
     (e.g. under 1F1B) gets ``b = w = BW / 2`` (the split cannot be seen from a fused pass).
-    ``comm`` is in seconds, one value for all stages or one per stage.
+    ``comm`` is in seconds, one value for all stages or one per stage. A stage's ``"a2a"``
+    entry (:func:`stage_waits`) is its ``Costs.a2a``.
     """
     comms = list(comm) if isinstance(comm, (list, tuple)) else [float(comm)] * num_stages
     if len(comms) != num_stages:
@@ -139,7 +154,7 @@ def costs_from_medians(
             f"comm has {len(comms)} values but there are {num_stages} stages; give one per stage"
         )
     fix = (lambda x: x / unit) if digits is None else (lambda x: round_sig(x / unit, digits))
-    f, b, w = [], [], []
+    f, b, w, a2a = [], [], [], []
     for s in range(num_stages):
         m = medians.get(s, {})
         if "F" not in m or not (("B" in m and "W" in m) or "BW" in m):
@@ -151,7 +166,8 @@ def costs_from_medians(
         f.append(fix(m["F"]))
         b.append(fix(bs))
         w.append(fix(ws))
-    return Costs(f=f, b=b, w=w, comm=[fix(c) for c in comms])
+        a2a.append(fix(m.get("a2a", 0.0)))
+    return Costs(f=f, b=b, w=w, comm=[fix(c) for c in comms], a2a=a2a)
 
 
 def memory_costs(

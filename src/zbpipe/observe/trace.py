@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,14 +41,44 @@ class Tracer:
         self.enabled = enabled
         self._cuda = device is not None and torch.device(device).type == "cuda"
         self._events: list[Event] = []
-        self._pending: list[tuple[str, int, int, Any, Any]] = []
+        self._pending: list[tuple[str, int, int, Any, Any, float]] = []
         self._anchor: tuple[Any, float] | None = None  # (first CUDA start event, host time then)
+        self._waited = 0.0  # the open span's waits for its own collectives (add_wait)
+        #: overlapped pairs' halves, piece by piece (:meth:`piece`); CUDA: unresolved events
+        self._pieces: list[Event] = []
+        self._pending_pieces: list[tuple[str, int, int, Any, Any]] = []
 
     @property
     def events(self) -> list[Event]:
-        if self._pending:
+        if self._pending or self._pending_pieces:
             self._resolve_cuda()
         return self._events
+
+    @property
+    def pieces(self) -> list[Event]:
+        """The halves of overlapped pairs, one event per stretch a half ran without the other
+        (an ``F`` or ``B`` of its own stage and microbatch). Each lies inside its pair's ``F+B``
+        event in :attr:`events`, which alone counts as the rank's busy time: the halves take
+        turns on one thread, so the pieces of one pair never overlap each other."""
+        if self._pending or self._pending_pieces:
+            self._resolve_cuda()
+        return self._pieces
+
+    def mark(self) -> Any:
+        """A point in time for :meth:`piece`: the host clock, or a recorded CUDA event."""
+        if not self._cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def piece(self, kind: str, stage: int, microbatch: int, start: Any, end: Any) -> None:
+        """One stretch of an overlapped pair's half, between two :meth:`mark` s (kept while
+        the tracer was enabled when the pair began: the pair runner disables it inside)."""
+        if self._cuda:
+            self._pending_pieces.append((kind, stage, microbatch, start, end))
+        else:
+            self._pieces.append(Event(self.rank, kind, stage, microbatch, start, end))
 
     def span(self, kind: str, stage: int, microbatch: int) -> AbstractContextManager[None]:
         """Time the ``with`` body as one action (recorded even when the body raises).
@@ -63,27 +93,42 @@ class Tracer:
             return _CudaSpan(self, kind, stage, microbatch)
         return _HostSpan(self, kind, stage, microbatch)
 
+    def add_wait(self, seconds: float) -> None:
+        """The open span's action waited ``seconds`` for its own collectives (recorded in its
+        event's ``waited``; the communication points call this)."""
+        self._waited += seconds
+
     def _resolve_cuda(self) -> None:
         torch.cuda.synchronize()
         ref, host = self._anchor
-        for kind, stage, mb, s, e in self._pending:
+        for kind, stage, mb, s, e, waited in self._pending:
             t0 = host + ref.elapsed_time(s) / 1e3
-            self._events.append(Event(self.rank, kind, stage, mb, t0, t0 + s.elapsed_time(e) / 1e3))
+            end = t0 + s.elapsed_time(e) / 1e3
+            self._events.append(Event(self.rank, kind, stage, mb, t0, end, waited))
         self._pending.clear()
+        for kind, stage, mb, s, e in self._pending_pieces:
+            t0 = host + ref.elapsed_time(s) / 1e3
+            self._pieces.append(Event(self.rank, kind, stage, mb, t0, t0 + s.elapsed_time(e) / 1e3))
+        self._pending_pieces.clear()
 
     def clear(self) -> None:
         self._events.clear()
         self._pending.clear()
+        self._pieces.clear()
+        self._pending_pieces.clear()
         self._anchor = None
 
     def gather(self, group: dist.ProcessGroup | None = None) -> Trace:
         """Collect every rank's events (a collective: call it on all ranks of ``group``)."""
         if not dist.is_available() or not dist.is_initialized():
-            return Trace({self.rank: list(self.events)})
+            return Trace({self.rank: list(self.events)}, {self.rank: list(self.pieces)})
         world = dist.get_world_size(group)
         gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, (self.rank, self.events), group=group)
-        return Trace({rank: list(evs) for rank, evs in gathered})
+        dist.all_gather_object(gathered, (self.rank, self.events, self.pieces), group=group)
+        return Trace(
+            {rank: list(evs) for rank, evs, _ in gathered},
+            {rank: list(pcs) for rank, _, pcs in gathered},
+        )
 
 
 _NO_SPAN = nullcontext()
@@ -104,12 +149,14 @@ class _HostSpan(_Span):
     __slots__ = ("_start",)
 
     def __enter__(self) -> None:
+        self._tracer._waited = 0.0
         self._start = time.perf_counter()
 
     def __exit__(self, *exc: object) -> None:
         t = self._tracer
+        end = time.perf_counter()
         t._events.append(
-            Event(t.rank, self._kind, self._at_stage, self._mb, self._start, time.perf_counter())
+            Event(t.rank, self._kind, self._at_stage, self._mb, self._start, end, t._waited)
         )
 
 
@@ -123,19 +170,23 @@ class _CudaSpan(_Span):
         self._start = torch.cuda.Event(enable_timing=True)
         self._end = torch.cuda.Event(enable_timing=True)
         self._start.record()
+        t._waited = 0.0
         if t._anchor is None:
             t._anchor = (self._start, time.perf_counter())
 
     def __exit__(self, *exc: object) -> None:
         self._end.record()
-        self._tracer._pending.append((self._kind, self._at_stage, self._mb, self._start, self._end))
+        t = self._tracer
+        t._pending.append((self._kind, self._at_stage, self._mb, self._start, self._end, t._waited))
 
 
 @dataclass(frozen=True)
 class Trace:
-    """Events of all ranks for one or more steps."""
+    """Events of all ranks for one or more steps; ``pieces``: the halves of overlapped pairs,
+    inside their pairs' ``F+B`` events (:attr:`Tracer.pieces`; busy time counts the pairs)."""
 
     events: dict[int, list[Event]]
+    pieces: dict[int, list[Event]] = field(default_factory=dict)
 
     @property
     def bubble_rate(self) -> float:
@@ -156,8 +207,9 @@ class Trace:
         }
 
     def to_chrome(self) -> dict[str, Any]:
-        """Chrome/Perfetto trace-event JSON: one complete event (``ph: X``) per compute action."""
-        return to_chrome(self.events)
+        """Chrome/Perfetto trace-event JSON: one complete event (``ph: X``) per compute action,
+        and inside each overlapped pair's ``F+B`` its halves' pieces (nested slices)."""
+        return to_chrome(self.events, pieces=self.pieces)
 
     def write_chrome(self, path: str) -> None:
         with open(path, "w") as f:

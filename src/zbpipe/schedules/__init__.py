@@ -1,14 +1,14 @@
 """The torch-facing schedules: the public classes (``classes``), the planned runtime that runs a
 plan with torch's action runtime (``runtime``), the stage seam (``stage_seam``), sends
 (``sends``), a step's inputs (``inputs``), construction-time checks (``validation``) and the
-NaN/Inf loss report (``nonfinite``); the schedule chooser (``auto``); overlapped pairs
-(``pairs``) and the communication points they interleave at (``comm_points``).
+NaN/Inf loss report (``nonfinite``); the schedule chooser (``chooser``); ScheduleDualPipeV
+(``overlapped``), its overlapped pairs (``pairs``) and the communication points they interleave
+at (``comm_points``).
 """
 
 from .chooser import ScheduleAuto, ScheduleAutoV, choose_schedule
 from .classes import (
     Schedule1F1BMulti,
-    ScheduleDualPipeV,
     ScheduleZB1P,
     ScheduleZB2P,
     ScheduleZBAuto,
@@ -18,6 +18,7 @@ from .classes import (
     ScheduleZBVHalf,
     ScheduleZBVMin,
 )
+from .overlapped import ScheduleDualPipeV
 from .runtime import PlannedSchedule
 
 __all__ = [

@@ -17,14 +17,12 @@ Constructing one with the option given again is allowed only with the same value
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
 
 from ..planning import Costs, Plan
 from ..planning.budget import is_budget_string
-from .comm_points import CommPoint, find_points
 from .runtime import PlannedSchedule
 
 
@@ -86,69 +84,6 @@ class ScheduleZBV(PlannedSchedule):
             raise ValueError(f"ScheduleZBV: memory must be 'zb', 'half' or 'min', got {memory!r}")
         self.memory = memory
         super().__init__(*args, **kwargs)
-
-    def build_plan(self, num_ranks: int, n_microbatches: int, costs: Costs, **options: Any) -> Plan:
-        return super().build_plan(num_ranks, n_microbatches, costs, memory=self.memory, **options)
-
-
-class ScheduleDualPipeV(PlannedSchedule):
-    """DualPipeV (DeepSeek) with overlapped F-and-B pairs that really overlap, a B-only
-    backward in each pair and the weight passes W in the remaining bubbles.
-
-    V placement, two stages per rank like :class:`ScheduleZBV`; the plan is
-    :func:`zbpipe.planning.v.dualpipev.plan_dualpipev` (``memory`` as ZB-V's modes; ``"zb"``
-    holds 1F1B's peak and one chunk microbatch). In each pair the forward of one chunk and the
-    input-gradient pass of the other interleave at the model's communication points, so each
-    half's collective (an MoE layer's expert all-to-all) is in flight while the other half
-    computes (:mod:`zbpipe.schedules.pairs`).
-
-    ``comm_points``: ``"auto"`` finds torchtitan's MoE token dispatchers in the stages; or a
-    list of :class:`~zbpipe.schedules.comm_points.CommPoint` (docs/use/dualpipev.md).
-    ``overlap=False`` runs each pair's halves in turn (the same plan, what torch's
-    ``ScheduleDualPipeV`` does). Its name in the schedule tables is ``"ZBDualPipeV"``, so torch's
-    ``"DualPipeV"`` stays torch's.
-    """
-
-    plan_name = "ZBDualPipeV"
-    layout = "v"
-    stages_per_rank = 2
-
-    def __init__(
-        self,
-        *args: Any,
-        memory: Literal["zb", "half", "min"] = "zb",
-        overlap: bool = True,
-        comm_points: str | Sequence[CommPoint] = "auto",
-        **kwargs: Any,
-    ) -> None:
-        name = type(self).__name__
-        if memory not in ("zb", "half", "min"):
-            raise ValueError(f"{name}: memory must be 'zb', 'half' or 'min', got {memory!r}")
-        if not isinstance(overlap, bool):
-            raise ValueError(f"{name}: overlap must be True or False, got {overlap!r}")
-        if isinstance(comm_points, str) and comm_points != "auto":
-            raise ValueError(f"{name}: comm_points must be 'auto' or a list of CommPoint")
-        if not isinstance(comm_points, str) and not all(
-            isinstance(p, CommPoint) for p in comm_points
-        ):
-            raise ValueError(f"{name}: comm_points must be 'auto' or a list of CommPoint")
-        self.memory = memory
-        super().__init__(*args, **kwargs)
-        self.overlap = overlap
-        if comm_points == "auto":
-            comm_points = find_points(stage.submod for stage in self._stages)
-        self._pairs.enable(list(comm_points) if overlap else [])
-
-    @property
-    def overlaps(self) -> bool:
-        """Whether the pairs interleave their halves (points found or declared, ``overlap=True``
-        and an engine whose B runs in segments)."""
-        return self._pairs.overlaps
-
-    def restore_points(self) -> None:
-        """Give the communication points' methods back to the model (the next step puts them
-        in again)."""
-        self._pairs.restore()
 
     def build_plan(self, num_ranks: int, n_microbatches: int, costs: Costs, **options: Any) -> Plan:
         return super().build_plan(num_ranks, n_microbatches, costs, memory=self.memory, **options)

@@ -22,12 +22,24 @@ runner marks those keys (``StageSeam.cut_keys``) when a plan is lowered, for eve
 backward is a B, with an engine that can run B in segments (the deferred one). Otherwise, or
 without points, or with ``overlap=False``, a pair runs its backward, then its forward: what
 torch's own ``ScheduleDualPipeV`` does.
+
+**What the collectives cost** (for ``costs="profile"``): every collective a point starts is
+timed where it is waited for (:class:`_Timed`). Outside a pair, the wait goes to the running
+action's traced span (``Event.waited``: ``Costs.a2a`` is its median, and F or B its span less
+the wait). A pair is traced as one ``F+B`` span (the rank's busy time: its halves share one
+thread), and inside it each half piece by piece (``Tracer.pieces``: an ``F`` or ``B`` event per
+stretch one half ran without the other; a Chrome trace nests them under the pair). Its halves'
+compute is recorded apart for the costs (:attr:`PairRunner.halves`): the backward half's
+steps, less the waits inside them, are its B; the rest of the pair, less the forward half's own
+waits, its F. A pair whose halves ran in turn
+also tells what its collectives took; an interleaved one does not (a wait then shows only what
+the other half's compute left of it).
 """
 
 from __future__ import annotations
 
 import functools
-import logging
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -35,12 +47,11 @@ import torch
 from torch import Tensor
 
 from .. import _compat as C
-from ..engines.segmented import Collective, Exchange
+from ..engines.segmented import Collective, Exchange, Pending
+from ..observe.timeline import Event
 from ..planning import Plan
 from . import planned_actions
 from .comm_points import CommPoint, install, restore
-
-logger = logging.getLogger(__name__)
 
 
 class PairRunner:
@@ -53,29 +64,36 @@ class PairRunner:
         self._overlap = False
         self._backward_half: Iterator[None] | None = None
         self._stepping = False
+        #: the running pair's clocks: seconds in the backward half's steps, and waited for
+        #: collectives outside them (the forward half's) and inside (the backward half's)
+        self._in_pair = False
+        self._clock = [0.0, 0.0, 0.0]
+        #: each pair's halves, compute only, and whether they interleaved (``costs="profile"``
+        #: reads and clears it after each step)
+        self.halves: list[tuple[Event, bool]] = []
+        #: tracing the running pair's pieces: (F's stage, F's microbatch, B's stage, B's
+        #: microbatch, where the forward half's current piece began or None outside it)
+        self._trace: list[Any] | None = None
 
     @property
     def overlaps(self) -> bool:
         """Whether pairs interleave their halves (points installed, an engine that segments)."""
         return self._overlap
 
-    def enable(self, points: Sequence[CommPoint]) -> None:
-        """Interleave pairs at ``points`` (replacing their methods); none: halves in turn."""
+    def enable(self, points: Sequence[CommPoint], overlap: bool = True) -> None:
+        """Interleave pairs at ``points`` (replacing their methods; ``overlap=False``, or no
+        points: halves in turn, the points' collectives still timed)."""
         restore(self._patches)
         self._points = list(points)
         self._patches = install(self._points, self.exchange) if self._points else []
         engine = self._sched.seam.engine
-        self._overlap = bool(self._points) and engine.segments_backward
-        if self._points and not engine.segments_backward:
-            logger.info(
-                "zbpipe: the %s engine runs B whole: pairs run their backward, then their "
-                "forward (split='deferred' interleaves them)",
-                engine.name,
-            )
+        self._overlap = overlap and bool(self._points) and engine.segments_backward
         self.lowered(self._sched.plan)
 
     def claim(self) -> None:
-        """Put this schedule's point methods back if another schedule replaced them (per step)."""
+        """At the start of each step: forget the last step's :attr:`halves`; put this
+        schedule's point methods back if another schedule replaced them."""
+        self.halves.clear()
         if any(vars(p.target).get(p.name) is not p.replacement for p in self._patches):
             restore(self._patches)
             self._patches = install(self._points, self.exchange)
@@ -100,6 +118,7 @@ class PairRunner:
     def exchange(self, x: Tensor, collective: Collective) -> Tensor:
         """What a communication point does: start the collective, let the backward half of
         the running pair step meanwhile, wait; cut the graph where the forward is cut."""
+        collective = _Timed(collective, self)
         if self._stepping:  # recomputed inside the backward half: an ordinary collective
             return Exchange.apply(x, collective, None)
         meanwhile = self._step if self._backward_half is not None else None
@@ -119,6 +138,11 @@ class PairRunner:
         if half is None:
             return
         self._stepping = True
+        trace = self._trace
+        began = self._mark()
+        if trace is not None and trace[4] is not None:  # the forward half's piece ends here
+            self._sched.tracer.piece("F", trace[0], trace[1], trace[4], began)
+        t0 = time.perf_counter()
         try:
             with C.outside_python_modes(), torch.enable_grad():
                 next(half)
@@ -126,6 +150,19 @@ class PairRunner:
             self._backward_half = None
         finally:
             self._stepping = False
+            self._clock[0] += time.perf_counter() - t0
+            if trace is not None:
+                ended = self._sched.tracer.mark()
+                self._sched.tracer.piece("B", trace[2], trace[3], began, ended)
+                if trace[4] is not None:
+                    trace[4] = ended
+
+    def waited(self, seconds: float) -> None:
+        """A point's collective was waited for ``seconds`` (module docstring)."""
+        if self._in_pair:
+            self._clock[2 if self._stepping else 1] += seconds
+        else:
+            self._sched.tracer.add_wait(seconds)
 
     # ------------------------------------------------------------------ the action
     def bind(self, action: Any) -> Any:
@@ -143,34 +180,98 @@ class PairRunner:
 
     def _run_bound(self, first: Any, second: Any, forward: Any, backward: Any, ctx: Any) -> None:
         tracer = self._sched.tracer
+        s_b, mb_b = second.stage_index, second.microbatch_index
         with tracer.span("F+B", first.stage_index, first.microbatch_index):
             enabled, tracer.enabled = tracer.enabled, False  # one span for the pair
+            if enabled:  # and its halves' pieces
+                self._trace = [first.stage_index, first.microbatch_index, s_b, mb_b, None]
             try:
-                self._run_halves(second, forward, backward, ctx)
+                self._run_halves(first, second, forward, backward, ctx)
             finally:
-                tracer.enabled = enabled
+                tracer.enabled, self._trace = enabled, None
 
-    def _run_halves(self, second: Any, forward: Any, backward: Any, ctx: Any) -> None:
+    def _run_halves(self, first: Any, second: Any, forward: Any, backward: Any, ctx: Any) -> None:
         sched = self._sched
         s, mb = second.stage_index, second.microbatch_index
         stage = sched.seam.stages[s]
-        # a fused BW, or eval() (forward only): the halves in turn
-        if second.computation_type != C.BACKWARD_INPUT or not stage.has_backward:
+        fused = second.computation_type != C.BACKWARD_INPUT
+        if fused or not stage.has_backward:  # a fused BW, or eval() (forward only): in turn
+            began = self._mark()
             backward(ctx)
+            between = self._piece("BW" if fused else "B", s, mb, began)
             forward(ctx)
+            self._piece("F", first.stage_index, first.microbatch_index, between)
             return
         planned_actions.prepare_backward(sched, stage, mb)
         steps = sched.seam.backward_input_steps(stage, mb, sched._maybe_get_loss(stage, mb))
         self._backward_half = iter(steps)
+        self._in_pair, self._clock = True, [0.0, 0.0, 0.0]
+        interleaved = (s, mb) in sched.seam.cut_keys
+        t0 = time.perf_counter()
         try:
             self._step()  # its last segment, and its first collective started
+            if self._trace is not None:
+                self._trace[4] = self._mark()
             forward(ctx)  # its points step the backward half
+            if self._trace is not None:
+                self._piece("F", first.stage_index, first.microbatch_index, self._trace[4])
+                self._trace[4] = None
             while self._backward_half is not None:
                 self._step()
         finally:
-            self._backward_half = None
+            self._backward_half, self._in_pair = None, False
+        stepped, waited_f, waited_b = self._clock
+        f_compute = time.perf_counter() - t0 - stepped - waited_f
+        rank = sched.rank
+        self.halves.append(
+            (
+                Event(rank, "F", first.stage_index, first.microbatch_index, 0.0, f_compute),
+                interleaved,
+            )
+        )
+        self.halves.append((Event(rank, "B", s, mb, 0.0, stepped - waited_b), interleaved))
+
+    def _mark(self) -> Any:
+        """Now, for a piece of the running pair (None when its pieces are not traced)."""
+        return None if self._trace is None else self._sched.tracer.mark()
+
+    def _piece(self, kind: str, stage: int, microbatch: int, began: Any) -> Any:
+        """Trace a piece of the running pair's half from ``began`` to now; return now."""
+        if self._trace is None:
+            return None
+        now = self._sched.tracer.mark()
+        self._sched.tracer.piece(kind, stage, microbatch, began, now)
+        return now
 
 
 def bind_pair(sched: Any, action: Any) -> Any:
     """The action loop's binder for ``OVERLAP_F_B`` (``PlannedSchedule.action_binders``)."""
     return sched._pairs.bind(action)
+
+
+class _Timed:
+    """A point's collective whose waits are reported to the pair runner (``waited``)."""
+
+    __slots__ = ("_inner", "_runner")
+
+    def __init__(self, inner: Collective, runner: PairRunner) -> None:
+        self._inner, self._runner = inner, runner
+
+    def start(self, x: Tensor) -> _TimedPending:
+        return _TimedPending(self._inner.start(x), self._runner)
+
+    def start_backward(self, grad: Tensor) -> _TimedPending:
+        return _TimedPending(self._inner.start_backward(grad), self._runner)
+
+
+class _TimedPending:
+    __slots__ = ("_inner", "_runner")
+
+    def __init__(self, inner: Pending, runner: PairRunner) -> None:
+        self._inner, self._runner = inner, runner
+
+    def wait(self) -> Tensor:
+        t0 = time.perf_counter()
+        out = self._inner.wait()
+        self._runner.waited(time.perf_counter() - t0)
+        return out

@@ -19,6 +19,7 @@ from ..observe.profile import (
     memory_costs,
     round_sig,
     stage_medians,
+    stage_waits,
 )
 from ..planning import Costs, Plan, SimResult
 from .memory_promise import fastest_keeping, promised_budget
@@ -59,6 +60,9 @@ class CostProfiler:
         )
         self.steps_seen = 0
         self.events: list[Any] = []
+        #: overlapped pairs' halves (compute only) and whether they interleaved
+        #: (:attr:`zbpipe.schedules.pairs.PairRunner.halves`)
+        self.halves: list[Any] = []
         self.done = False
         self.memory = MemoryProbe()
         #: bytes per memory unit of the measured costs (None: memory not measured)
@@ -84,6 +88,7 @@ class CostProfiler:
         sched.seam.probe = None
         if self.steps_seen > self.config.warmup_steps:
             self.events.extend(sched.tracer.events)
+            self.halves.extend(sched._pairs.halves)
         if self.steps_seen == self.config.warmup_steps + self.config.profile_steps:
             self.done = True
             sched.tracer.enabled = self.keep_tracing
@@ -93,7 +98,11 @@ class CostProfiler:
         """The agreed per-stage costs (a collective over the pipeline group)."""
         cfg, group = self.config, sched._stages[0].group
         mine = [st.stage_index for st in sched._stages]
-        medians = gather_stage_values(stage_medians(self.events, mine), group)
+        local = stage_medians([*self.events, *(e for e, _ in self.halves)], mine)
+        waits = [*self.events, *(e for e, interleaved in self.halves if not interleaved)]
+        for s, waited in stage_waits(waits, mine).items():  # Costs.a2a
+            local.setdefault(s, {})["a2a"] = waited
+        medians = gather_stage_values(local, group)
         if cfg.comm == "measure":
             comm_s = measure_comm(sched._stages, sched.plan.placement, group, cfg.comm_repeats)
             comm_s = {s: round_sig(c, cfg.digits + 2) for s, c in comm_s.items()}
@@ -146,7 +155,7 @@ class CostProfiler:
         level = logging.INFO if sched.rank == 0 else logging.DEBUG
         logger.log(
             level,
-            "zbpipe profile: %s measured costs (%s) F=%s B=%s W=%s comm=%s; plan %s %s -> %s: "
+            "zbpipe profile: %s measured costs (%s) F=%s B=%s W=%s comm=%s%s; plan %s %s -> %s: "
             "simulated makespan %.4g -> %.4g %s, bubble rate %.1f%% -> %.1f%% (%s)%s",
             type(sched).__name__,
             unit,
@@ -154,6 +163,7 @@ class CostProfiler:
             _fmt(costs.b),
             _fmt(costs.w),
             _fmt(costs.comm),
+            f" a2a={_fmt(costs.a2a)}" if any(_tuple(costs.a2a)) else "",
             new.name,
             fp(old),
             fp(chosen),
@@ -214,6 +224,9 @@ class CostProfiler:
         return text
 
 
+def _tuple(values: Any) -> tuple[float, ...]:
+    return values if isinstance(values, tuple) else (values,)
+
+
 def _fmt(values: Any) -> str:
-    vals = values if isinstance(values, tuple) else (values,)
-    return "[" + ",".join(f"{v:g}" for v in vals) + "]"
+    return "[" + ",".join(f"{v:g}" for v in _tuple(values)) + "]"

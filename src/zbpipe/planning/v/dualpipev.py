@@ -21,26 +21,36 @@ chunks' forwards on every rank (1F1B's peak) and, in its steady state, one more:
 allocates before its B and W free anything. So ``memory="zb"`` budgets 1F1B's peak plus one
 chunk microbatch (:func:`dualpipev_budget`); the skeleton needs ``m >= 2p``.
 
-Where the skeleton does not apply (``m < 2p``, or a budget below its peak: ``memory="half"``
-or ``"min"``, a small ``memory_limit``), the plan is the ZB-V plan of the same memory mode
-(:mod:`.zbv`: ZB-V, V-Half, V-Min) with its neighbouring F and B paired where that makes it no
-longer (:mod:`.pairing`). With nothing for the pairs to hide (``a2a = 0``) the skeleton can be
-longer than ZB-V's plan: DualPipeV is for models whose collectives need hiding. It has never been
-seen longer than 1F1B's on the same model (tests/planning/test_plan_dualpipev.py checks random
-sizes and costs).
+Where the skeleton does not fit the budget with all its pairs (a heavy chunk in measured
+bytes, ``memory="half"`` or ``"min"``, a small ``memory_limit``), the pairs that do not fit are
+split (their B first, then the W's memory needs, then their F: :mod:`.weight_fill`); where it
+does not apply at all (``m < 2p``) only ZB-V's plan is left. Each of these *bases*, and ZB-V's
+plan of the same memory mode (:mod:`.zbv`: ZB-V, V-Half, V-Min), is paired afresh on its order
+(neighbouring F and B, :mod:`.pairing`), and :mod:`.pair_choice` picks: the shortest under the
+collectives' measured or given cost (``Costs.a2a``), or, when nothing is known of it, the plan
+nearest the best both with free collectives and with collectives as long as the compute. With
+nothing for the pairs to hide (``a2a = 0``) the skeleton can be longer than ZB-V's plan:
+DualPipeV is for models whose collectives need hiding. It has never been seen longer than
+1F1B's on the same model (tests/planning/test_plan_dualpipev.py checks random sizes and costs).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from typing import Literal
 
-from ..core import Action, Plan, PlanError, make_plan, v_placement
+from ..core import Action, Plan, make_plan, v_placement
 from ..costs import Costs, StageCosts
+from ..loop.onef1b import plan_1f1b
 from ..rules import check_sizes
 from ..simulator import simulate_timing
-from .pairing import pair_neighbours
+from .pair_choice import ChoiceMode, choose, pair_candidates
 from .weight_fill import Unit, fill_weight_passes
 from .zbv import MemoryMode, plan_zbv
+
+#: which pairs a plan keeps (``plan_dualpipev``; :mod:`.pair_choice`)
+PairsMode = Literal["auto", "most", "paying"]
 
 log = logging.getLogger(__name__)
 
@@ -111,46 +121,97 @@ def plan_dualpipev(
     costs: Costs | None = None,
     memory_limit: float | None = None,
     memory: MemoryMode = "zb",
+    pairs: PairsMode = "auto",
 ) -> Plan:
     """A DualPipeV plan with overlapped F-and-B pairs and W in the bubbles (module docstring).
 
     ``costs`` describe each of the ``2 * num_ranks`` chunks (``a2a``: the collectives a pair
     hides); ``memory`` is ZB-V's memory mode (``"zb"``: 1F1B's peak, ``"half"``, ``"min"``) and
-    ``memory_limit`` (per rank, in ``Costs`` memory units) replaces its budget.
+    ``memory_limit`` (per rank, in ``Costs`` memory units) replaces its budget. ``pairs``
+    (:mod:`.pair_choice`): ``"paying"`` keeps the pairs that make the plan shorter under
+    ``costs``, ``"most"`` as many as the budget allows; ``"auto"``: ``"paying"`` where some
+    ``a2a`` is given (> 0), else ``"hedged"``, the plan nearest the best both with free
+    collectives and with collectives as long as the compute.
+
+    ``meta``: ``skeleton_pairs``, the pairs of the DualPipeV order (0 for ``m < 2p``), and
+    ``skeleton_fits``, whether it fits the budget with all of them (if not,
+    :func:`skeleton_budget` says what budget would); ``pairs_mode``, the mode that chose.
     """
     check_sizes(num_ranks, n_microbatches)
     p, m = num_ranks, n_microbatches
     costs = costs if costs is not None else Costs()
     sc = costs.per_stage(2 * p)
+    mode = resolve_pairs_mode(pairs, sc)
     zbv = plan_zbv(p, m, costs, memory_limit=memory_limit, memory=memory)
     budget = dualpipev_budget(sc, float(zbv.meta["memory_budget"]), memory, memory_limit)  # type: ignore[arg-type]
-    candidates: list[tuple[str, Plan]] = []
-    for turn in (False, True) if m >= 2 * p else ():
+    meta: dict[str, object] = {
+        "memory": memory, "memory_budget": budget, "pairs_mode": mode,
+        "skeleton_pairs": 0, "skeleton_fits": False,
+    }  # fmt: skip
+    bases = _skeletons(p, m, costs, budget, meta) if m >= 2 * p else []
+    bases.append(("zbv", dataclasses.replace(zbv, name=NAME)))
+    joined = costs.joined(2)  # 1F1B on the same model: each rank's two chunks as one stage
+    ceiling = simulate_timing(plan_1f1b(p, m, joined), joined).makespan
+    candidates = pair_candidates(bases, costs, budget, mode, NAME)
+    label, chosen = choose(candidates, costs, budget, mode, ceiling)
+    log.debug("%s p=%d m=%d: chose %s", NAME, p, m, label)
+    return _with_meta(chosen, strategy=label, **meta)
+
+
+def resolve_pairs_mode(pairs: PairsMode, stage_costs: list[StageCosts]) -> ChoiceMode:
+    """How the pairs are chosen: ``pairs`` itself, or for ``"auto"`` ``"paying"`` where some
+    ``a2a`` is given, else ``"hedged"``."""
+    if pairs not in ("auto", "most", "paying"):
+        raise ValueError(f"pairs must be 'auto', 'most' or 'paying', got {pairs!r}")
+    if pairs != "auto":
+        return pairs
+    return "paying" if any(c.a2a > 0 for c in stage_costs) else "hedged"
+
+
+def _skeletons(
+    p: int, m: int, costs: Costs, budget: float, meta: dict[str, object]
+) -> list[tuple[str, Plan]]:
+    """The DualPipeV order (both first-round turns) with its W's placed within ``budget``: whole
+    where it fits, else with the pairs that do not fit split."""
+    sc = costs.per_stage(2 * p)
+    out: list[tuple[str, Plan]] = []
+    for turn in (False, True):
         units = dualpipev_units(p, m, turn_backward_first=turn)
+        meta["skeleton_pairs"] = sum(isinstance(u, tuple) for us in units.values() for u in us)
+        label = f"dualpipev(turn_backward_first={turn})"
         filled = fill_weight_passes(units, sc, v_placement(p), budget)
+        meta["skeleton_fits"] = meta["skeleton_fits"] or filled is not None
+        if filled is None:
+            filled = fill_weight_passes(units, sc, v_placement(p), budget, split_pairs=True)
+            label += ", pairs split to fit"
         if filled is not None:
             order, pairs = filled
-            label = f"dualpipev(turn_backward_first={turn})"
-            skeleton = make_plan(
-                NAME, p, m, v_placement(p), order, layout="v", pairs=pairs,
-                memory=memory, memory_budget=budget, strategy=label,
-            )  # fmt: skip
-            candidates.append((label, skeleton))
-    if not candidates:  # m < 2p, or a budget below the skeleton's: ZB-V's plan, paired
-        paired = pair_neighbours(zbv, costs, budget, NAME)
-        candidates.append(("zbv-paired", _with_meta(paired, memory, budget, "zbv-paired")))
-    best: tuple[tuple[float, float, int], str, Plan] | None = None
-    for i, (label, plan) in enumerate(candidates):
-        try:
-            r = simulate_timing(plan, costs, memory_limit=budget)
-        except PlanError as exc:  # a bug in a generator, not the user's fault
-            raise RuntimeError(f"plan_dualpipev built an invalid plan ({label}): {exc}") from exc
-        key = (round(r.makespan, 9), round(r.longest_span, 9), i)
-        if best is None or key < best[0]:
-            best = (key, label, plan)
-    assert best is not None
-    log.debug("%s p=%d m=%d: chose %s", NAME, p, m, best[1])
-    return best[2]
+            plan = make_plan(NAME, p, m, v_placement(p), order, layout="v", pairs=pairs)
+            out.append((label, plan))
+    return out
+
+
+def skeleton_budget(num_ranks: int, n_microbatches: int, costs: Costs) -> float:
+    """The least per-rank budget (``Costs`` memory units, to 0.1%) within which the DualPipeV
+    order keeps every pair (either first-round turn): what to allow a plan that lost pairs to
+    its budget. Needs ``n_microbatches >= 2 * num_ranks``."""
+    p, m = num_ranks, n_microbatches
+    sc = costs.per_stage(2 * p)
+    best = float("inf")
+    for turn in (False, True):
+        units = dualpipev_units(p, m, turn_backward_first=turn)
+        filled = fill_weight_passes(units, sc, v_placement(p), float("inf"))
+        assert filled is not None  # no limit: never short of memory; the order never deadlocks
+        plan = make_plan(NAME, p, m, v_placement(p), filled[0], layout="v", pairs=filled[1])
+        low, high = 0.0, max(simulate_timing(plan, costs).peak_memory.values())
+        while high - low > 1e-3 * high:  # a bisection between too little and enough
+            mid = (low + high) / 2
+            if fill_weight_passes(units, sc, v_placement(p), mid) is None:
+                low = mid
+            else:
+                high = mid
+        best = min(best, high)
+    return best
 
 
 def dualpipev_budget(
@@ -166,8 +227,8 @@ def dualpipev_budget(
     return zbv_budget
 
 
-def _with_meta(plan: Plan, memory: MemoryMode, budget: float, strategy: str) -> Plan:
+def _with_meta(plan: Plan, **meta: object) -> Plan:
     return make_plan(
         NAME, plan.num_ranks, plan.n_microbatches, plan.placement, plan.order, layout="v",
-        pairs=plan.pairs, memory=memory, memory_budget=budget, strategy=strategy,
+        pairs=plan.pairs, **meta,
     )  # fmt: skip

@@ -8,6 +8,11 @@ that would take the rank above the memory limit (an F's allocation, or a B's whe
 than it frees) it runs as many W's as that needs. What is left
 runs after the rank's last unit. This is the DualPipeV rule that "W fills the remaining bubbles".
 
+A pair whose two halves do not fit together even after every waiting W (its F allocates before
+its B's W can free anything) may be *split* (``split_pairs=True``): its B runs first, then the
+W's the memory limit calls for, then its F. The order keeps the pair's place and loses one pair
+instead of the whole plan (a B first needs no input the pair would not have waited for).
+
 The times follow the simulator's model (:mod:`zbpipe.planning.simulator`), so the order returned
 simulates to the times it was built with; every rank's decisions depend only on times already
 fixed, so the result is the same whatever order the ranks are looked at (deterministic).
@@ -42,9 +47,12 @@ def fill_weight_passes(
     stage_costs: Sequence[StageCosts],
     placement: Mapping[int, int],
     memory_limit: float,
+    *,
+    split_pairs: bool = False,
 ) -> tuple[dict[int, list[Action]], list[tuple[Action, Action]]] | None:
     """Each rank's order with its W's placed, and the pairs; None if a rank cannot keep within
-    ``memory_limit`` (no W left to free what an F needs) or the units deadlock."""
+    ``memory_limit`` (no W left to free what an F needs) or the units deadlock.
+    ``split_pairs``: a pair that does not fit runs as B, then F (module docstring)."""
     last = len(stage_costs) - 1
     ranks = {
         r: _Rank(units=list(us), pending_w=deque(), order=[]) for r, us in sorted(units.items())
@@ -60,10 +68,17 @@ def fill_weight_passes(
                 ready = _ready(acts, rank, made, stage_costs, last, placement)
                 if ready is None:
                     break
-                if not _run_unit(st, acts, ready, stage_costs, memory_limit, made, rank):
+                if _run_unit(st, acts, ready, stage_costs, memory_limit, made, rank):
+                    if isinstance(unit, tuple):
+                        pairs.append(unit)
+                elif not split_pairs or len(acts) == 1:
                     return None
-                if isinstance(unit, tuple):
-                    pairs.append(unit)
+                else:  # the pair does not fit: its B, then its F, each when its inputs are there
+                    for a in (acts[1], acts[0]):
+                        when = _ready((a,), rank, made, stage_costs, last, placement)
+                        assert when is not None  # the pair's inputs were all there
+                        if not _run_unit(st, (a,), when, stage_costs, memory_limit, made, rank):
+                            return None
                 st.done += 1
                 progress = True
             if st.done == len(st.units) and st.pending_w:
