@@ -21,9 +21,10 @@ def prebuild(*, verbose: bool = False) -> tuple[bool, str]:
     """Build this Python and torch's native capture now (again, if an earlier build failed)
     and load it: ``(ok, what happened)``. What ``python -m zbpipe build-native`` runs."""
     t = build_native.target()
+    off = f" ({ENV}=off here: unset it to use it)" if mode() == "off" else ""
     if t.is_built():
         build_native.load(t)
-        return True, f"zbpipe: the native weight capture is built already: {t.directory}"
+        return True, f"zbpipe: the native weight capture is built already: {t.directory}{off}"
     missing = build_native.toolchain_missing()
     if missing is not None:
         return False, f"zbpipe: cannot build the native weight capture: {missing}"
@@ -32,4 +33,4 @@ def prebuild(*, verbose: bool = False) -> tuple[bool, str]:
         build_native.load(t)
     except Exception as e:
         return False, f"{e}\n(log: {t.log})"
-    return True, f"zbpipe: built the native weight capture in {t.directory}"
+    return True, f"zbpipe: built the native weight capture in {t.directory}{off}"
