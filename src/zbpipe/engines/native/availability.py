@@ -10,8 +10,11 @@
   after the build is done. Gradients are bitwise the same either way, so ranks switching at
   different steps train alike. One INFO line says the build started, one that it is in use
   (or why not).
-* ``wait``: the same, but a schedule's construction waits for the build (benchmarks, CI, a
-  job that wants the same capture in every step).
+* ``load``: load a build made before, never start one (the output hook where there is
+  none). What zbpipe's own test suite and the ranks :func:`zbpipe.testing.launch.run_ranks`
+  starts use unless told otherwise: a test run never compiles behind its own back.
+* ``wait``: the same as ``auto``, but a schedule's construction waits for the build
+  (benchmarks, a job that wants the same capture in every step).
 * ``off``: never build or load it: the output hook (and the Python ``autograd.Function``).
 
 No compiler, a failed build (its log is kept: ``python -m zbpipe build-native`` shows it and
@@ -36,19 +39,19 @@ logger = logging.getLogger("zbpipe.engines.native")
 __all__ = ["ENV", "NativeSource", "mode", "source"]
 
 ENV = "ZBPIPE_NATIVE"
-MODES = ("auto", "wait", "off")
+MODES = ("auto", "load", "wait", "off")
 
 
 def mode() -> str:
-    """``ZBPIPE_NATIVE`` read and checked: ``auto``, ``wait`` or ``off``."""
+    """``ZBPIPE_NATIVE`` read and checked: ``auto``, ``load``, ``wait`` or ``off``."""
     value = os.environ.get(ENV, "auto").strip().lower() or "auto"
     if value in ("0", "false", "no"):
         value = "off"
     if value not in MODES:
         raise ValueError(
             f"zbpipe: {ENV}={os.environ[ENV]!r} is not one of {', '.join(MODES)} (auto: load the "
-            "native weight capture, building it in the background if needed; wait: build it "
-            "before the first step; off: never use it)"
+            "native weight capture, building it in the background if needed; load: only a build "
+            "made before; wait: build it before the first step; off: never use it)"
         )
     return value
 
@@ -85,6 +88,10 @@ class NativeSource:
             return self._decline(
                 f"its build failed before (log: {t.log}; `python -m zbpipe build-native` "
                 "retries and shows why)"
+            )
+        if how == "load":
+            return self._decline(
+                f"it is not built ({ENV}=load; `python -m zbpipe build-native` builds it)"
             )
         missing = B.toolchain_missing()
         if missing is not None or sys.platform == "win32":
