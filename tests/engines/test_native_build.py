@@ -129,12 +129,18 @@ def test_a_background_build_waits_its_turn_and_is_taken_up_when_done(fresh, monk
     caplog.set_level(logging.INFO, logger="zbpipe.engines.native")
     with B._locked(fresh):
         src.start("auto")
-        assert src.building and "in the background" in caplog.records[-1].getMessage()
-        time.sleep(0.5)
-        assert src.poll() is None  # its builder is waiting on our lock
-        fresh.directory.mkdir(parents=True)
-        _fake_build(fresh, False)
-        fresh.stamp.write_text("built by the test\n")
+        try:
+            assert src.building and "in the background" in caplog.records[-1].getMessage()
+            time.sleep(0.5)
+            assert src.poll() is None  # its builder is waiting on our lock
+            fresh.directory.mkdir(parents=True)
+            _fake_build(fresh, False)
+            fresh.stamp.write_text("built by the test\n")
+        except BaseException:  # never let the builder go on to a real build once we let go
+            if src._builder is not None:
+                src._builder.kill()
+                src._builder.wait()
+            raise
     deadline = time.monotonic() + 60
     while src.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
