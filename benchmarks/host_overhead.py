@@ -583,6 +583,7 @@ def main() -> None:
     from results_io import write_result
 
     config = {k: getattr(args, k) for k in ("hidden", "seq", "blocks", "microbatches", "reps")}
+    config["ZBPIPE_NATIVE"] = os.environ.get("ZBPIPE_NATIVE", "unset")  # the weight capture
     config["zbpipe"] = os.environ.get("HOST_OVERHEAD_REV", "this checkout")
     with open("/proc/loadavg") as f:
         load_before = f.read().split()[:3]
