@@ -6,6 +6,10 @@ A refactor that should change nothing (issue 28 moved every module) is checked w
     python benchmarks/grads_fingerprint.py save after.pt      # on the new one
     python benchmarks/grads_fingerprint.py compare before.pt after.pt
 
+``ZBPIPE_NATIVE=off`` and ``ZBPIPE_NATIVE=wait`` (the native weight capture, from a
+schedule's second step on) compare the Python capture with the native one; each rank says
+which it had loaded.
+
 ``save PATH --steps 2`` records the gradients of each case's second step instead (gradients
 zeroed between): the first step of a schedule measures memory (its saved-tensor holders make
 the deferred Linears take their general path) and the second runs the plan made from it, what
@@ -63,6 +67,10 @@ def _rank(rank: int, world: int, steps: int = 1) -> dict[str, object]:
             for pname, p in mods[s].named_parameters():
                 out[f"{name}{options} m={m} stage {s} {pname}"] = p.grad.clone()
         out[f"{name}{options} m={m} losses"] = [loss.detach().clone() for loss in losses]
+    # which capture the deferred Linears could take (ZBPIPE_NATIVE: the native one where its
+    # extension is loaded, from a schedule's second step on); said, not saved, so a fingerprint
+    # made with it compares with one made without
+    print(f"rank {rank}: native weight capture loaded: {'zbpipe_native_capture' in sys.modules}")
     return out
 
 

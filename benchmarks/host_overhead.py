@@ -19,10 +19,15 @@ Two modes:
 * ``compare --before REV``: the same step timings in child processes alternating between the
   zbpipe of git revision ``REV`` (its ``src/``, extracted to a temporary folder) and this
   checkout's, ``--pairs`` pairs; per schedule the paired ratio after/before of the medians and
-  each side's ratio to torch's ``Schedule1F1B`` in the same child.
+  each side's ratio to torch's ``Schedule1F1B`` in the same child. ``--before-env`` and
+  ``--after-env`` (``KEY=VALUE``, repeatable) set a side's environment: ``--before HEAD
+  --before-env ZBPIPE_NATIVE=off --after-env ZBPIPE_NATIVE=wait`` times the Python capture
+  against the native one on the same code.
 
     PYTHONPATH=src python benchmarks/host_overhead.py --out host_overhead_attribution
     PYTHONPATH=src python benchmarks/host_overhead.py compare --before HEAD~1 --out host_overhead
+    PYTHONPATH=src python benchmarks/host_overhead.py compare --before HEAD \
+        --before-env ZBPIPE_NATIVE=off --after-env ZBPIPE_NATIVE=wait --out host_overhead_native
 
 Writes benchmarks/results/<--out>.json; docs/results/host-time.md quotes them.
 """
@@ -432,16 +437,25 @@ def rerun_at(rev: str) -> None:
         subprocess.run([sys.executable, __file__, *argv], env=env, check=True)
 
 
+def _env_pairs(items: list[str]) -> dict[str, str]:
+    """``KEY=VALUE`` strings as a dict (a side's environment in ``compare``)."""
+    bad = [s for s in items if "=" not in s]
+    if bad:
+        raise SystemExit(f"host_overhead.py: expected KEY=VALUE, got {bad}")
+    return dict(s.split("=", 1) for s in items)
+
+
 def compare(args: argparse.Namespace) -> dict[str, Any]:
     rev = _short(args.before)
     rows = args.rows.split(",")
     sides: dict[str, list[dict[str, list[int]]]] = {"before": [], "after": []}
     linear: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
+    side_env = {"before": _env_pairs(args.before_env), "after": _env_pairs(args.after_env)}
     with tempfile.TemporaryDirectory() as tmp:
         srcs = {"before": _extract(args.before, Path(tmp)), "after": ROOT / "src"}
         for pair in range(args.pairs):
             for side in ("before", "after") if pair % 2 == 0 else ("after", "before"):
-                env = {**os.environ, "PYTHONPATH": str(srcs[side])}
+                env = {**os.environ, **side_env[side], "PYTHONPATH": str(srcs[side])}
                 cmd = [
                     sys.executable,
                     __file__,
@@ -498,6 +512,8 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "before_rev": rev,
         "after_rev": after_rev,
+        "before_env": side_env["before"],
+        "after_env": side_env["after"],
         "results": results,
         "linear_us": pieces,
         "step_ns": sides,
@@ -506,7 +522,8 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
 
 def print_compare(res: dict[str, Any]) -> None:
     print(
-        f"before = {res['before_rev']}, after = this checkout; medians of per-child medians; "
+        f"before = {res['before_rev']} {res['before_env']}, after = this checkout "
+        f"{res['after_env']}; medians of per-child medians; "
         "'norm': after/before of each side's ratio to torch's 1F1B in its own child"
     )
     print(
@@ -544,6 +561,14 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=8, help="compare: before/after child pairs")
     ap.add_argument("--rows", default=",".join(COMPARED), help="compare: the rows to time")
     ap.add_argument("--out", default=None, help="results file name (benchmarks/results/)")
+    for side in ("before", "after"):
+        ap.add_argument(
+            f"--{side}-env",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help=f"compare: set this in the {side} side's children (repeatable)",
+        )
     ap.add_argument(
         "--rev", default=None, help="attribute: measure the zbpipe of this git revision instead"
     )
@@ -558,6 +583,7 @@ def main() -> None:
     from results_io import write_result
 
     config = {k: getattr(args, k) for k in ("hidden", "seq", "blocks", "microbatches", "reps")}
+    config["ZBPIPE_NATIVE"] = os.environ.get("ZBPIPE_NATIVE", "unset")  # the weight capture
     config["zbpipe"] = os.environ.get("HOST_OVERHEAD_REV", "this checkout")
     with open("/proc/loadavg") as f:
         load_before = f.read().split()[:3]

@@ -134,6 +134,7 @@ def main() -> None:
 
         config = {k: getattr(args, k) for k in ("hidden", "seq", "blocks", "microbatches", "reps")}
         config["rows"] = list(args.rows)
+        config["ZBPIPE_NATIVE"] = os.environ.get("ZBPIPE_NATIVE", "unset")  # the weight capture
         config["loadavg_before_after"] = [load_before, load_after]
         data = {"config": config, "rows": table, "step_s": res["step_s"]}
         print("wrote", write_result(args.out, data))

@@ -8,10 +8,16 @@ need none of them do not pay for importing torch.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+
+# The suite never builds zbpipe's native weight capture behind its own back (a build is half a
+# minute of a core CI does not have): a process of it, and every rank it starts, loads a build
+# made before or runs the Python capture. Only the native_capture fixture builds.
+os.environ.setdefault("ZBPIPE_NATIVE", "load")
 
 
 @pytest.fixture
@@ -28,3 +34,21 @@ def torch_get() -> Iterator[Any]:
     registration.register()
     yield torch_schedules.get_schedule_class
     registration.unregister()
+
+
+@pytest.fixture(scope="session")
+def native_capture() -> Any:
+    """zbpipe's native weight capture (the extension module), built once per machine and torch
+    if it is not yet (the one place in the suite that builds it: about half a minute of a core,
+    then cached in torch's extension folder for every later run). Skips only where this machine
+    has no C++ compiler or ninja; a build that fails there fails the tests that use it."""
+    import sys
+
+    from zbpipe.engines.native import build_native, prebuild
+
+    missing = build_native.toolchain_missing()
+    if missing is not None:
+        pytest.skip(f"no native weight capture on this machine: {missing}")
+    ok, message = prebuild()
+    assert ok, message
+    return sys.modules[build_native.NAME]

@@ -35,6 +35,7 @@ LAYERS: dict[str, int] = {
     "cli": 8,
     "demo": 8,
     "__init__": 8,
+    "__main__": 8,  # python -m zbpipe: the command line
 }
 
 #: limits a module or a function may pass only with a reason ("Long because ...") in its docstring
@@ -115,6 +116,10 @@ ALLOWED_UPWARD: dict[tuple[str, str], str] = {
     ("zbpipe.testing.launch", "zbpipe.schedules.runtime"): (
         "the fork server's preload list: importing it before forking saves every rank the import "
         "(an optimisation the launcher works without), not a dependency"
+    ),
+    ("zbpipe.testing.launch", "zbpipe.engines.native.preload"): (
+        "the fork server's preload list: loading the native weight capture before forking saves "
+        "every rank the load (an optimisation the launcher works without), not a dependency"
     ),
 }
 

@@ -1,5 +1,6 @@
 """``zbpipe`` command line: ``simulate`` one schedule, ``compare`` them all, ``choose`` the
-fastest within a memory budget, ``draw`` a timeline, run the ``demo``.
+fastest within a memory budget, ``draw`` a timeline, run the ``demo``, ``build-native`` (the
+deferred engine's native weight capture, ahead of a job).
 
 Each subcommand is a ``build_parser`` entry plus a ``_cmd_<name>(args) -> int`` handler, so new
 subcommands (``demo``, ``draw``) add one ``add_parser`` block and one handler.
@@ -126,6 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     draw.add_argument("--title", help="picture title (default: schedule, p, m, bubble rate)")
     draw.set_defaults(handler=_cmd_draw)
+
+    native = sub.add_parser(
+        "build-native",
+        help="build the deferred engine's native weight capture now (once per machine and "
+        "torch; a job would otherwise build it in the background at its first schedule)",
+    )
+    native.add_argument("--verbose", action="store_true", help="show the compiler's output")
+    native.set_defaults(handler=_cmd_build_native)
 
     demo = sub.add_parser(
         "demo",
@@ -329,6 +338,14 @@ def _cmd_draw(args: argparse.Namespace) -> int:
         if path:
             print(f"wrote {path}")
     return 0
+
+
+def _cmd_build_native(args: argparse.Namespace) -> int:
+    from .engines.native import prebuild  # imports torch; the planning commands do not
+
+    ok, message = prebuild(verbose=args.verbose)
+    print(message, file=sys.stdout if ok else sys.stderr)
+    return 0 if ok else 1
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

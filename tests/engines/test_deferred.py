@@ -682,6 +682,12 @@ class _Meter:
         pass
 
 
+def _captured(y: torch.Tensor) -> bool:
+    """Whether ``y`` came from a deferring capture: the Python Function or the native one."""
+    node = y.grad_fn
+    return type(node).__name__ == "_LinearFunctionBackward" or "ZbpipeDeferred" in node.name()
+
+
 @pytest.mark.parametrize(
     "key, meter, deferred, holders",
     [
@@ -708,9 +714,9 @@ def test_seam_forward_installs_only_what_the_key_needs(key, meter, deferred, hol
     x = torch.randn(2, 4)
     with seam.forward(stage, key[1], given=(x,)):
         y = lin(x)
-    assert (type(y.grad_fn).__name__ == "_LinearFunctionBackward") == deferred
+    assert _captured(y) == deferred  # natively where built, by the Function with a meter
     assert (counted is not None and counted.packed > 0) == holders
-    assert type(lin(x).grad_fn).__name__ != "_LinearFunctionBackward"  # slot empty again
+    assert not _captured(lin(x))  # slot empty again
     y.sum().backward()
     ref(x).sum().backward()
     assert torch.equal(lin.weight.grad, ref.weight.grad)

@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "DeferredLinear",
+    "SlotHolding",
     "StoreSlot",
     "patch_linears",
     "patched_linears",
@@ -58,6 +59,24 @@ class StoreSlot:
 
     def __init__(self) -> None:
         self.store: WeightGradQueue | None = None
+
+
+class SlotHolding:
+    """``with``: the stage's slot holds ``store``; empty again afterwards, whatever happened.
+
+    A plain object, not a generator: it runs around every F and B of a deferred key.
+    """
+
+    __slots__ = ("_slot", "_store")
+
+    def __init__(self, slot: StoreSlot, store: WeightGradQueue) -> None:
+        self._slot, self._store = slot, store
+
+    def __enter__(self) -> None:
+        self._slot.store = self._store
+
+    def __exit__(self, *exc: object) -> None:
+        self._slot.store = None
 
 
 class DeferredLinear(nn.Linear):

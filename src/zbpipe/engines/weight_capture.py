@@ -1,13 +1,19 @@
-"""How a patched Linear hands its weight GEMM to W: a hook on its output's gradient, or a Function.
+"""How a patched Linear hands its weight GEMM to W: natively, by a hook, or by a Function.
 
 A deferred Linear (:mod:`zbpipe.engines.linear_patch`) must, during a zbpipe B, compute its
 input and bias gradients as an ordinary Linear does and queue ``(weight, input,
-grad_output)`` in its microbatch's store instead of the weight gradient. Two captures do that,
-with bitwise the same gradients (tests/engines/test_weight_capture.py):
+grad_output)`` in its microbatch's store instead of the weight gradient. Three captures do
+that, with bitwise the same gradients (tests/engines/test_weight_capture.py,
+tests/engines/test_native_capture.py):
 
-* **the output hook** (the fast path, :func:`deferred_linear` picks it wherever it can): the
-  forward is ``F.linear(x, weight.detach(), bias)``, so autograd's own C++ nodes compute the
-  input and bias gradients in B and never the weight's; a tensor pre-hook on the output's
+* **the native capture** (:mod:`zbpipe.engines.native`, where it is built: a C++ compiler and
+  ``ZBPIPE_NATIVE`` not ``off``): the Function below in C++, its queue on the C++ side, for
+  plain tensors outside functorch transforms (autocast, saved-tensor hooks and
+  ``create_graph`` included). No Python runs in B.
+* **the output hook** (without the native capture, :func:`deferred_linear` picks it wherever
+  it can, from a schedule's second step on): the forward is ``F.linear(x, weight.detach(),
+  bias)``, so autograd's own C++ nodes compute the input and bias gradients in B and never the
+  weight's; a tensor pre-hook on the output's
   ``grad_fn`` (:func:`zbpipe._compat.on_output_grad`, ``register_hook`` without its handle)
   receives the output gradient and queues the GEMM. The input is held by the hook from F to B,
   as autograd would save it (its version is checked as autograd checks a saved tensor's), and
@@ -19,12 +25,12 @@ with bitwise the same gradients (tests/engines/test_weight_capture.py):
   an input that needs no gradient (the output would carry none to hook), a weight with
   ``register_hook`` hooks.
 
-Why the hook: on host-bound shapes (one rank, hidden 64, 4 Llama blocks, 20 Linears a
-microbatch) the Function costs about 20 us more per Linear call than a plain Linear inside a
-step, the hook about 4; a ``torch.library`` op with a registered autograd formula, or the
-compiled path's Function plus its weight op, cost more than the Function (a Python autograd
-formula either way, plus the op's dispatch); docs/design/backward.md has the table
-(benchmarks/linear_capture.py).
+Why not the Function everywhere: on host-bound shapes (one rank, hidden 64, 4 Llama blocks, 20
+Linears a microbatch) the Function costs about 20 us more per Linear call than a plain Linear
+inside a step, the hook about 9, the native capture about 1; a ``torch.library`` op with a
+registered autograd formula, or the compiled path's Function plus its weight op, cost more
+than the Function (a Python autograd formula either way, plus the op's dispatch);
+docs/design/backward.md has the table (benchmarks/linear_capture.py).
 """
 
 from __future__ import annotations
@@ -58,7 +64,8 @@ _Parameter = nn.Parameter
 
 
 class CaptureState:
-    """Whether one engine's Linears may take the output hook: ``fast``.
+    """How one engine's Linears capture: ``native`` (the C++ capture's module, or None) and,
+    without it, whether they may take the output hook (``fast``).
 
     The hook cannot carry second-order gradients through a weight (its forward used a detached
     weight): a backward with ``create_graph=True`` over it, which only a model that takes a
@@ -66,18 +73,26 @@ class CaptureState:
     So the hook waits for a schedule's second step (:meth:`step_begins`), and never comes once
     such a backward was seen: the first step's Linears take the Function, which notes one
     (``create_graph_seen``); a later one over a hooked Linear raises (:func:`_queue_captured`).
+    The native capture has none of these limits (it is the Function, in C++). ``source`` (a
+    :class:`~zbpipe.engines.native.NativeSource`) is asked for it at each step's start: a
+    build in the background is taken up at the first step after it finished.
     """
 
-    __slots__ = ("fast", "create_graph_seen", "_steps")
+    __slots__ = ("fast", "create_graph_seen", "native", "_steps", "_source")
 
-    def __init__(self, fast: bool = False) -> None:
+    def __init__(self, fast: bool = False, source: Any = None) -> None:
         self.fast = fast
         self.create_graph_seen = False
         self._steps = 0
+        self._source = source
+        self.native: Any = None if source is None else source.poll()
 
     def step_begins(self) -> None:
-        """A step begins: the hook from the second one on, unless create_graph was seen."""
+        """A step begins: the native capture if there is one now; else the hook from the
+        second step on, unless create_graph was seen."""
         self._steps += 1
+        if self.native is None and self._source is not None:
+            self.native = self._source.poll()
         self.fast = self._steps > 1 and not self.create_graph_seen
 
     def saw_create_graph(self) -> None:
@@ -93,6 +108,8 @@ class WeightGradQueue(Protocol):
     deferring: bool
     #: its engine's capture state: whether the Linears may take the output hook (None: never)
     capture: CaptureState | None
+    #: the native capture's queue for this store (``zbpipe.engines.native``), or None
+    native: Any
 
     def put(self, weight: Tensor, x2d: Tensor, g2d: Tensor, dtype: torch.dtype | None) -> None:
         """Queue ``weight``'s gradient GEMM ``g2d.T @ x2d`` for W."""
@@ -176,10 +193,21 @@ _apply_linear = autograd_function_apply(_LinearFunction)
 def deferred_linear(input: Tensor, weight: Tensor, bias: Tensor | None, store: Any) -> Tensor:
     """``F.linear(input, weight, bias)`` whose weight GEMM goes to ``store`` in a zbpipe B.
 
-    The output hook where it does what the Function does (the module docstring), the Function
-    elsewhere. Checked per call (a few C calls): autocast, checkpointing and grad mode can
+    The native capture where it is built (plain tensors, no weight hook, no functorch), else
+    the output hook where it does what the Function does (the module docstring), else the
+    Function. Checked per call (a few C calls): autocast, checkpointing and grad mode can
     change between the Linears of one forward.
     """
+    native = store.native
+    if (
+        native is not None
+        and type(weight) is _Parameter  # not a DTensor or another tensor subclass
+        and type(input) is Tensor
+        and not grad_hook_dict(weight)  # the Function computes such a weight's gradient in B
+        and not functorch_transforms_active()
+    ):
+        out: Tensor = native.linear(input, weight, bias)
+        return out
     capture = store.capture
     if (
         capture is not None

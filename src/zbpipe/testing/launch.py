@@ -29,8 +29,15 @@ class RankFailure(RuntimeError):
     """One or more ranks raised, died, or timed out."""
 
 
-#: imported once by the fork server, before it forks any rank
-PRELOAD = ("torch", "torch.distributed", "torch.distributed.pipelining", "zbpipe.schedules.runtime")
+#: imported once by the fork server, before it forks any rank (the last loads zbpipe's native
+#: weight capture where it is built, so no rank loads it again)
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.pipelining",
+    "zbpipe.schedules.runtime",
+    "zbpipe.engines.native.preload",
+)
 
 
 def _context() -> Any:
@@ -61,6 +68,9 @@ def _entry(
 
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # a rank of a test loads zbpipe's native weight capture where it is built, and never starts
+    # a build of it in the background (zbpipe.engines.native.availability)
+    os.environ.setdefault("ZBPIPE_NATIVE", "load")
     try:
         dist.init_process_group(
             "gloo",
