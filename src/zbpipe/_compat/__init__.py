@@ -84,6 +84,7 @@ from .autograd import (
     on_output_grad,
     post_accumulate_grad_hooks,
     saved_tensor_hooks,
+    selective_checkpoint_cached,
     tensor_version,
 )
 from .census import (
@@ -154,6 +155,7 @@ from .stage import (
     has_own_weight_pass,
     input_grad_cache,
     num_stage_inputs,
+    received_activation_buffers,
     received_activations,
     received_grad_buffers,
     received_grads,
@@ -200,6 +202,7 @@ __all__ = [
     "stage_message_bytes",
     "received_grads",
     "received_grad_buffers",
+    "received_activation_buffers",
     "received_activations",
     "forward_cache",
     "input_grad_cache",
@@ -242,6 +245,7 @@ __all__ = [
     "node_input_metadata",
     "autograd_function_apply",
     "grad_accumulator",
+    "selective_checkpoint_cached",
     "own_parameter",
     "own_parameters",
     "set_own_parameter",
