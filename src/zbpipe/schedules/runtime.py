@@ -196,7 +196,9 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         self._sends = PendingSends()
         self._program: ActionProgram | None = None  # bound at the first step (action_loop)
         self._program_functions: dict[Any, Any] = {}
-        self._lower(self.plan)
+        # the first step measures the bytes (below) unless told not to
+        bytes_measured = measure_memory and (profile or ProfileConfig()).memory
+        self._lower(self.plan, probing=bytes_measured and type(self).memory_planned)
         self.tracer = Tracer(rank=self.rank, enabled=trace or profiling, device=stages[0].device)
         self._profiler = (
             CostProfiler(profile or ProfileConfig(), keep_tracing=trace) if profiling else None
@@ -204,7 +206,6 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         # Memory promises by default: the first step measures bytes, the plan is re-made for
         # them (zbpipe.schedules.memory_replan). With costs="profile" too, from the same probe:
         # its re-plan for the measured times comes steps later, and keeps the promise.
-        bytes_measured = measure_memory and (profile or ProfileConfig()).memory
         self._memory_replanner = (
             MemoryReplanner(self._profiler.memory if self._profiler is not None else None)
             if bytes_measured and type(self).memory_planned
@@ -232,9 +233,16 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
             self.register_custom_function(kind, self._run_action)
 
     # ------------------------------------------------------------------ planning
-    def _lower(self, plan: Plan) -> None:
-        # Run a W that directly follows its own B as one fused BW: same place, less work.
-        executed = fuse_adjacent_backward(plan)
+    def _lower(self, plan: Plan, probing: bool = False) -> None:
+        # Run a W that directly follows its own B as one fused BW: same place, less work. A
+        # step that probes the bytes keeps microbatch 0's pairs split: a fused BW cannot say
+        # what B holds until W (zbpipe.planning.fuse).
+        keep = {(s, 0) for s in range(self._num_stages)} if probing else ()
+        self.lowered_for_probe = probing
+        executed = fuse_adjacent_backward(plan, keep_split=keep)
+        #: what runs: ``plan`` with its adjacent B and W fused where that delays no rank (a
+        #: fused backward holds nothing after it, so this holds at most what ``plan`` does)
+        self.executed_plan: Plan = executed
         self.seam.assign(executed.order[self.rank])
         self._pairs.lowered(executed)
         torch_order = plan_to_torch_actions(executed)
