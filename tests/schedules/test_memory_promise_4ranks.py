@@ -8,7 +8,7 @@ V-Half and V-Min within their formulas there (a V rank holds the first and the l
 together: no order keeps ZB-V's promise before the bytes are known;
 docs/use/memory-budgets.md). Under full activation checkpointing (a dense model, one with
 experts as a 3-D weight) the re-made plan's predicted peak is what the run holds, and V-Half
-holds less than ZB-V; under selective checkpointing the probe does not see what it keeps.
+holds less than ZB-V; the same under selective checkpointing, whose cache the probe reads.
 """
 
 from __future__ import annotations
@@ -60,29 +60,18 @@ def test_v_schedules_keep_their_promise_once_the_bytes_are_measured(rows, run):
         assert ratio <= TOL, f"step {i}: {ratio:.3f}x its promise"
 
 
-#: measured against predicted, max over ranks, the step after the re-plan: ZB-H1 held 10.3%
-#: (dense) and 12.1% (experts) more than predicted, ZB-V and V-Half 3-12% less (issue 37 asks
-#: for 10%; what the rest is has not been found: docs/results/memory-promise.md)
-AC_TOL = 0.15
+#: measured against predicted, max over ranks, the step after the re-plan (issue 37 asks for a
+#: tenth). These runs gave 0.90-1.00 (docs/results/memory-promise.md): what the plans count
+#: above what is held is torch's receive buffer, one per microbatch in flight, which the probe
+#: counts as the stage's input (torch allocates one per microbatch for every step)
+AC_TOL = 0.10
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize(
     "ac,moe",
-    [
-        ("full", False),
-        ("full", True),
-        pytest.param(
-            "selective",
-            False,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="selective checkpointing keeps the outputs its policy saves in its own "
-                "cache, not through saved-tensor hooks: the probe does not see them",
-            ),
-        ),
-    ],
-    ids=["full", "experts-full", "selective"],
+    [("full", False), ("full", True), ("selective", False), ("selective", True)],
+    ids=["full", "experts-full", "selective", "experts-selective"],
 )
 def test_checkpointed_plans_predict_what_they_hold_and_v_half_holds_less(ac, moe):
     # a head lighter than the checkpointed blocks' recomputed inputs (vocab 64): V-Half's
