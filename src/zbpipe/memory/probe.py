@@ -5,8 +5,8 @@ While a :class:`MemoryProbe` is set on a stage seam, every ``(stage, microbatch)
 :class:`KeyBytes` observer: everything held for that microbatch's backward reports to it (the
 tensors its forward saves, its output until freed, the deferred engine's queue or the graph
 engine's recorded gradients), and it passes every report on to the rank's memory meter, if one
-is attached. What the microbatch did not allocate (its inputs, its received output gradients:
-:class:`KeyBytes`) is passed on but not counted as its own. The probe records the observer's
+is attached. What the microbatch did not allocate (its inputs: :class:`KeyBytes`) is passed on
+but not counted as its own. The probe records the observer's
 live bytes right after F (``"F"``: what the forward allocated, output included) and right after
 B, before the input gradient is handed on (``"B"``: what waits for W; the input gradient's send
 is let go of soon after, see :mod:`zbpipe.schedules.sends`). W frees the rest. A storage counts
@@ -30,12 +30,12 @@ class KeyBytes:
     """An observer of one microbatch of one stage: its live bytes, every report passed on.
 
     ``not_own``: storage keys the microbatch holds but did not allocate, left out of
-    :attr:`live` (still passed on): its inputs and received output gradients. A stage's input
-    is a slice of the caller's batch (held for the whole step), torch's receive buffer (one per
-    microbatch, allocated at the first step and reused by every step) or a local previous
-    stage's output (counted there, as its output); an output gradient likewise. No order of
-    the actions changes what those hold, so counting them charged every microbatch in flight
-    an input more than it holds (a tenth of a checkpointed stage's bytes).
+    :attr:`live` (still passed on): its inputs (:func:`inputs_of`). A stage's input is a slice
+    of the caller's batch (held for the whole step), torch's receive buffer (one per microbatch,
+    allocated at the first step and reused by every step) or a local previous stage's output
+    (counted there, as its output). No order of the actions changes what those hold, so
+    counting them charged every microbatch in flight an input more than it holds (a tenth of a
+    checkpointed stage's bytes).
     """
 
     __slots__ = ("live", "not_own", "_refs", "_parent", "_lock")
@@ -94,18 +94,14 @@ class MemoryProbe:
 def inputs_of(stage: Any, mb: int, given: Any) -> set[int]:
     """The keys :class:`KeyBytes` of ``(stage, mb)`` does not count as the microbatch's own: the
     caller's slices ``given`` (a saved view of one counts under its slice's key:
-    :func:`~zbpipe.memory.saved.slice_counted`), what a later stage received or was handed by a
-    local previous stage, and the buffers torch receives its output gradients into (allocated
-    at the first step, one per microbatch; a local next stage's gradient, handed over later,
-    is counted by that stage until freed)."""
+    :func:`~zbpipe.memory.saved.slice_counted`) and what a later stage received or was handed
+    by a local previous stage. A received output gradient that W keeps (the last Linear's, when
+    nothing lies between it and the stage output) is still counted: eager, W holds torch's
+    receive buffer itself, but a compiled stage's backward hands W a copy, and a plan must be
+    the same for both."""
     keys = {~start for slices in input_storages(given).values() for start, _ in slices}
     if not stage.is_first:
         keys |= storages_of(C.received_activation_buffers(stage, mb))
-    if not stage.is_last:
-        try:
-            keys |= storages_of(C.received_grad_buffers(stage, mb))
-        except KeyError:  # (not set up yet: nothing received into them can be held)
-            pass
     return keys
 
 
