@@ -3,12 +3,14 @@
 
 Default arguments and ``costs="profile"``, both engines: ZB-H1 and ZB-1p hold at most 1F1B's
 peak from the first step on (the first step runs a plan that keeps it whatever the bytes); ZB-V
-from the second step (the first measured the bytes; costs="profile" re-plans for them too),
-V-Half and V-Min within their formulas there (a V rank holds the first and the last chunk
-together: no order keeps ZB-V's promise before the bytes are known;
-docs/use/memory-budgets.md). Under full activation checkpointing (a dense model, one with
-experts as a 3-D weight) the re-made plan's predicted peak is what the run holds, and V-Half
-holds less than ZB-V; the same under selective checkpointing, whose cache the probe reads.
+too, V-Half and V-Min within their formulas (a V rank holds the first and the last chunk
+together, so no order keeps the promise before the bytes are known: their first step sends
+microbatch 0 down the V and back, measures, and runs the rest of the step with the plan made
+for the measured bytes; zbpipe.schedules.measured_start, docs/use/memory-budgets.md).
+
+Under full activation checkpointing (a dense model, one with experts as a 3-D weight) the
+re-made plan's predicted peak is what the run holds, and V-Half holds less than ZB-V; the same
+under selective checkpointing, whose cache the probe reads.
 """
 
 from __future__ import annotations
@@ -50,12 +52,12 @@ def test_loop_schedules_keep_1f1b_peak_from_the_first_step(rows, run):
 
 @pytest.mark.dist
 @pytest.mark.parametrize("run", V, ids=lambda r: "-".join(r))
-def test_v_schedules_keep_their_promise_once_the_bytes_are_measured(rows, run):
+def test_v_schedules_keep_their_promise_from_the_first_step(rows, run):
     torch_peak = max(max(step) for step in rows["torch"])
     # torch's rank 0 holds p microbatches of the p-stage model's stage 0 (chunks 0 and 1)
     stage0 = rows["torch"][-1][0] / P
     promise = {"ZBV": torch_peak, "ZBVHalf": (P + 2) / 2 * stage0, "ZBVMin": (P + 4) / 3 * stage0}
-    for i, step in list(enumerate(rows[run], start=1))[1:]:  # from the step after the probe
+    for i, step in enumerate(rows[run], start=1):
         ratio = max(step) / promise[run[0]]
         assert ratio <= TOL, f"step {i}: {ratio:.3f}x its promise"
 

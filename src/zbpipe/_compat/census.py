@@ -65,6 +65,10 @@ HELPER_API: tuple[tuple[type | None, str, tuple[str, ...]], ...] = (
     ),
     (None, "_PipelineContext", ("schedule_ref", "arg_mbs", "kwarg_mbs", "target_mbs", "losses")),
     (None, "_format_pipeline_order", ("pipeline_order", "error_step_number")),
+    # torch's lowering steps, for a part of a step (lower_part)
+    (None, "_add_unshard_reshard", ("compute_actions",)),
+    (None, "_add_reduce_grad", ("actions", "n_microbatches")),
+    (None, "_add_send_recv", ("compute_actions", "stage_to_rank", "num_stages")),
 )
 PRIVATE_API = INHERITED_API + HELPER_API
 #: instance attributes zbpipe's schedules read as their own (torch's schedules set them in

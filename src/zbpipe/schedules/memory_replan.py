@@ -62,15 +62,23 @@ class MemoryReplanner:
 
     def after_step(self, sched: Any) -> None:
         """Call on every rank after a step with a backward: re-plans once (a collective)."""
-        if self.done:
-            return
-        self.done = True
-        sched.seam.probe = None
-        self.replan(sched)
+        if not self.done:
+            self.done = True
+            sched.seam.probe = None
+            self.replan(sched)
         if sched.lowered_for_probe:  # the probe's split pairs fused again (runtime._lower)
             sched.replan(sched.plan)
 
     def replan(self, sched: Any) -> None:
+        """Re-plan for the bytes the probe measured (a collective), and run the plan chosen
+        from the next step on."""
+        chosen = self.choose(sched)
+        if chosen.order != sched.plan.order or chosen.placement != sched.plan.placement:
+            sched.replan(chosen)
+
+    def choose(self, sched: Any) -> Plan:
+        """The plan for the bytes the probe measured (one ``all_gather_object``); sets the
+        schedule's ``memory_costs`` and ``memory_unit_bytes``. Logs on rank 0."""
         group = sched._stages[0].group
         mine = [st.stage_index for st in sched._stages]
         held = gather_stage_values(self.probe.medians(mine), group)
@@ -81,16 +89,15 @@ class MemoryReplanner:
                 "unit per microbatch",
                 type(sched).__name__,
             )
-            return
+            return sched.plan
         fields, unit_bytes = measured
         costs = dataclasses.replace(sched.costs, **fields)
         sched.memory_unit_bytes = unit_bytes
         new = self._plan(sched, costs)
         if new is None:
             sched.memory_unit_bytes = None
-            if sched.plan is not sched.equal_bytes_plan:  # the first step's plan was for then
-                sched.replan(sched.equal_bytes_plan)
-            return
+            plan: Plan = sched.equal_bytes_plan  # (the first step's plan was for then)
+            return plan
         # Never slower than the plan for equal bytes (nor the first step's) where that plan
         # already keeps the promise in the measured bytes: the generators search, they do not
         # prove their result the fastest.
@@ -100,14 +107,13 @@ class MemoryReplanner:
         others = [p for p in others if p.order != new.order]
         chosen, _ = fastest_keeping([new, *others], costs, promised_budget(sched, new, costs))
         sched.memory_costs = costs
-        if chosen.order != sched.plan.order or chosen.placement != sched.plan.placement:
-            sched.replan(chosen)
         if sched.rank == 0 and logger.isEnabledFor(logging.WARNING):
             cost, beats = cost_line(sched, chosen, costs, sched.equal_bytes_plan, unit_bytes)
             level = logging.INFO if beats else logging.WARNING
             if logger.isEnabledFor(level):
                 line = predicted_memory_line(sched, chosen, costs, unit_bytes, held)
                 logger.log(level, "%s%s", line, cost)
+        return chosen
 
     def _plan(self, sched: Any, costs: Costs) -> Plan | None:
         """The plan for the measured bytes; None to keep the old one.

@@ -35,9 +35,10 @@ from ..observe.profile import ProfileConfig
 from ..observe.trace import Tracer
 from ..planning import Costs, Layout, Plan
 from ..planning.fuse import fuse_adjacent_backward
-from . import planned_actions
+from . import measured_start, planned_actions
 from .action_loop import ActionProgram, Binder, bind_action, bind_program
 from .inputs import FirstStageKeywords, drop_inputs_off_stage0, microbatch_inputs
+from .measured_start import MeasuredStart
 from .memory_promise import first_step_plan
 from .memory_replan import MemoryReplanner
 from .nonfinite import NonfiniteLosses
@@ -209,6 +210,11 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         self._memory_replanner = (
             MemoryReplanner(self._profiler.memory if self._profiler is not None else None)
             if bytes_measured and type(self).memory_planned
+            else None
+        )
+        self._measured_start = (
+            MeasuredStart(self)
+            if self._memory_replanner is not None and measured_start.applies(self)
             else None
         )
         # dict/TensorDict batches reach stage 0 by keyword (torch stages take only tensors
@@ -426,13 +432,24 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         first_target = target_mbs[0] if target_mbs is not None else None
         C.initialize_stages(self, arg_mbs[0], kwarg_mbs[0], first_target, loss_kwargs)
         C.backward_counter(self).clear()
-        functions = C.custom_functions(self)
-        if self._program is None or functions != self._program_functions:
-            self._program = bind_program(
-                self, C.order_with_comms(self), self.action_binders, functions, self._run_action
-            )
-            self._program_functions = dict(functions)
-        self._program.run(C.pipeline_context(self, arg_mbs, kwarg_mbs, target_mbs, losses))
+        ctx = C.pipeline_context(self, arg_mbs, kwarg_mbs, target_mbs, losses)
+        if self._measured_start is not None and self._has_backward:
+            # a V schedule's first step, in two parts (zbpipe.schedules.measured_start)
+            start, self._measured_start, self._program = self._measured_start, None, None
+            try:
+                start.run(self, ctx)
+            except BaseException:
+                # a part of the step is lowered: a failed first step leaves the whole plan
+                self._lower(self.plan, probing=self.lowered_for_probe)
+                raise
+        else:
+            functions = C.custom_functions(self)
+            if self._program is None or functions != self._program_functions:
+                self._program = bind_program(
+                    self, C.order_with_comms(self), self.action_binders, functions, self._run_action
+                )
+                self._program_functions = dict(functions)
+            self._program.run(ctx)
         C.check_unshards_used(self)
         self._update_losses(self._stages, losses)
 
