@@ -63,9 +63,8 @@ def test_v_schedules_keep_their_promise_from_the_first_step(rows, run):
 
 
 #: measured against predicted, max over ranks, the step after the re-plan (issue 37 asks for a
-#: tenth). These runs gave 0.90-1.00 (docs/results/memory-promise.md): what the plans count
-#: above what is held is torch's receive buffer, one per microbatch in flight, which the probe
-#: counts as the stage's input (torch allocates one per microbatch for every step)
+#: tenth). ``benchmarks/memory_promise.py --checkpointed`` runs these bodies and stores every
+#: ratio (docs/results/memory-promise.md)
 AC_TOL = 0.10
 
 
