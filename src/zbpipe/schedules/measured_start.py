@@ -119,11 +119,11 @@ class MeasuredStart:
 def rest_after(
     plan: Plan, prefix: dict[int, list[Action]], costs: Costs | None, budget: float | None
 ) -> dict[int, list[Action]]:
-    """``plan``'s order without the passes ``prefix`` ran, if running those first keeps
-    ``budget`` under ``costs`` (the measured bytes; None: not measured, no check); else the
-    same with microbatch 0's W first (microbatch 0 then holds nothing when the rest begins: at
-    every point the rest holds at most what the plan holds there); else one microbatch in
-    flight."""
+    """``plan``'s order without the passes ``prefix`` ran, with microbatch 0's W first on every
+    rank but rank 0, as they are, or first on every rank (microbatch 0 then holds nothing when
+    the rest begins: at every point the rest holds at most what the plan holds there): the
+    fastest of those that keeps ``budget`` under ``costs`` (the measured bytes; None: not
+    measured, no check: the plan's order as it is); else one microbatch in flight."""
     done = {a for acts in prefix.values() for a in acts}
     rest = {
         r: [b for a in acts if a not in done for b in _split_first(a)]
@@ -134,20 +134,31 @@ def rest_after(
     # where one microbatch in flight already holds more than the budget, the plan holds that
     # least amount instead (memory_promise): the rest may hold what the plan itself holds
     budget = max(budget, max(simulate(plan, costs).peak_memory.values()))
-    w_first = {
-        r: sorted(acts, key=lambda a: not (a.kind == "W" and a.microbatch == 0))
-        for r, acts in rest.items()
-    }
-    for candidate in (rest, w_first):
+
+    def w_first(ranks: range) -> dict[int, list[Action]]:
+        return {
+            r: sorted(acts, key=lambda a: r in ranks and not (a.kind == "W" and a.microbatch == 0))
+            for r, acts in rest.items()
+        }
+
+    # Every rank but rank 0 waits for microbatch 1 after its round trip (rank 0 sends it last):
+    # its microbatch-0 W fill that wait, and it holds nothing of microbatch 0 when the rest
+    # begins. The fastest candidate that keeps the budget (ties: the earlier) runs.
+    best: tuple[float, dict[int, list[Action]]] | None = None
+    for candidate in (w_first(range(1, plan.num_ranks)), rest, w_first(range(plan.num_ranks))):
         try:
             moved = dataclasses.replace(
                 plan, order={r: prefix[r] + candidate[r] for r in candidate}, pairs=frozenset()
             )
             moved.validate()
-            if within(max(simulate(moved, costs).peak_memory.values()), budget):
-                return candidate
+            sim = simulate(moved, costs)
+            if within(max(sim.peak_memory.values()), budget):
+                if best is None or sim.makespan < best[0] * (1 - 1e-9):
+                    best = (sim.makespan, candidate)
         except ValueError as e:  # running microbatch 0 first deadlocks this order
             logger.debug("zbpipe memory: the first step's rest cannot follow %s (%s)", plan, e)
+    if best is not None:
+        return best[1]
     safe = plan_one_in_flight(plan.num_ranks, plan.n_microbatches, "v")
     return {
         r: [b for a in acts if a not in done for b in _split_first(a)]
