@@ -15,9 +15,10 @@ therefore runs in two parts:
 2. one ``all_gather_object`` of those bytes, the plan for them (the re-plan every schedule
    makes after its first step: :meth:`~zbpipe.schedules.memory_replan.MemoryReplanner.choose`),
    and **the rest of the step**: that plan's order without what already ran, lowered to torch's
-   actions and run (its W of microbatch 0 where the plan puts them). The simulator checks that
-   running microbatch 0's passes first keeps the plan's budget, else the rest runs one
-   microbatch in flight. From the next step on, the plan runs whole.
+   actions and run, microbatch 0's W first on every rank but rank 0 (those ranks wait for
+   microbatch 1 then) or where the plan puts them: the fastest in simulation that keeps the
+   plan's budget (:func:`rest_after`), else one microbatch in flight. From the next step on,
+   the plan runs whole.
 
 The price is microbatch 0's round trip with the other ranks idle (simulated at unit costs: 1.16x
 a step at p = 2, m = 4; 1.08x at m = 8; 1.24x at p = 4, m = 8) and the plan made in the middle
