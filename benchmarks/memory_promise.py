@@ -4,6 +4,11 @@ actions), against torch's Schedule1F1B on the same model; default arguments and
 costs="profile", both engines, 4 gloo ranks. The same bodies as
 tests/schedules/test_memory_promise_4ranks.py, every schedule and engine.
 
+``--checkpointed``: instead, every block under full or selective activation checkpointing (dense
+and with experts), vocabulary 64, deferred engine: per schedule the re-made plan's predicted peak
+against what the step after the re-plan holds (max over ranks), into
+memory_promise_ac_<ranks>ranks_m<m>.json (the bodies of the test's checkpointed case).
+
 Run:  PYTHONPATH=src:. python benchmarks/memory_promise.py [--ranks 4] [--microbatches 8]
 Writes benchmarks/results/memory_promise_<ranks>ranks_m<m>.json: per run, per step, the peak
 per rank in bytes and the max over ranks divided by torch 1F1B's max (V-Half and V-Min also by
@@ -24,7 +29,11 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--checkpointed", action="store_true")
     args = ap.parse_args()
+    if args.checkpointed:
+        checkpointed(args.ranks, args.microbatches, args.out)
+        return
     from results_io import write_result
     from tests.schedules import _memory_promise_cases as cases
 
@@ -60,6 +69,36 @@ def main() -> None:
         {"config": {"ranks": p, "microbatches": m, "shape": cases.SHAPE, "rows": cases.ROWS},
          "torch_1f1b_peak_bytes": torch_steps, "rows": rows},
         path=args.out,
+    )  # fmt: skip
+
+
+def checkpointed(p: int, m: int, out: str | None) -> None:
+    """Predicted against held peak under activation checkpointing (``--checkpointed``)."""
+    from results_io import write_result
+    from tests.schedules import _memory_promise_cases as cases
+
+    from zbpipe.testing import run_ranks
+
+    names = ["ZBH1", "ZBV", "ZBVHalf"]
+    rows = []
+    for ac in ("full", "selective"):
+        for moe in (False, True):
+            kw = {"ac": ac, "moe": moe, "vocab": 64}
+            per_rank = run_ranks(cases.checkpointed_rows, p, m, kw, names, timeout=3000)
+            for name in names:
+                measured = max(r[name]["measured"] for r in per_rank)
+                predicted = per_rank[0][name]["predicted"]
+                rows.append(
+                    {"ac": ac, "experts": moe, "schedule": name, "measured_bytes": measured,
+                     "predicted_bytes": predicted, "measured_vs_predicted": measured / predicted}
+                )  # fmt: skip
+                print(f"{ac:<9} experts={moe!s:<5} {name:<8} measured / predicted "
+                      f"{measured / predicted:.3f}")  # fmt: skip
+    write_result(
+        f"memory_promise_ac_{p}ranks_m{m}",
+        {"config": {"ranks": p, "microbatches": m, "shape": cases.SHAPE, "vocab": 64},
+         "rows": rows},
+        path=out,
     )  # fmt: skip
 
 

@@ -444,11 +444,15 @@ def v_saved_peak_within_budget(rank, world, m, modes, splits):
     xs = [torch.randn(rows, 64, generator=g) for _ in range(m)]
     out = {}
     # Independently of any schedule: one microbatch's forward through one chunk saves
-    # ``saved`` bytes; every chunk but the last also holds its output until its B.
+    # ``saved`` bytes; every chunk but the last also holds its output until its B. What the
+    # profile measures as a chunk's own leaves out its input (the caller's, torch's receive
+    # buffer or the previous chunk's output: zbpipe.memory.probe.KeyBytes).
     probe, unit = _deep_v_chunk(0), SavedActivationMeter()
+    x = torch.randn(rows, 64, requires_grad=True)
     with SavedTensors(observer=unit, skip=param_storages(probe.parameters())).hooks():
-        y = probe(torch.randn(rows, 64, requires_grad=True))
+        y = probe(x)
     chunk_bytes = [unit.peak_bytes + (y.nbytes if s < n_stages - 1 else 0) for s in range(n_stages)]
+    own_bytes = [b - x.nbytes for b in chunk_bytes]
     for split in splits:
         for mode in modes:
             stages = [
@@ -476,4 +480,4 @@ def v_saved_peak_within_budget(rank, world, m, modes, splits):
                 meter.end_step().peak_bytes,
                 [f * sched.memory_unit_bytes for f in sched.measured_costs.mem_f],
             )
-    return out, chunk_bytes
+    return out, chunk_bytes, own_bytes

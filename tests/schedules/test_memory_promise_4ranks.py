@@ -3,12 +3,14 @@
 
 Default arguments and ``costs="profile"``, both engines: ZB-H1 and ZB-1p hold at most 1F1B's
 peak from the first step on (the first step runs a plan that keeps it whatever the bytes); ZB-V
-from the second step (the first measured the bytes; costs="profile" re-plans for them too),
-V-Half and V-Min within their formulas there (a V rank holds the first and the last chunk
-together: no order keeps ZB-V's promise before the bytes are known;
-docs/use/memory-budgets.md). Under full activation checkpointing (a dense model, one with
-experts as a 3-D weight) the re-made plan's predicted peak is what the run holds, and V-Half
-holds less than ZB-V; under selective checkpointing the probe does not see what it keeps.
+too, V-Half and V-Min within their formulas (a V rank holds the first and the last chunk
+together, so no order keeps the promise before the bytes are known: their first step sends
+microbatch 0 down the V and back, measures, and runs the rest of the step with the plan made
+for the measured bytes; zbpipe.schedules.measured_start, docs/use/memory-budgets.md).
+
+Under full activation checkpointing (a dense model, one with experts as a 3-D weight) the
+re-made plan's predicted peak is what the run holds, and V-Half holds less than ZB-V; the same
+under selective checkpointing, whose cache the probe reads.
 """
 
 from __future__ import annotations
@@ -50,39 +52,27 @@ def test_loop_schedules_keep_1f1b_peak_from_the_first_step(rows, run):
 
 @pytest.mark.dist
 @pytest.mark.parametrize("run", V, ids=lambda r: "-".join(r))
-def test_v_schedules_keep_their_promise_once_the_bytes_are_measured(rows, run):
+def test_v_schedules_keep_their_promise_from_the_first_step(rows, run):
     torch_peak = max(max(step) for step in rows["torch"])
     # torch's rank 0 holds p microbatches of the p-stage model's stage 0 (chunks 0 and 1)
     stage0 = rows["torch"][-1][0] / P
     promise = {"ZBV": torch_peak, "ZBVHalf": (P + 2) / 2 * stage0, "ZBVMin": (P + 4) / 3 * stage0}
-    for i, step in list(enumerate(rows[run], start=1))[1:]:  # from the step after the probe
+    for i, step in enumerate(rows[run], start=1):
         ratio = max(step) / promise[run[0]]
         assert ratio <= TOL, f"step {i}: {ratio:.3f}x its promise"
 
 
-#: measured against predicted, max over ranks, the step after the re-plan: ZB-H1 held 10.3%
-#: (dense) and 12.1% (experts) more than predicted, ZB-V and V-Half 3-12% less (issue 37 asks
-#: for 10%; what the rest is has not been found: docs/results/memory-promise.md)
-AC_TOL = 0.15
+#: measured against predicted, max over ranks, the step after the re-plan (issue 37 asks for a
+#: tenth). ``benchmarks/memory_promise.py --checkpointed`` runs these bodies and stores every
+#: ratio (docs/results/memory-promise.md)
+AC_TOL = 0.10
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize(
     "ac,moe",
-    [
-        ("full", False),
-        ("full", True),
-        pytest.param(
-            "selective",
-            False,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="selective checkpointing keeps the outputs its policy saves in its own "
-                "cache, not through saved-tensor hooks: the probe does not see them",
-            ),
-        ),
-    ],
-    ids=["full", "experts-full", "selective"],
+    [("full", False), ("full", True), ("selective", False), ("selective", True)],
+    ids=["full", "experts-full", "selective", "experts-selective"],
 )
 def test_checkpointed_plans_predict_what_they_hold_and_v_half_holds_less(ac, moe):
     # a head lighter than the checkpointed blocks' recomputed inputs (vocab 64): V-Half's

@@ -1,18 +1,22 @@
 """What zbpipe reads of autograd: hooks on tensors, views, a node's input metadata, the C++ entry
 of an ``autograd.Function``, a leaf's ``AccumulateGrad`` node, what the deferred engine's
 Linear asks on every call (autocast, saved-tensor hooks, a tensor's version, a hook on its
-output's gradient), and who asked for a saved tensor (activation checkpointing's recompute)."""
+output's gradient), who asked for a saved tensor (activation checkpointing's recompute) and
+the entries of selective activation checkpointing's cache."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
 import torch
 import torch.utils.checkpoint
+
+from .modules import is_dtensor
 
 #: the file of torch's activation checkpointing (``torch.utils.checkpoint``)
 _CHECKPOINT_FILE = torch.utils.checkpoint.__file__
@@ -140,3 +144,32 @@ def asked_by_checkpoint(caller: FrameType | None) -> bool:
     tests/test_compat_names.py checks both kinds of unpack against the installed torch.
     """
     return caller is not None and caller.f_code.co_filename == _CHECKPOINT_FILE
+
+
+@contextlib.contextmanager
+def selective_checkpoint_cached(report: Callable[[torch.Tensor], None]) -> Iterator[None]:
+    """While open, ``report(t)`` for every tensor selective activation checkpointing caches.
+
+    ``create_selective_checkpoint_contexts`` keeps the outputs its policy saves (``MUST_SAVE``,
+    ``PREFER_SAVE``) in a cache of the region's own until the backward's recompute consumes
+    them, not through saved-tensor hooks, so no hook sees them (torch 2.14 can route them
+    through the hooks, only if a region asks: ``respect_saved_tensors_hooks=True``; then the
+    entry holds what the hook packed, not a tensor, and is not reported twice). Every entry is
+    built as ``torch.utils.checkpoint._VersionWrapper(tensor)`` (torch 2.11 to 2.14): its
+    ``__init__`` is wrapped while this is open (on this class, for every thread; a forward runs
+    inside). A compiled region's cache is a tracing artifact of fake tensors: not reported.
+    """
+    cls = torch.utils.checkpoint._VersionWrapper
+    original = cls.__dict__["__init__"]
+
+    def init(self: Any, val: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, val, *args, **kwargs)
+        if type(val) is torch.Tensor or is_dtensor(val):
+            report(val)
+
+    cls.__init__ = init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if cls.__dict__["__init__"] is init:  # a later wrap on top is left alone
+            cls.__init__ = original  # type: ignore[method-assign]

@@ -65,6 +65,10 @@ HELPER_API: tuple[tuple[type | None, str, tuple[str, ...]], ...] = (
     ),
     (None, "_PipelineContext", ("schedule_ref", "arg_mbs", "kwarg_mbs", "target_mbs", "losses")),
     (None, "_format_pipeline_order", ("pipeline_order", "error_step_number")),
+    # torch's lowering steps, for a part of a step (lower_part)
+    (None, "_add_unshard_reshard", ("compute_actions",)),
+    (None, "_add_reduce_grad", ("actions", "n_microbatches")),
+    (None, "_add_send_recv", ("compute_actions", "stage_to_rank", "num_stages")),
 )
 PRIVATE_API = INHERITED_API + HELPER_API
 #: instance attributes zbpipe's schedules read as their own (torch's schedules set them in
@@ -101,7 +105,7 @@ TORCH_INTERNAL_ATTRIBUTES: tuple[tuple[str, str], ...] = (
 )
 #: torch's private autograd and profiler entry points the helpers call (module, name):
 #: :func:`autograd_function_apply`'s, the deferred Linear's per-call checks, the action loop's
-#: profiler check and range
+#: profiler check and range; and the class :func:`selective_checkpoint_cached` watches
 PRIVATE_AUTOGRAD_NAMES: tuple[tuple[str, str], ...] = (
     ("torch._C._FunctionBase", "apply"),
     ("torch._C", "_are_functorch_transforms_active"),
@@ -111,6 +115,8 @@ PRIVATE_AUTOGRAD_NAMES: tuple[tuple[str, str], ...] = (
     ("torch._C._autograd", "_top_saved_tensors_default_hooks"),
     ("torch._C._autograd", "_profiler_enabled"),
     ("torch._C._profiler", "_RecordFunctionFast"),
+    # the class of selective checkpointing's cache entries (selective_checkpoint_cached)
+    ("torch.utils.checkpoint", "_VersionWrapper"),
 )
 #: torch's private names the overlapped pairs use (:mod:`.overlap`; module, name)
 PRIVATE_OVERLAP_NAMES: tuple[tuple[str, str], ...] = (

@@ -11,7 +11,11 @@ from collections.abc import Callable
 from typing import Any
 
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import schedules as _torch_schedules
 from torch.distributed.pipelining.schedules import (
+    _add_reduce_grad,
+    _add_send_recv,
+    _add_unshard_reshard,
     _batch_p2p,
     _format_pipeline_order,
     _PipelineContext,
@@ -42,6 +46,25 @@ def wait_batch_p2p(work: list[Any]) -> None:
     """Wait for a posted receive (one of :func:`forward_receives` or :func:`backward_receives`'s
     values; torch's ``_wait_batch_p2p``)."""
     _wait_batch_p2p(work)
+
+
+def lower_part(sched: Any, actions: dict[int, list[Any]]) -> None:
+    """torch's lowering of a compute-only order (``_prepare_schedule_with_comms``) for a *part* of
+    a step, into :func:`order_with_comms`: the same insertions (FSDP unshard and reshard, the
+    gradient reduce after a stage's last backward, sends and receives, receives deferred where
+    the schedule asks), without torch's check that every stage runs every microbatch and each
+    backward follows its forward in the same list (a part need not). Its sends and receives
+    must pair up inside it."""
+    to_rank = sched.stage_index_to_group_rank.__getitem__
+    lowered: dict[int, Any] = {
+        r: _add_reduce_grad(list(_add_unshard_reshard(acts)), sched._n_microbatches)
+        for r, acts in actions.items()
+    }
+    orders = _add_send_recv(lowered, stage_to_rank=to_rank, num_stages=sched._num_stages)
+    defer = getattr(_torch_schedules, "_defer_recv_ops", None)  # torch >= 2.13
+    if defer is not None and getattr(sched, "_defer_pp_recv", False):
+        orders = defer(orders, stage_to_rank=to_rank)
+    sched.pipeline_order_with_comms = orders
 
 
 def order_with_comms(sched: Any) -> dict[int, list[Any]]:

@@ -45,6 +45,12 @@ def received_grad_buffers(stage: _PipelineStageBase, mb: int) -> tuple[Any, ...]
     return tuple(info.buffer for info in stage.grad_recv_info[mb])
 
 
+def received_activation_buffers(stage: _PipelineStageBase, mb: int) -> tuple[Any, ...]:
+    """The buffers a stage's inputs for ``mb`` are received into (or a local previous stage
+    handed over), before torch rebuilds DTensors from them; empty on the first stage."""
+    return tuple(info.buffer for info in stage.args_recv_info.get(mb, ()) if _is_receive(info))
+
+
 def received_activations(stage: _PipelineStageBase, mb: int) -> tuple[Any, ...]:
     """The activations a stage received for microbatch ``mb`` (torch's receive buffers)."""
     activations: tuple[Any, ...] = stage._retrieve_recv_activations(mb)

@@ -31,9 +31,12 @@ Nothing here may change when a tensor dies, or a memory meter would measure itse
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import weakref
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import torch
@@ -270,8 +273,19 @@ class SavedTensors:
         """The holders the graph still has (a freed node's are gone)."""
         return [h for ref in self._holders if (h := ref()) is not None]
 
-    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+    def hooks(self) -> AbstractContextManager[Any]:
+        """Around the forward: autograd's saved-tensor hooks into this object's holders and,
+        with an observer, what selective activation checkpointing caches (its policy's saved
+        outputs bypass saved-tensor hooks: :func:`zbpipe._compat.selective_checkpoint_cached`)
+        told to the observer until the storage is freed (the backward's recompute takes it
+        from the cache; W may hold it after)."""
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        observer = self.observer
+        if observer is None:
+            return hooks
+        return _together(
+            hooks, C.selective_checkpoint_cached(lambda t: count_until_freed(t, observer))
+        )
 
     def _pack(self, t: torch.Tensor) -> Any:
         ptr = storage_ptr(t)
@@ -295,6 +309,14 @@ class SavedTensors:
         for h in self.holders:
             h.release()
         self._holders.clear()
+
+
+@contextlib.contextmanager
+def _together(*scopes: AbstractContextManager[Any]) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for scope in scopes:
+            stack.enter_context(scope)
+        yield
 
 
 def _unpack(packed: Any) -> torch.Tensor:

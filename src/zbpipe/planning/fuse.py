@@ -12,20 +12,28 @@ where the previous stage lives on the same rank (V placement's turn: its consume
 this order anyway, after the W). The B of an overlapped pair is never fused: the pair runs B
 only, its W apart. The runtime lowers plans through this; the plan a user prints and simulates
 is left as generated.
+
+A step that measures what a backward holds until its W (the memory probe's first step) keeps
+some pairs split (``keep_split``): a fused backward waits for nothing, so it says nothing about
+what B holds, and a stage whose every pair was fused (the first stage, often) would be planned
+as if its B held no more than its F (under activation checkpointing it holds several times
+more: the recomputed inputs of its weight GEMMs).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Container
 
 from .core import Action, Plan
 
 __all__ = ["fuse_adjacent_backward"]
 
 
-def fuse_adjacent_backward(plan: Plan) -> Plan:
+def fuse_adjacent_backward(plan: Plan, keep_split: Container[tuple[int, int]] = ()) -> Plan:
     """``plan`` with a B immediately followed on its rank by its own W replaced by one BW,
-    wherever that delays no other rank (see the module docstring)."""
+    wherever that delays no other rank (see the module docstring), except the ``(stage,
+    microbatch)`` pairs in ``keep_split``."""
     order: dict[int, tuple[Action, ...]] = {}
     paired = {b for _, b in plan.pairs}  # an overlapped pair's B stays a B (its W is apart)
     for rank, actions in plan.order.items():
@@ -41,6 +49,7 @@ def fuse_adjacent_backward(plan: Plan) -> Plan:
                 and nxt.kind == "W"
                 and (nxt.stage, nxt.microbatch) == (a.stage, a.microbatch)
                 and _gradient_stays_on(plan, a.stage, rank)
+                and (a.stage, a.microbatch) not in keep_split
             ):
                 fused.append(Action(a.stage, "BW", a.microbatch))
                 i += 2

@@ -12,9 +12,9 @@ Both re-planners (:mod:`zbpipe.schedules.memory_replan` after the first step,
   1F1B's rank ``r`` holds, whatever each stage's bytes turn out to be (a heavy head stage
   included; tests/schedules/test_memory_promise.py draws them). A V schedule (ZB-V, V-Half,
   V-Min) has no such plan: its rank 0 holds the first and the last chunk together, so a heavy
-  last chunk can take it over 1F1B's peak however it is ordered; it is planned for equal bytes
-  per chunk (with the same assumption about B), and its first step can exceed the promise by
-  what a heavy chunk weighs above the others.
+  last chunk can take it over 1F1B's peak however it is ordered; its first step measures the
+  forward's bytes before it holds more than one microbatch (:mod:`zbpipe.schedules.
+  measured_start`).
 * :func:`promised_budget`: the budget the re-made plan was made for (the generator's own, or
   :func:`zbpipe.planning.yardsticks.promised_peak`).
 * :func:`fastest_keeping`: among the re-made plan, the plan for equal bytes and the first step's
@@ -46,15 +46,10 @@ def first_step_plan(sched: Any) -> Plan | None:
         return None  # (a numeric limit is in the units of the costs given: kept as given)
     from ..planning.loop.zbh1 import plan_zbh1
 
+    if sched.layout == "v":  # no order keeps it whatever each chunk holds: the first step
+        return None  # measures the forward's bytes first (zbpipe.schedules.measured_start)
     p, m = sched.pp_group_size, sched._n_microbatches
     beta = B_ASSUMED_PER_RANK * p
-    if sched.layout == "v":  # every chunk alike: no plan keeps the promise whatever each holds
-        n = sched._num_stages
-        costs = dataclasses.replace(
-            sched.costs, mem_f=[1.0] * n, mem_b=[beta] * n, mem_w=[-1.0 - beta] * n
-        )
-        plan: Plan = sched.build_plan(p, m, costs, **sched._plan_options)
-        return plan
     # Rank r's 1F1B holds k = min(p - r, m) forwards, one of them through its backward: k + beta
     # units of u_r = 1 / (k + beta) make every rank's yardstick 1, so ZB-H1's limit (the max over
     # ranks) is each rank's own. Its 1F1B skeleton keeps at most k forwards in flight; the limit

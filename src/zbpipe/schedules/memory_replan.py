@@ -13,8 +13,8 @@ unless ``measure_memory=False``, a planned schedule without ``costs="profile"``:
 2. exchanges the per-stage medians with one ``all_gather_object`` over the pipeline group, so
    every rank holds the same bytes (rounded to 3 significant digits);
 3. re-makes the plan with the *time* costs it was given (equal by default: step times stay
-   what they were) and the measured memory fields, and exchanges the plan's fingerprint once:
-   any difference, or a rank that failed to plan, raises on every rank;
+   what they were) and the measured memory fields (every rank alike: :meth:`MemoryReplanner.
+   _plan` says why no second exchange is needed);
 4. logs one INFO line (rank 0): the predicted peak per rank and its ratio to 1F1B's.
 
 A budget the measured bytes cannot meet (a byte ``memory_limit`` below one microbatch in flight)
@@ -34,7 +34,6 @@ from ..observe.profile import gather_stage_values, memory_costs
 from ..planning import Costs, Plan, simulate
 from ..planning.budget import format_bytes
 from .memory_promise import cost_line, fastest_keeping, promised_budget
-from .replan import agree_on_plan
 
 logger = logging.getLogger(__name__)
 
@@ -63,13 +62,23 @@ class MemoryReplanner:
 
     def after_step(self, sched: Any) -> None:
         """Call on every rank after a step with a backward: re-plans once (a collective)."""
-        if self.done:
-            return
-        self.done = True
-        sched.seam.probe = None
-        self.replan(sched)
+        if not self.done:
+            self.done = True
+            sched.seam.probe = None
+            self.replan(sched)
+        if sched.lowered_for_probe:  # the probe's split pairs fused again (runtime._lower)
+            sched.replan(sched.plan)
 
     def replan(self, sched: Any) -> None:
+        """Re-plan for the bytes the probe measured (a collective), and run the plan chosen
+        from the next step on."""
+        chosen = self.choose(sched)
+        if chosen.order != sched.plan.order or chosen.placement != sched.plan.placement:
+            sched.replan(chosen)
+
+    def choose(self, sched: Any) -> Plan:
+        """The plan for the bytes the probe measured (one ``all_gather_object``); sets the
+        schedule's ``memory_costs`` and ``memory_unit_bytes``. Logs on rank 0."""
         group = sched._stages[0].group
         mine = [st.stage_index for st in sched._stages]
         held = gather_stage_values(self.probe.medians(mine), group)
@@ -80,39 +89,48 @@ class MemoryReplanner:
                 "unit per microbatch",
                 type(sched).__name__,
             )
-            return
+            return sched.plan
         fields, unit_bytes = measured
         costs = dataclasses.replace(sched.costs, **fields)
         sched.memory_unit_bytes = unit_bytes
         new = self._plan(sched, costs)
         if new is None:
             sched.memory_unit_bytes = None
-            if sched.plan is not sched.equal_bytes_plan:  # the first step's plan was for then
-                sched.replan(sched.equal_bytes_plan)
-            return
+            plan: Plan = sched.equal_bytes_plan  # (the first step's plan was for then)
+            return plan
         # Never slower than the plan for equal bytes (nor the first step's) where that plan
         # already keeps the promise in the measured bytes: the generators search, they do not
         # prove their result the fastest.
-        others = [p for p in (sched.equal_bytes_plan, sched.plan) if p is not new]
+        others = [sched.equal_bytes_plan]
+        if sched.plan.order != sched.equal_bytes_plan.order:
+            others.append(sched.plan)
+        others = [p for p in others if p.order != new.order]
         chosen, _ = fastest_keeping([new, *others], costs, promised_budget(sched, new, costs))
         sched.memory_costs = costs
-        if chosen.order != sched.plan.order or chosen.placement != sched.plan.placement:
-            sched.replan(chosen)
-        cost, beats = cost_line(sched, chosen, costs, sched.equal_bytes_plan, unit_bytes)
-        if sched.rank == 0:
+        if sched.rank == 0 and logger.isEnabledFor(logging.WARNING):
+            cost, beats = cost_line(sched, chosen, costs, sched.equal_bytes_plan, unit_bytes)
             level = logging.INFO if beats else logging.WARNING
-            line = predicted_memory_line(sched, chosen, costs, unit_bytes, held)
-            logger.log(level, "%s%s", line, cost)
+            if logger.isEnabledFor(level):
+                line = predicted_memory_line(sched, chosen, costs, unit_bytes, held)
+                logger.log(level, "%s%s", line, cost)
+        return chosen
 
     def _plan(self, sched: Any, costs: Costs) -> Plan | None:
-        """The plan for the measured bytes, agreed by every rank; None to keep the old one."""
-        group = sched._stages[0].group
+        """The plan for the measured bytes; None to keep the old one.
+
+        Every rank plans from the same gathered bytes, with the code, options and time costs
+        whose plan every rank compared at construction, and planning is deterministic (no hash
+        seed, dict order or clock: DESIGN.md), so every rank makes the same plan, or fails
+        alike, without a second exchange (one ``all_gather_object`` of a fingerprint: 4-7 ms of
+        a 70 ms first step on issue 37's 2-rank MLP). ``costs="profile"``'s re-plan, from
+        measured times, still exchanges its fingerprint (:func:`~zbpipe.schedules.replan.
+        agree_on_plan`).
+        """
         try:
             new: Plan = sched.build_plan(
                 sched.pp_group_size, sched._n_microbatches, costs, **sched._plan_options
             )
         except ValueError as e:
-            agree_on_plan(sched, str(e), group)  # every rank failed alike, or this raises
             if getattr(sched, "byte_budget", None) is not None:
                 raise  # a byte budget the measured bytes cannot meet: on every rank
             logger.warning(
@@ -123,7 +141,6 @@ class MemoryReplanner:
                 e,
             )
             return None
-        agree_on_plan(sched, new, group)
         return new
 
 

@@ -35,9 +35,10 @@ from ..observe.profile import ProfileConfig
 from ..observe.trace import Tracer
 from ..planning import Costs, Layout, Plan
 from ..planning.fuse import fuse_adjacent_backward
-from . import planned_actions
+from . import measured_start, planned_actions
 from .action_loop import ActionProgram, Binder, bind_action, bind_program
 from .inputs import FirstStageKeywords, drop_inputs_off_stage0, microbatch_inputs
+from .measured_start import MeasuredStart
 from .memory_promise import first_step_plan
 from .memory_replan import MemoryReplanner
 from .nonfinite import NonfiniteLosses
@@ -196,7 +197,9 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         self._sends = PendingSends()
         self._program: ActionProgram | None = None  # bound at the first step (action_loop)
         self._program_functions: dict[Any, Any] = {}
-        self._lower(self.plan)
+        # the first step measures the bytes (below) unless told not to
+        bytes_measured = measure_memory and (profile or ProfileConfig()).memory
+        self._lower(self.plan, probing=bytes_measured and type(self).memory_planned)
         self.tracer = Tracer(rank=self.rank, enabled=trace or profiling, device=stages[0].device)
         self._profiler = (
             CostProfiler(profile or ProfileConfig(), keep_tracing=trace) if profiling else None
@@ -204,10 +207,14 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         # Memory promises by default: the first step measures bytes, the plan is re-made for
         # them (zbpipe.schedules.memory_replan). With costs="profile" too, from the same probe:
         # its re-plan for the measured times comes steps later, and keeps the promise.
-        bytes_measured = measure_memory and (profile or ProfileConfig()).memory
         self._memory_replanner = (
             MemoryReplanner(self._profiler.memory if self._profiler is not None else None)
             if bytes_measured and type(self).memory_planned
+            else None
+        )
+        self._measured_start = (
+            MeasuredStart(self)
+            if self._memory_replanner is not None and measured_start.applies(self)
             else None
         )
         # dict/TensorDict batches reach stage 0 by keyword (torch stages take only tensors
@@ -232,9 +239,16 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
             self.register_custom_function(kind, self._run_action)
 
     # ------------------------------------------------------------------ planning
-    def _lower(self, plan: Plan) -> None:
-        # Run a W that directly follows its own B as one fused BW: same place, less work.
-        executed = fuse_adjacent_backward(plan)
+    def _lower(self, plan: Plan, probing: bool = False) -> None:
+        # Run a W that directly follows its own B as one fused BW: same place, less work. A
+        # step that probes the bytes keeps microbatch 0's pairs split: a fused BW cannot say
+        # what B holds until W (zbpipe.planning.fuse).
+        keep = {(s, 0) for s in range(self._num_stages)} if probing else ()
+        self.lowered_for_probe = probing
+        executed = fuse_adjacent_backward(plan, keep_split=keep)
+        #: what runs: ``plan`` with its adjacent B and W fused where that delays no rank (a
+        #: fused backward holds nothing after it, so this holds at most what ``plan`` does)
+        self.executed_plan: Plan = executed
         self.seam.assign(executed.order[self.rank])
         self._pairs.lowered(executed)
         torch_order = plan_to_torch_actions(executed)
@@ -418,13 +432,24 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         first_target = target_mbs[0] if target_mbs is not None else None
         C.initialize_stages(self, arg_mbs[0], kwarg_mbs[0], first_target, loss_kwargs)
         C.backward_counter(self).clear()
-        functions = C.custom_functions(self)
-        if self._program is None or functions != self._program_functions:
-            self._program = bind_program(
-                self, C.order_with_comms(self), self.action_binders, functions, self._run_action
-            )
-            self._program_functions = dict(functions)
-        self._program.run(C.pipeline_context(self, arg_mbs, kwarg_mbs, target_mbs, losses))
+        ctx = C.pipeline_context(self, arg_mbs, kwarg_mbs, target_mbs, losses)
+        if self._measured_start is not None and self._has_backward:
+            # a V schedule's first step, in two parts (zbpipe.schedules.measured_start)
+            start, self._measured_start, self._program = self._measured_start, None, None
+            try:
+                start.run(self, ctx)
+            except BaseException:
+                # a part of the step is lowered: a failed first step leaves the whole plan
+                self._lower(self.plan, probing=self.lowered_for_probe)
+                raise
+        else:
+            functions = C.custom_functions(self)
+            if self._program is None or functions != self._program_functions:
+                self._program = bind_program(
+                    self, C.order_with_comms(self), self.action_binders, functions, self._run_action
+                )
+                self._program_functions = dict(functions)
+            self._program.run(ctx)
         C.check_unshards_used(self)
         self._update_losses(self._stages, losses)
 

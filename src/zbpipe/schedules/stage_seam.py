@@ -42,7 +42,7 @@ import torch
 from .. import _compat as C
 from ..engines import Key, SplitEngine
 from ..engines.segmented import SegmentRecord
-from ..memory.probe import KeyBytes, MemoryProbe
+from ..memory.probe import KeyBytes, MemoryProbe, inputs_of
 from ..memory.saved import (
     Observer,
     SavedTensors,
@@ -147,8 +147,8 @@ class StageSeam:
             and (key in self.split_keys or key in self.store_bw_keys)
         )
         observer = self.meter
-        if self.probe is not None and stage.has_backward:
-            observer = self._observers[key] = KeyBytes(self.meter)
+        if self.probe is not None and stage.has_backward and self.probe.watches(mb):
+            observer = self._observers[key] = KeyBytes(self.meter, inputs_of(stage, mb, given))
         holders = stage.has_backward and (
             (split and self.engine.uses_saved_holders) or observer is not None
         )
