@@ -125,7 +125,8 @@ def test_every_plan_name_is_a_torchtitan_schedule_that_runs_that_plan(name, monk
     # communication points for an overlapping schedule to install), and ask for its plan.
     def no_stage_setup(self, *args, **kwargs):
         self._stages = []
-        self._pairs = SimpleNamespace(enable=lambda points: None)
+        self.rank, self.plan = 1, None  # no rank-0 report (DualPipeV's reads the plan and costs)
+        self._pairs = SimpleNamespace(enable=lambda points, **options: None)
 
     monkeypatch.setattr(PlannedSchedule, "__init__", no_stage_setup)
     sched = cls([], n_microbatches=8, loss_fn=None, scale_grads=False)
