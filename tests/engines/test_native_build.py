@@ -256,3 +256,25 @@ def test_a_wheel_carries_the_source():
     folder = ROOT / "src/zbpipe/engines/native"
     assert B.SOURCE.parent == folder
     assert any(B.SOURCE in folder.glob(p) for p in patterns)
+
+
+@pytest.mark.parametrize("how", ["auto", "wait"])
+def test_an_unwritable_build_root_runs_the_hook_and_says_so(tmp_path, monkeypatch, caplog, how):
+    """A read-only home or cache (here: a build root below a plain file, which root cannot
+    write either): one line saying so and the Python capture, never a crash in the schedule's
+    construction (wait) or a builder that fails every job with a log it could not write (auto)."""
+    if B.toolchain_missing() is not None:
+        pytest.skip("the source declines to build without a toolchain")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(blocker / "root"))
+    monkeypatch.delitem(sys.modules, B.NAME, raising=False)
+    monkeypatch.setattr(B, "_torch_build", lambda t, v: pytest.fail("a build was started"))
+    src = A.NativeSource()
+    with caplog.at_level(logging.INFO, logger="zbpipe.engines.native"):
+        src.start(how)
+    assert src.module is None and not src.building
+    assert "TORCH_EXTENSIONS_DIR to a writable folder" in src.reason
+    assert "output hook" in caplog.records[-1].getMessage()
+    ok, message = native.prebuild()
+    assert not ok and "cannot make its build folder" in message

@@ -25,7 +25,7 @@ def prebuild(*, verbose: bool = False) -> tuple[bool, str]:
     if t.is_built():
         build_native.load(t)
         return True, f"zbpipe: the native weight capture is built already: {t.directory}{off}"
-    missing = build_native.toolchain_missing()
+    missing = build_native.toolchain_missing() or build_native.unwritable(t)
     if missing is not None:
         return False, f"zbpipe: cannot build the native weight capture: {missing}"
     try:

@@ -129,6 +129,20 @@ def toolchain_missing() -> str | None:
     return None
 
 
+def unwritable(t: Target) -> str | None:
+    """Why this process cannot build ``t`` (its build root cannot be made or written: a
+    read-only home or cache), or None. Checked before a build starts, so such a machine logs
+    one line and runs the Python capture instead of failing in a builder."""
+    parent = t.directory.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"cannot make its build folder ({e})"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"its build folder {parent} is not writable"
+    return None
+
+
 def load(t: Target) -> ModuleType:
     """Import the built extension (once per process: a second call returns the first module)."""
     loaded = sys.modules.get(NAME)
@@ -205,7 +219,7 @@ def main(argv: list[str]) -> int:
         return 0
     try:
         return 0 if build(t) else FAILED
-    except RuntimeError:
+    except (RuntimeError, OSError):  # OSError: no flock on this filesystem, a read-only root
         return FAILED
 
 
