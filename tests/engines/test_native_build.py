@@ -278,3 +278,21 @@ def test_an_unwritable_build_root_runs_the_hook_and_says_so(tmp_path, monkeypatc
     assert "output hook" in caplog.records[-1].getMessage()
     ok, message = native.prebuild()
     assert not ok and "cannot make its build folder" in message
+
+
+def test_wait_behind_a_build_that_failed_elsewhere_says_so(fresh, monkeypatch):
+    """Ranks of one machine under ``wait`` queue on the flock: when the one building fails,
+    the others find its marker and say that (not a failed load of a library never made)."""
+    if B.toolchain_missing() is not None:
+        pytest.skip("the source declines to build without a toolchain")
+
+    def failed_elsewhere(t, **kw):
+        t.directory.mkdir(parents=True, exist_ok=True)
+        t.failed.write_text("the other rank's\n")
+        return False  # what build() returns behind another process's failure
+
+    monkeypatch.setattr(B, "build", failed_elsewhere)
+    monkeypatch.setattr(B, "load", lambda t: pytest.fail("loaded a library never built"))
+    src = A.NativeSource()
+    src.start("wait")
+    assert src.module is None and "its build failed in another process" in src.reason

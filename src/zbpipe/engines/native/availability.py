@@ -111,11 +111,16 @@ class NativeSource:
                 t.directory,
             )
             try:
-                B.build(t)
+                built = B.build(t)
             except RuntimeError as e:
                 return self._decline(f"the build failed: {e} (log: {t.log})")
             except OSError as e:  # no flock on this filesystem, say: the hook, never a crash
                 return self._decline(f"the build could not start: {e}")
+            if not built:  # another process's build failed while this one waited for it
+                return self._decline(
+                    f"its build failed in another process (log: {t.log}; `python -m zbpipe "
+                    "build-native` retries and shows why)"
+                )
             return self._load(t, " (built)")
         self._spawn(t)
         return None
