@@ -81,6 +81,22 @@ def test_the_folder_is_per_python_and_torch_and_source(fresh, monkeypatch):
     assert B.target().directory != fresh.directory
 
 
+def test_the_folder_does_not_depend_on_the_kernel_release(fresh, monkeypatch):
+    """A capture prebuilt in a container image's build or on a login node (another kernel than
+    the compute nodes') is the one the job loads; another CPU architecture or C library is not."""
+    import platform
+
+    monkeypatch.setattr(platform, "release", lambda: "0.0.0-another-kernel")
+    monkeypatch.setattr(platform, "platform", lambda *a, **k: "Linux-0.0.0-another-kernel")
+    assert B.target().directory == fresh.directory
+    monkeypatch.setattr(platform, "libc_ver", lambda *a, **k: ("glibc", "0.1"))
+    assert B.target().directory != fresh.directory
+    monkeypatch.undo()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(fresh.directory.parent.parent))
+    monkeypatch.setattr(platform, "machine", lambda: "another-arch")
+    assert B.target().directory != fresh.directory
+
+
 def test_off_loads_nothing(fresh):
     src = A.NativeSource()
     src.start("off")
