@@ -86,13 +86,13 @@ def test_the_folder_does_not_depend_on_the_kernel_release(fresh, monkeypatch):
     the compute nodes') is the one the job loads; another CPU architecture or C library is not."""
     import platform
 
+    libc_ver = platform.libc_ver
     monkeypatch.setattr(platform, "release", lambda: "0.0.0-another-kernel")
     monkeypatch.setattr(platform, "platform", lambda *a, **k: "Linux-0.0.0-another-kernel")
     assert B.target().directory == fresh.directory
     monkeypatch.setattr(platform, "libc_ver", lambda *a, **k: ("glibc", "0.1"))
     assert B.target().directory != fresh.directory
-    monkeypatch.undo()
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(fresh.directory.parent.parent))
+    monkeypatch.setattr(platform, "libc_ver", libc_ver)
     monkeypatch.setattr(platform, "machine", lambda: "another-arch")
     assert B.target().directory != fresh.directory
 
