@@ -312,3 +312,13 @@ def test_wait_behind_a_build_that_failed_elsewhere_says_so(fresh, monkeypatch):
     src = A.NativeSource()
     src.start("wait")
     assert src.module is None and "its build failed in another process" in src.reason
+
+
+def test_build_native_over_a_corrupt_build_says_what_to_remove(fresh):
+    """A stamped folder whose library cannot be imported (a disk filled during its link, a
+    copy from another machine): the command says so and names the folder, no traceback."""
+    fresh.directory.mkdir(parents=True)
+    _fake_build(fresh, False)  # not a shared object
+    fresh.stamp.write_text("built before\n")
+    ok, message = native.prebuild()
+    assert not ok and str(fresh.directory) in message and "remove" in message
