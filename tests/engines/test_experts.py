@@ -177,3 +177,33 @@ def test_weight_grad_products_match_autograds():
     g = torch.randn_like(out)
     out.backward(g)
     assert torch.equal(expert_grads.EinsumProduct("bij,bik->bjk").grad(v, a, g), v.grad)
+
+
+def test_post_accumulate_hooks_fire_once_in_w_after_a_segmented_b():
+    """The backward half of an overlapped DualPipeV pair runs B in segments
+    (``backward_input_steps``): the experts' hooks are parked there too, so they fire once, in
+    W, on the whole gradient (an optimizer-in-backward hook must not step on a stale .grad)."""
+    from zbpipe.engines.segmented import SegmentRecord
+
+    fused, split = cases.twins(cases.grouped_experts())
+    fired: list[tuple[str, torch.Tensor | None]] = []
+    for name, p in split.named_parameters():
+        p.register_post_accumulate_grad_hook(
+            lambda p, name=name: fired.append((name, None if p.grad is None else p.grad.clone()))
+        )
+    engine = cases.engine_on(split)
+    args = cases.routed_rows(cases.COUNTS[0], 0)
+    cases.fused_step(fused, *args)
+    x = args[0].clone().requires_grad_()
+    with engine.forward_scope((0, 0), None, fused=False):
+        out = split(x, *args[1:])
+    loss = (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum()
+    steps = engine.backward_input_steps((0, 0), SegmentRecord("test"), [loss], None, [x], None)
+    for _ in steps:  # no points: one segment
+        pass
+    assert fired == []
+    engine.backward_weight((0, 0))
+    assert sorted(n for n, _ in fired) == sorted(n for n, _ in split.named_parameters())
+    _assert_same_grads(fused, split)
+    for name, grad in fired:
+        assert torch.equal(grad, dict(fused.named_parameters())[name].grad), name

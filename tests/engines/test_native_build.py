@@ -81,6 +81,22 @@ def test_the_folder_is_per_python_and_torch_and_source(fresh, monkeypatch):
     assert B.target().directory != fresh.directory
 
 
+def test_the_folder_does_not_depend_on_the_kernel_release(fresh, monkeypatch):
+    """A capture prebuilt in a container image's build or on a login node (another kernel than
+    the compute nodes') is the one the job loads; another CPU architecture or C library is not."""
+    import platform
+
+    libc_ver = platform.libc_ver
+    monkeypatch.setattr(platform, "release", lambda: "0.0.0-another-kernel")
+    monkeypatch.setattr(platform, "platform", lambda *a, **k: "Linux-0.0.0-another-kernel")
+    assert B.target().directory == fresh.directory
+    monkeypatch.setattr(platform, "libc_ver", lambda *a, **k: ("glibc", "0.1"))
+    assert B.target().directory != fresh.directory
+    monkeypatch.setattr(platform, "libc_ver", libc_ver)
+    monkeypatch.setattr(platform, "machine", lambda: "another-arch")
+    assert B.target().directory != fresh.directory
+
+
 def test_off_loads_nothing(fresh):
     src = A.NativeSource()
     src.start("off")
@@ -256,3 +272,53 @@ def test_a_wheel_carries_the_source():
     folder = ROOT / "src/zbpipe/engines/native"
     assert B.SOURCE.parent == folder
     assert any(B.SOURCE in folder.glob(p) for p in patterns)
+
+
+@pytest.mark.parametrize("how", ["auto", "wait"])
+def test_an_unwritable_build_root_runs_the_hook_and_says_so(tmp_path, monkeypatch, caplog, how):
+    """A read-only home or cache (here: a build root below a plain file, which root cannot
+    write either): one line saying so and the Python capture, never a crash in the schedule's
+    construction (wait) or a builder that fails every job with a log it could not write (auto)."""
+    if B.toolchain_missing() is not None:
+        pytest.skip("the source declines to build without a toolchain")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(blocker / "root"))
+    monkeypatch.delitem(sys.modules, B.NAME, raising=False)
+    monkeypatch.setattr(B, "_torch_build", lambda t, v: pytest.fail("a build was started"))
+    src = A.NativeSource()
+    with caplog.at_level(logging.INFO, logger="zbpipe.engines.native"):
+        src.start(how)
+    assert src.module is None and not src.building
+    assert "TORCH_EXTENSIONS_DIR to a writable folder" in src.reason
+    assert "output hook" in caplog.records[-1].getMessage()
+    ok, message = native.prebuild()
+    assert not ok and "cannot make its build folder" in message
+
+
+def test_wait_behind_a_build_that_failed_elsewhere_says_so(fresh, monkeypatch):
+    """Ranks of one machine under ``wait`` queue on the flock: when the one building fails,
+    the others find its marker and say that (not a failed load of a library never made)."""
+    if B.toolchain_missing() is not None:
+        pytest.skip("the source declines to build without a toolchain")
+
+    def failed_elsewhere(t, **kw):
+        t.directory.mkdir(parents=True, exist_ok=True)
+        t.failed.write_text("the other rank's\n")
+        return False  # what build() returns behind another process's failure
+
+    monkeypatch.setattr(B, "build", failed_elsewhere)
+    monkeypatch.setattr(B, "load", lambda t: pytest.fail("loaded a library never built"))
+    src = A.NativeSource()
+    src.start("wait")
+    assert src.module is None and "its build failed in another process" in src.reason
+
+
+def test_build_native_over_a_corrupt_build_says_what_to_remove(fresh):
+    """A stamped folder whose library cannot be imported (a disk filled during its link, a
+    copy from another machine): the command says so and names the folder, no traceback."""
+    fresh.directory.mkdir(parents=True)
+    _fake_build(fresh, False)  # not a shared object
+    fresh.stamp.write_text("built before\n")
+    ok, message = native.prebuild()
+    assert not ok and str(fresh.directory) in message and "remove" in message

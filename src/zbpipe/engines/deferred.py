@@ -200,8 +200,12 @@ class DeferredEngine:
         collective is in flight (:mod:`zbpipe.engines.segmented`)."""
         store = self._pending[key] = self._stores.pop(key)
         linears = self._linears[key[0]]
-        with self._slot_holding(key[0], store), post_accumulate_hooks_parked(linears) as hooked:
-            store.parked = hooked
+        with (
+            self._slot_holding(key[0], store),
+            post_accumulate_hooks_parked(linears) as hooked,
+            self._experts.parked(key[0]) as hooked_experts,
+        ):
+            store.parked = hooked | hooked_experts  # as backward_input's: fired once, in W
             store.deferring = True
             try:
                 grads = yield from segmented_backward(record, outputs, output_grads, inputs)

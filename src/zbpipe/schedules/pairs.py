@@ -219,7 +219,9 @@ class PairRunner:
             while self._backward_half is not None:
                 self._step()
         finally:
-            self._backward_half, self._in_pair = None, False
+            half, self._backward_half, self._in_pair = self._backward_half, None, False
+            if half is not None:  # the forward half failed: the B's hooks, store, graph go now
+                half.close()  # type: ignore[attr-defined]
         stepped, waited_f, waited_b = self._clock
         f_compute = time.perf_counter() - t0 - stepped - waited_f
         rank = sched.rank

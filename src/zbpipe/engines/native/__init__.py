@@ -23,9 +23,15 @@ def prebuild(*, verbose: bool = False) -> tuple[bool, str]:
     t = build_native.target()
     off = f" ({ENV}=off here: unset it to use it)" if mode() == "off" else ""
     if t.is_built():
-        build_native.load(t)
+        try:
+            build_native.load(t)
+        except Exception as e:  # a corrupt library: a traceback would not say what to do
+            return False, (
+                f"zbpipe: the native weight capture in {t.directory} is built but cannot be "
+                f"loaded ({e}): remove that folder and run `python -m zbpipe build-native` again"
+            )
         return True, f"zbpipe: the native weight capture is built already: {t.directory}{off}"
-    missing = build_native.toolchain_missing()
+    missing = build_native.toolchain_missing() or build_native.unwritable(t)
     if missing is not None:
         return False, f"zbpipe: cannot build the native weight capture: {missing}"
     try:

@@ -80,7 +80,7 @@ class NativeSource:
             return None
         try:
             t = self._target = B.target()
-        except Exception as e:  # an unwritable cache root, say: the hook, said once
+        except Exception as e:  # the source unreadable, say: the hook, said once
             return self._decline(f"no build folder ({e})")
         if t.is_built():
             return self._load(t, "")
@@ -96,6 +96,12 @@ class NativeSource:
         missing = B.toolchain_missing()
         if missing is not None or sys.platform == "win32":
             return self._decline(missing or "no build on Windows yet")
+        unwritable = B.unwritable(t)
+        if unwritable is not None:
+            return self._decline(
+                f"{unwritable}; set TORCH_EXTENSIONS_DIR to a writable folder, or build it "
+                "where one is with `python -m zbpipe build-native`"
+            )
         if how == "wait":
             logger.info(
                 "zbpipe: building the native weight capture (one C++ file, about half a minute "
@@ -105,9 +111,16 @@ class NativeSource:
                 t.directory,
             )
             try:
-                B.build(t)
+                built = B.build(t)
             except RuntimeError as e:
                 return self._decline(f"the build failed: {e} (log: {t.log})")
+            except OSError as e:  # no flock on this filesystem, say: the hook, never a crash
+                return self._decline(f"the build could not start: {e}")
+            if not built:  # another process's build failed while this one waited for it
+                return self._decline(
+                    f"its build failed in another process (log: {t.log}; `python -m zbpipe "
+                    "build-native` retries and shows why)"
+                )
             return self._load(t, " (built)")
         self._spawn(t)
         return None
@@ -123,9 +136,10 @@ class NativeSource:
         if builder.returncode == 0 and self._target.is_built():
             self._load(self._target, f" (built in the background in {took:.0f} s)")
         else:
+            log = f"log: {self._target.log}; " if self._target.log.is_file() else ""
             self._decline(
-                f"the background build failed (exit status {builder.returncode}; log: "
-                f"{self._target.log}; `python -m zbpipe build-native` retries and shows why)"
+                f"the background build failed (exit status {builder.returncode}; {log}"
+                "`python -m zbpipe build-native` retries and shows why)"
             )
         return self.module
 

@@ -6,7 +6,9 @@ C++ compiler that built extensions use, ``c++`` or ``$CXX``) into a folder of it
     <$TORCH_EXTENSIONS_DIR, else torch's default build root>/zbpipe_native/<tag>/
 
 ``tag`` names the Python and torch versions and a hash of everything the binary depends on:
-the source, torch's version and git revision, Python's version, the platform and the flags.
+the source, torch's version and git revision, Python's version, the OS, CPU architecture and C
+library, and the flags (not the kernel's release: a build made in a container image's build,
+or on a login node, is the one the compute nodes load).
 Another torch (a second virtual environment, an upgrade) gets another folder, and each folder
 is built once per machine. Loading a built folder imports its ``.so`` directly: no ninja run,
 no lock, a few milliseconds.
@@ -107,8 +109,12 @@ def target() -> Target:
         torch.__version__,
         str(torch.version.git_version),
         sys.version,
-        platform.platform(),
+        # what the binary depends on: the OS, the CPU architecture and the C library, never
+        # the kernel's release (platform.platform() has it): a capture built in a container
+        # image or on a login node must be the one its compute nodes load
+        sys.platform,
         platform.machine(),
+        " ".join(platform.libc_ver()),
         " ".join(CFLAGS),
     ):
         h.update(b"\0" + part.encode())
@@ -126,6 +132,20 @@ def toolchain_missing() -> str | None:
         return f"no C++ compiler ({cxx!r} is not on PATH)"
     if shutil.which("ninja") is None:
         return "no ninja on PATH (torch's extension builder needs it: pip install ninja)"
+    return None
+
+
+def unwritable(t: Target) -> str | None:
+    """Why this process cannot build ``t`` (its build root cannot be made or written: a
+    read-only home or cache), or None. Checked before a build starts, so such a machine logs
+    one line and runs the Python capture instead of failing in a builder."""
+    parent = t.directory.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"cannot make its build folder ({e})"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"its build folder {parent} is not writable"
     return None
 
 
@@ -205,7 +225,7 @@ def main(argv: list[str]) -> int:
         return 0
     try:
         return 0 if build(t) else FAILED
-    except RuntimeError:
+    except (RuntimeError, OSError):  # OSError: no flock on this filesystem, a read-only root
         return FAILED
 
 
