@@ -25,6 +25,8 @@ from zbpipe.engines.deferred import DeferredEngine, WeightGradStore
 from zbpipe.engines.linear_patch import StoreSlot, patch_linears, post_accumulate_hooks_parked
 from zbpipe.engines.weight_capture import CaptureState
 
+from ._capture_cases import Twice, holding
+
 
 def _store(native, *, exact: bool = True, immediate: bool = False) -> WeightGradStore:
     """A store whose Linears capture natively (``native``: the module) or by the Function."""
@@ -35,29 +37,8 @@ def _store(native, *, exact: bool = True, immediate: bool = False) -> WeightGrad
     return store
 
 
-@contextlib.contextmanager
-def _holding(slot: StoreSlot, store: WeightGradStore, deferring: bool = False):
-    slot.store, store.deferring = store, deferring
-    try:
-        yield
-    finally:
-        slot.store, store.deferring = None, False
-
-
 def _native(out: torch.Tensor) -> bool:
     return "ZbpipeDeferredLinear" in out.grad_fn.name()
-
-
-class _Twice(nn.Module):
-    """A Linear applied twice (its two GEMMs summed), another one once, with a bias."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(8, 8)
-        self.b = nn.Linear(8, 4, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.tanh(self.a(torch.tanh(self.a(x)))))
 
 
 def _run(module, x, g, store, ctx=contextlib.nullcontext):
@@ -65,9 +46,9 @@ def _run(module, x, g, store, ctx=contextlib.nullcontext):
     slot = StoreSlot()
     patch_linears(module, slot)
     x = x.detach().clone().requires_grad_(x.requires_grad)
-    with _holding(slot, store), ctx():
+    with holding(slot, store), ctx():
         out = module(x)
-    with _holding(slot, store, deferring=True):
+    with holding(slot, store, deferring=True):
         out.float().backward(g)
     store.run()
     return x.grad, out
@@ -102,7 +83,7 @@ def test_native_and_function_give_bitwise_the_same_gradients(
     native_capture, shape, exact, immediate, has_grad
 ):
     torch.manual_seed(0)
-    base = _Twice()
+    base = Twice()
     x, g = torch.randn(shape, requires_grad=True), torch.randn(*shape[:-1], 4)
     got = _both(base, x, g, exact=exact, immediate=immediate, native=native_capture,
                 has_grad=has_grad)  # fmt: skip
@@ -121,7 +102,7 @@ def test_native_under_autocast_matches_the_function(native_capture, immediate):
     """bf16 autocast on the CPU: the queued operands in autocast's dtype, the product cast back
     to the weight's; W computes it apart (not inside the GEMM), as the Function's store does."""
     torch.manual_seed(0)
-    got = _both(_Twice(), torch.randn(6, 8, requires_grad=True), torch.randn(6, 4), exact=False,
+    got = _both(Twice(), torch.randn(6, 8, requires_grad=True), torch.randn(6, 4), exact=False,
                 immediate=immediate, native=native_capture,
                 ctx=lambda: torch.autocast("cpu", dtype=torch.bfloat16))  # fmt: skip
     _assert_equal(got["native"], got["function"])
@@ -159,9 +140,9 @@ def test_native_under_checkpointing_defers_and_matches_plain_autograd(native_cap
     store = _store(native_capture)
     x = torch.randn(5, 8)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-    with _holding(slot, store):
+    with holding(slot, store):
         out = checkpoint(block, xa, use_reentrant=False)
-    with _holding(slot, store, deferring=True):
+    with holding(slot, store, deferring=True):
         out.sum().backward()
     assert store.num_gemms == 2  # both GEMMs deferred, in the C++ queue
     store.run()
@@ -178,7 +159,7 @@ def test_second_order_gradients_flow_through_the_native_capture(native_capture):
 
     def penalty(lin, slot, store):
         x = torch.randn(5, 8, requires_grad=True)
-        with _holding(slot, store) if slot is not None else contextlib.nullcontext():
+        with holding(slot, store) if slot is not None else contextlib.nullcontext():
             out = lin(torch.tanh(x))
             (gx,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
             gx.square().sum().backward()
@@ -202,7 +183,7 @@ def test_an_input_without_grad_still_defers_its_weight(native_capture):
     """A first stage's data input needs no gradient: the output hook could not take it (no
     grad_fn to hook), the native Function does, and W computes the weight's gradient."""
     torch.manual_seed(0)
-    got = _both(_Twice(), torch.randn(6, 8), torch.randn(6, 4), exact=True,
+    got = _both(Twice(), torch.randn(6, 8), torch.randn(6, 4), exact=True,
                 immediate=False, native=native_capture)  # fmt: skip
     _assert_equal(got["native"], got["function"])
 
@@ -218,10 +199,10 @@ def test_a_weight_with_register_hook_is_left_to_the_function(native_capture):
     patch_linears(lin, slot)
     store = _store(native_capture)
     x = torch.randn(5, 8, requires_grad=True)
-    with _holding(slot, store):
+    with holding(slot, store):
         out = lin(x)
     assert not _native(out)
-    with _holding(slot, store, deferring=True):
+    with holding(slot, store, deferring=True):
         out.sum().backward()
     store.run()
     ref(x.detach()).sum().backward()
@@ -233,7 +214,7 @@ def test_post_accumulate_hooks_fire_once_in_w_after_the_sum(native_capture, imme
     """B parks the hooks (as the engine does); the native queue keeps a hooked weight's GEMM
     for W even in a fused BW, so the hook fires once, on the whole sum."""
     torch.manual_seed(0)
-    base = _Twice()
+    base = Twice()
     x, g = torch.randn(6, 8), torch.randn(6, 4)
     ref = copy.deepcopy(base)
     ref(x.clone().requires_grad_()).backward(g)
@@ -243,9 +224,9 @@ def test_post_accumulate_hooks_fire_once_in_w_after_the_sum(native_capture, imme
     slot = StoreSlot()
     patch_linears(mod, slot)
     store = _store(native_capture, exact=True, immediate=immediate)
-    with _holding(slot, store):
+    with holding(slot, store):
         out = mod(x.clone().requires_grad_())
-    with _holding(slot, store, deferring=True), post_accumulate_hooks_parked([mod.a, mod.b]):
+    with holding(slot, store, deferring=True), post_accumulate_hooks_parked([mod.a, mod.b]):
         out.backward(g)
     assert fired == []
     store.run()
@@ -257,15 +238,15 @@ def test_the_queue_refuses_a_second_w_and_a_late_gemm(native_capture):
     slot = StoreSlot()
     patch_linears(lin, slot)
     store = _store(native_capture)
-    with _holding(slot, store):
+    with holding(slot, store):
         out = lin(torch.randn(5, 8, requires_grad=True))
         late = lin(torch.randn(5, 8, requires_grad=True))
-    with _holding(slot, store, deferring=True):
+    with holding(slot, store, deferring=True):
         out.sum().backward()
     store.run()
     with pytest.raises(RuntimeError, match="twice"):
         store.native.run()
-    with _holding(slot, store, deferring=True), pytest.raises(RuntimeError, match="after its W"):
+    with holding(slot, store, deferring=True), pytest.raises(RuntimeError, match="after its W"):
         late.sum().backward()
 
 
@@ -274,9 +255,9 @@ def test_a_failed_step_drops_the_queue_without_computing_it(native_capture):
     slot = StoreSlot()
     patch_linears(lin, slot)
     store = _store(native_capture)
-    with _holding(slot, store):
+    with holding(slot, store):
         out = lin(torch.randn(5, 8, requires_grad=True))
-    with _holding(slot, store, deferring=True):
+    with holding(slot, store, deferring=True):
         out.sum().backward()
     assert store.num_gemms == 1
     store.release()
@@ -288,11 +269,11 @@ def test_an_in_place_change_of_the_input_after_the_linear_raises(native_capture)
     slot = StoreSlot()
     patch_linears(lin, slot)
     store = _store(native_capture)
-    with _holding(slot, store):
+    with holding(slot, store):
         h = torch.randn(5, 8, requires_grad=True) * 1.0
         out = lin(h)
         h.add_(1.0)
-    with _holding(slot, store, deferring=True), pytest.raises(RuntimeError, match="inplace"):
+    with holding(slot, store, deferring=True), pytest.raises(RuntimeError, match="inplace"):
         out.sum().backward()
 
 
@@ -304,14 +285,14 @@ def test_the_input_is_let_go_of_once_b_ran(native_capture):
     patch_linears(lin, slot)
     store = _store(native_capture, exact=False, immediate=True)
     lin.weight.grad = torch.zeros_like(lin.weight)
-    with _holding(slot, store):
+    with holding(slot, store):
         h = torch.randn(5, 8, requires_grad=True) * 2.0
         seen = weakref.ref(h)
         out = lin(h)
     del h
     gc.collect()
     assert seen() is not None
-    with _holding(slot, store, deferring=True):
+    with holding(slot, store, deferring=True):
         out.backward(torch.ones_like(out))
     gc.collect()
     assert seen() is None and out.grad_fn is not None and store.num_gemms == 0
@@ -327,7 +308,7 @@ def test_a_backward_outside_b_computes_the_weight_gradient_in_it(native_capture)
     patch_linears(lin, slot)
     store = _store(native_capture)
     x = torch.randn(5, 8, requires_grad=True)
-    with _holding(slot, store):
+    with holding(slot, store):
         out = lin(x)
     assert _native(out)
     out.sum().backward()

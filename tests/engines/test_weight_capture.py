@@ -25,6 +25,8 @@ from zbpipe.engines.deferred import WeightGradStore
 from zbpipe.engines.linear_patch import StoreSlot, patch_linears
 from zbpipe.engines.weight_capture import CaptureState
 
+from ._capture_cases import Twice, holding
+
 
 def _store(fast: bool, *, exact: bool = True, immediate: bool = False, state=None):
     store = WeightGradStore(exact=exact)
@@ -32,30 +34,9 @@ def _store(fast: bool, *, exact: bool = True, immediate: bool = False, state=Non
     return store
 
 
-@contextlib.contextmanager
-def _holding(slot: StoreSlot, store: WeightGradStore, deferring: bool = False):
-    slot.store, store.deferring = store, deferring
-    try:
-        yield
-    finally:
-        slot.store, store.deferring = None, False
-
-
 def _hooked(out: torch.Tensor) -> bool:
     """Whether ``out`` came from the output hook (a C++ node), not the Function."""
     return "_LinearFunction" not in type(out.grad_fn).__name__
-
-
-class _Twice(nn.Module):
-    """A Linear applied twice (its two GEMMs summed), another one once, with a bias."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(8, 8)
-        self.b = nn.Linear(8, 4, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.tanh(self.a(torch.tanh(self.a(x)))))
 
 
 def _run(module: nn.Module, x: torch.Tensor, g: torch.Tensor, store: WeightGradStore):
@@ -63,9 +44,9 @@ def _run(module: nn.Module, x: torch.Tensor, g: torch.Tensor, store: WeightGradS
     slot = StoreSlot()
     patch_linears(module, slot)
     x = x.detach().clone().requires_grad_()
-    with _holding(slot, store):
+    with holding(slot, store):
         out = module(x)
-    with _holding(slot, store, deferring=True):
+    with holding(slot, store, deferring=True):
         out.backward(g)
     store.run()
     return x.grad, out
@@ -80,7 +61,7 @@ def _grads(module: nn.Module) -> list[torch.Tensor]:
 @pytest.mark.parametrize("shape", [(6, 8), (2, 3, 8)], ids=["2d", "3d"])
 def test_hook_and_function_give_bitwise_the_same_gradients(shape, exact, immediate):
     torch.manual_seed(0)
-    base = _Twice()
+    base = Twice()
     x, g = torch.randn(shape), torch.randn(*shape[:-1], 4)
     results = {}
     for fast in (True, False):
@@ -137,13 +118,13 @@ def test_the_function_where_the_hook_cannot_do_what_it_does(case):
     x = torch.randn(5, 8, requires_grad=True)
     x, ctx = _fallback_cases()[case](lin, x)
     store = _store(True)
-    with _holding(slot, store), ctx:
+    with holding(slot, store), ctx:
         out = lin(x)
     assert not _hooked(out)
     ref_x = x.detach().clone().requires_grad_(x.requires_grad)
     with _fallback_cases()[case](ref, ref_x)[1]:
         ref_out = ref(ref_x)
-    with _holding(slot, store, deferring=True):
+    with holding(slot, store, deferring=True):
         out.float().sum().backward()
     store.run()
     ref_out.float().sum().backward()
@@ -176,11 +157,11 @@ def test_an_in_place_change_of_the_input_after_the_linear_raises():
     patch_linears(lin, slot)
     x = torch.randn(5, 8, requires_grad=True)
     store = _store(True)
-    with _holding(slot, store):
+    with holding(slot, store):
         h = x * 1.0
         out = lin(h)
         h.add_(1.0)  # autograd would refuse to unpack h, had it saved it
-    with _holding(slot, store, deferring=True), pytest.raises(RuntimeError, match="in-place"):
+    with holding(slot, store, deferring=True), pytest.raises(RuntimeError, match="in-place"):
         out.sum().backward()
 
 
@@ -192,13 +173,13 @@ def test_a_create_graph_backward_over_a_hooked_linear_raises_and_switches_back()
     state = CaptureState(fast=True)
     store = _store(True, state=state)
     x = torch.randn(5, 8, requires_grad=True)
-    with _holding(slot, store):
+    with holding(slot, store):
         out = lin(torch.tanh(x))
         assert _hooked(out)
         with pytest.raises(RuntimeError, match="create_graph=True"):
             torch.autograd.grad(out.square().sum(), x, create_graph=True)
     assert not state.fast and state.create_graph_seen
-    with _holding(slot, _store(True, state=state)):
+    with holding(slot, _store(True, state=state)):
         assert not _hooked(lin(x))  # the Function from then on
 
 
@@ -211,14 +192,14 @@ def test_the_hook_lets_go_of_the_input_once_b_ran():
     patch_linears(lin, slot)
     store = _store(True, exact=False, immediate=True)
     lin.weight.grad = torch.zeros_like(lin.weight)
-    with _holding(slot, store):
+    with holding(slot, store):
         h = torch.randn(5, 8, requires_grad=True) * 2.0
         seen = weakref.ref(h)
         out = lin(h)
     del h
     gc.collect()
     assert seen() is not None  # held from F to B
-    with _holding(slot, store, deferring=True):
+    with holding(slot, store, deferring=True):
         out.backward(torch.ones_like(out), retain_graph=True)
     gc.collect()
     assert seen() is None and out.grad_fn is not None
@@ -234,7 +215,7 @@ def test_a_backward_outside_b_adds_the_weight_gradient_at_once():
     patch_linears(lin, slot)
     store = _store(True)
     x = torch.randn(5, 8, requires_grad=True)
-    with _holding(slot, store):
+    with holding(slot, store):
         out = lin(x)
     assert _hooked(out)
     out.sum().backward()
@@ -253,9 +234,9 @@ def test_checkpointed_blocks_take_the_function_and_match_plain_autograd():
     store = _store(True)
     x = torch.randn(5, 8)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-    with _holding(slot, store):
+    with holding(slot, store):
         out = checkpoint(block, xa, use_reentrant=False)
-    with _holding(slot, store, deferring=True):
+    with holding(slot, store, deferring=True):
         out.sum().backward()
     assert store.num_gemms == 2  # deferred through the Function, under checkpointing's hooks
     store.run()
