@@ -125,11 +125,7 @@ def rest_after(
     the rest begins: at every point the rest holds at most what the plan holds there): the
     fastest of those that keeps ``budget`` under ``costs`` (the measured bytes; None: not
     measured, no check: the plan's order as it is); else one microbatch in flight."""
-    done = {a for acts in prefix.values() for a in acts}
-    rest = {
-        r: [b for a in acts if a not in done for b in _split_first(a)]
-        for r, acts in plan.order.items()
-    }
+    rest = _without(plan.order, prefix)
     if costs is None or budget is None:
         return rest
     # where one microbatch in flight already holds more than the budget, the plan holds that
@@ -160,10 +156,16 @@ def rest_after(
             logger.debug("zbpipe memory: the first step's rest cannot follow %s (%s)", plan, e)
     if best is not None:
         return best[1]
-    safe = plan_one_in_flight(plan.num_ranks, plan.n_microbatches, "v")
+    return _without(plan_one_in_flight(plan.num_ranks, plan.n_microbatches, "v").order, prefix)
+
+
+def _without(
+    order: dict[int, list[Action]], prefix: dict[int, list[Action]]
+) -> dict[int, list[Action]]:
+    """``order`` without the passes ``prefix`` ran (microbatch 0's fused BW as its W)."""
+    done = {a for acts in prefix.values() for a in acts}
     return {
-        r: [b for a in acts if a not in done for b in _split_first(a)]
-        for r, acts in safe.order.items()
+        r: [b for a in acts if a not in done for b in _split_first(a)] for r, acts in order.items()
     }
 
 
