@@ -324,3 +324,32 @@ def test_selective_checkpoint_submodule_finds_torchs_wrapper_with_a_context_fn()
     )
     assert C.selective_checkpoint_submodule(full) is None
     assert C.selective_checkpoint_submodule(selective) == "1"
+
+
+# ---------------------------------------------------------------- the native capture's C++ side
+_CPP_INTERNAL = re.compile(r"\b(?:torch|at|c10)::(?:\w+::)*(?:impl|detail|internal)::\w+")
+
+
+def test_native_cpp_internals_are_in_the_census():
+    """The native weight capture's C++ calls into torch's internal namespaces are listed in
+    ``NATIVE_INTERNAL_NAMES``, each with a test that exists and checks it by behaviour."""
+    listed = {name for name, _, _ in C.NATIVE_INTERNAL_NAMES}
+    used = {
+        f"{path.relative_to(SRC)}: {m.group(0)}"
+        for path in SRC.rglob("*.cpp")
+        for m in _CPP_INTERNAL.finditer(path.read_text())
+        if m.group(0) not in listed
+    }
+    assert not used, f"C++ internals of torch not in NATIVE_INTERNAL_NAMES: {sorted(used)}"
+    root = SRC.parents[1]
+    for name, _, test in C.NATIVE_INTERNAL_NAMES:
+        file, func = test.split("::")
+        assert f"def {func}(" in (root / file).read_text(), f"{name}: {test} does not exist"
+
+
+def test_native_cpp_scan_finds_internal_names():
+    text = "a = torch::autograd::impl::post_acc_grad_hooks(w); at::detail::x(); at::linear(x, w);"
+    assert [m.group(0) for m in _CPP_INTERNAL.finditer(text)] == [
+        "torch::autograd::impl::post_acc_grad_hooks",
+        "at::detail::x",
+    ]

@@ -48,6 +48,12 @@ def _fake_build(t: B.Target, verbose: bool) -> None:
         ("WAIT", "wait"),
         ("off", "off"),
         ("0", "off"),
+        ("false", "off"),
+        ("No", "off"),
+        ("1", "auto"),
+        ("true", "auto"),
+        ("yes", "auto"),
+        ("ON", "auto"),
     ],
 )
 def test_zbpipe_native_is_read_and_checked(monkeypatch, value, expected):

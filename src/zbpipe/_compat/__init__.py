@@ -90,6 +90,7 @@ from .autograd import (
 from .census import (
     HELPER_API,
     INHERITED_API,
+    NATIVE_INTERNAL_NAMES,
     PRIVATE_API,
     PRIVATE_AUTOGRAD_NAMES,
     PRIVATE_OBJECT_ATTRIBUTES,
@@ -274,6 +275,7 @@ __all__ = [
     "PipelineScheduleMultiBase",
     "run_microbatches",
     "INHERITED_API",
+    "NATIVE_INTERNAL_NAMES",
     "HELPER_API",
     "PRIVATE_API",
     "PRIVATE_SCHEDULE_ATTRIBUTES",

@@ -1,6 +1,7 @@
 """Whether this process has the native weight capture, and how it gets it (``ZBPIPE_NATIVE``).
 
-``ZBPIPE_NATIVE`` (read when a deferred engine is built):
+``ZBPIPE_NATIVE`` (read once per process, when its first deferred engine is built; ``0``,
+``false`` and ``no`` mean ``off``, ``1``, ``true``, ``yes`` and ``on`` mean ``auto``):
 
 * ``auto`` (the default): a build made before (any earlier process on this machine with this
   Python and torch, or ``python -m zbpipe build-native``) is loaded at once (milliseconds).
@@ -47,6 +48,8 @@ def mode() -> str:
     value = os.environ.get(ENV, "auto").strip().lower() or "auto"
     if value in ("0", "false", "no"):
         value = "off"
+    elif value in ("1", "true", "yes", "on"):
+        value = "auto"
     if value not in MODES:
         raise ValueError(
             f"zbpipe: {ENV}={os.environ[ENV]!r} is not one of {', '.join(MODES)} (auto: load the "
