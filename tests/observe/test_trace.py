@@ -60,3 +60,22 @@ def test_nested_spans_each_record_their_own_interval():
     inner, outer = tr.events  # the inner span ends first
     assert (inner.kind, outer.kind) == ("B", "F")
     assert outer.start <= inner.start <= inner.end <= outer.end
+
+
+def test_events_read_between_spans_keep_their_order_and_waits():
+    # the spans store plain tuples; reading ``events`` builds the Events, as often as it is read
+    tr = Tracer(rank=1)
+    with tr.span("F", 0, 0):
+        tr.add_wait(0.25)
+    first = list(tr.events)
+    with tr.span("BW", 0, 0):
+        pass
+    f, bw = tr.events
+    assert first == [f] and isinstance(f, Event) and isinstance(bw, Event)
+    assert (f.kind, f.waited, bw.kind, bw.waited) == ("F", 0.25, "BW", 0.0)
+    assert f.end <= bw.start
+    assert tr.gather().events == {1: [f, bw]}  # one process, no process group
+    tr.clear()
+    with tr.span("W", 0, 0):
+        pass
+    assert [e.kind for e in tr.events] == ["W"]
