@@ -9,6 +9,17 @@ barrier, and its time is the slower rank's wall clock (a pipeline waits, so thre
 miss the bubbles). Reported: the median step and its ratio to torch's ``Schedule1F1B`` paired
 per repetition (min-max).
 
+Rows named ``... late-recv`` run the same schedule with each receive posted where torch's
+lowering puts it (just before the action that waits for it), as zbpipe did before it posted a
+step's receives first on gloo (zbpipe.schedules.action_loop): the two compared in one run.
+Per rank and row (medians over the repetitions, milliseconds): ``own_step``, the rank's own
+wall clock; ``busy``, the compute actions' traced spans (zbpipe's tracer; torch's stage wrapped
+by ``attach_stage_tracer``), which start after their receive was waited for; in zbpipe's rows
+``recv_wait`` (compute actions waiting for their receives, and for the sends those prove
+complete), ``recv_post`` and ``send_post`` (posting them), ``send_wait_end`` (the sends waited
+for at the step's end); ``other``, the rest (the runtime's bookkeeping; for torch everything
+but its compute: torch's posting and waiting are not separated).
+
     PYTHONPATH=src python benchmarks/host_overhead_ranks.py --reps 30 --out host_overhead_2ranks
 
 Writes benchmarks/results/<--out>.json; docs/results/host-time.md quotes it.
@@ -32,6 +43,9 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     "ZBH1": ("ScheduleZBH1", {}),
     "ZBV": ("ScheduleZBV", {}),
 }
+LATE = " late-recv"  # a row name's suffix: receives posted where the lowering puts them
+for _row in ("1F1BMulti", "ZBH1", "ZBV"):
+    ROWS[_row + LATE] = ROWS[_row]
 
 
 def _build(row: str, rank: int, world: int, args: argparse.Namespace) -> tuple[Any, list[Any]]:
@@ -55,44 +69,129 @@ def _build(row: str, rank: int, world: int, args: argparse.Namespace) -> tuple[A
     return cls(stages, args.microbatches, loss_fn=mse_loss, **options), stages
 
 
-def _rank_main(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any] | None:
+#: what the attribution times inside zbpipe's steps: (module, attribute, part)
+TIMED_PARTS = (
+    ("zbpipe.schedules.planned_actions", "wait_receive", "recv_wait"),
+    ("zbpipe._compat", "post_receive", "recv_post"),
+    ("zbpipe.schedules.sends", "PendingSends.post", "send_post"),
+    ("zbpipe.schedules.sends", "PendingSends.wait_all", "send_wait_end"),
+)
+PARTS = ("own_step", "busy", *(part for _, _, part in TIMED_PARTS))
+
+
+class _Timers:
+    """Seconds spent in each of :data:`TIMED_PARTS` (wrapped where zbpipe looks them up: a
+    module global or a class attribute), per step."""
+
+    def __init__(self) -> None:
+        import importlib
+
+        self.seconds = {part: 0.0 for _, _, part in TIMED_PARTS}
+        for module, name, part in TIMED_PARTS:
+            owner: Any = importlib.import_module(module)
+            *path, attr = name.split(".")
+            for p in path:
+                owner = getattr(owner, p)
+            setattr(owner, attr, self._timed(getattr(owner, attr), part))
+
+    def _timed(self, inner: Any, part: str) -> Any:
+        def timed(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                self.seconds[part] += time.perf_counter() - t
+
+        return timed
+
+    def take(self) -> dict[str, float]:
+        out = dict(self.seconds)
+        for part in self.seconds:
+            self.seconds[part] = 0.0
+        return out
+
+
+def _rank_main(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Long because it is the whole per-rank run: build, warm up (late rows with the lowering's
+    receive placement), then the interleaved timed steps and each step's attribution."""
     import torch
     import torch.distributed as dist
+
+    from zbpipe.observe.trace import Tracer, attach_stage_tracer
+    from zbpipe.patching import patch
+    from zbpipe.schedules import action_loop
 
     torch.set_num_threads(1)
     rows = list(args.rows)
     runs = {row: _build(row, rank, world, args) for row in rows}
+    tracers = {}
+    for row, (sched, stages) in runs.items():
+        if row == "torch:1F1B":
+            tracers[row] = Tracer(rank=rank)
+            for st in stages:
+                attach_stage_tracer(st, tracers[row])
+        else:
+            tracers[row] = sched.tracer
+    timers = _Timers()
     torch.manual_seed(1)
     x = torch.randn(args.microbatches, args.seq, args.hidden)
     y = torch.randn_like(x)
 
-    def one_step(row: str) -> float:
+    def one_step(row: str) -> tuple[float, dict[str, float]]:
         sched, stages = runs[row]
         for st in stages:
             st.submod.zero_grad(set_to_none=True)
         first = any(s.is_first for s in stages)
         last = any(s.is_last for s in stages)
+        tracers[row].clear()
+        timers.take()
         dist.barrier()
         t0 = time.perf_counter()
         sched.step(*((x,) if first else ()), target=y if last else None)
-        took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        mine = time.perf_counter() - t0
+        took = torch.tensor([mine], dtype=torch.float64)
         dist.all_reduce(took, op=dist.ReduceOp.MAX)
-        return float(took.item())
+        busy = sum(e.end - e.start for e in tracers[row].events)
+        return float(took.item()), {"own_step": mine, "busy": busy, **timers.take()}
 
     for row in rows:  # warm-up: shape inference, the first step's memory probe, the allocator
-        for _ in range(2):
+        late = row.endswith(LATE)
+        undo = patch(action_loop, "posts_receives_early", lambda s: False) if late else None
+        for _ in range(2):  # the program is bound in these steps and kept
             one_step(row)
+        if undo is not None:
+            undo.undo()
     times: dict[str, list[float]] = {row: [] for row in rows}
+    parts: dict[str, dict[str, list[float]]] = {row: {k: [] for k in PARTS} for row in rows}
     for rep in range(args.reps):
         k = rep % len(rows)
         for row in rows[k:] + rows[:k]:
-            times[row].append(one_step(row))
-    return {"step_s": times} if rank == 0 else None
+            step, got = one_step(row)
+            times[row].append(step)
+            for key, v in got.items():
+                parts[row][key].append(v)
+    return {"step_s": times, "parts": parts}
 
 
 def _paired(times: list[float], base: list[float]) -> dict[str, float]:
     r = [a / b for a, b in zip(times, base, strict=True)]
     return {"median": statistics.median(r), "min": min(r), "max": max(r)}
+
+
+def _attribution(
+    per_rank: list[dict[str, Any]], rows: tuple[str, ...]
+) -> dict[str, dict[int, dict[str, float]]]:
+    """Per row and rank, medians in ms: its own step, busy, receive waits, and the rest."""
+    out: dict[str, dict[int, dict[str, float]]] = {}
+    for row in rows:
+        out[row] = {}
+        for rank, res in enumerate(per_rank):
+            p = res["parts"][row]
+            timed = [sum(p[k][i] for k in PARTS[1:]) for i in range(len(p["own_step"]))]
+            other = [s - t for s, t in zip(p["own_step"], timed)]
+            med = {k: statistics.median(v) * 1e3 for k, v in p.items()}
+            out[row][rank] = {**med, "other": statistics.median(other) * 1e3}
+    return out
 
 
 def main() -> None:
@@ -112,7 +211,8 @@ def main() -> None:
         ap.error("--rows must start with torch:1F1B (the baseline)")
     with open("/proc/loadavg") as f:
         load_before = f.read().split()[:3]
-    res = run_ranks(_rank_main, 2, args, timeout=1800)[0]
+    per_rank = run_ranks(_rank_main, 2, args, timeout=1800)
+    res = per_rank[0]
     with open("/proc/loadavg") as f:
         load_after = f.read().split()[:3]
     base = res["step_s"]["torch:1F1B"]
@@ -129,6 +229,15 @@ def main() -> None:
             f"{row:12} {statistics.median(t) * 1e3:8.2f} ms  vs torch 1F1B {q['median']:.3f} "
             f"({q['min']:.3f}-{q['max']:.3f})"
         )
+    attribution = _attribution(per_rank, args.rows)
+    for row, ranks in attribution.items():
+        print(
+            f"  {row:18} "
+            + "  ".join(
+                f"rank {r}: " + " ".join(f"{k} {v:.2f}" for k, v in a.items())
+                for r, a in ranks.items()
+            )
+        )
     if args.out:
         from results_io import write_result
 
@@ -136,7 +245,13 @@ def main() -> None:
         config["rows"] = list(args.rows)
         config["ZBPIPE_NATIVE"] = os.environ.get("ZBPIPE_NATIVE", "unset")  # the weight capture
         config["loadavg_before_after"] = [load_before, load_after]
-        data = {"config": config, "rows": table, "step_s": res["step_s"]}
+        data = {
+            "config": config,
+            "rows": table,
+            "attribution_ms": attribution,
+            "step_s": res["step_s"],
+            "parts_s": [r["parts"] for r in per_rank],
+        }
         print("wrote", write_result(args.out, data))
 
 

@@ -24,6 +24,17 @@ actions, and run its result here instead:
   own; nothing here changes.
 * A function registered with torch's ``register_custom_function`` for a computation type runs
   in place of the table's call, as in torch's loop (called ``fn(action, ctx)``).
+* **Receives posted early on gloo** (:func:`receives_first`): where every stage of the rank
+  communicates over gloo, the program posts all of the step's receives first, in the order the
+  lowering gave them, and each compute action still waits for its own where the lowering put
+  that wait. gloo's transport starts moving a message only once its receive is posted (the
+  receiver tells the sender it is ready): a receive posted just before the action that needs
+  it pays that hand-shake's round trip on top of the message, one per message
+  (docs/results/host-time.md measures it on 2 ranks). Posting a receive never blocks, the
+  receives keep their order (gloo matches a peer's messages to receives in posting order) and
+  the sends and waits do not move, so no rank can disagree with its peer about what comes next.
+  Not on NCCL (or any other backend): there a receive posted early sits on the stream a later
+  send to the same peer needs, and two ranks each waiting for the other's send would hang.
 """
 
 from __future__ import annotations
@@ -32,6 +43,8 @@ import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+import torch.distributed as dist
 
 from .. import _compat as C
 
@@ -109,13 +122,16 @@ def bind_program(
     custom-function table, whose entries other than ``own`` (the schedule's own generic handler)
     run in place of the table's call. Raises ValueError for an action type neither knows.
     """
-    calls, names, positions = [], [], []
+    bound = []
     for pos, action in enumerate(orders[schedule.rank]):
         call = bind_action(schedule, action, binders, custom, own)
         if call is not None:
-            calls.append(call)
-            names.append(f"PP:{action}")
-            positions.append(pos)
+            bound.append((pos, action, call))
+    if posts_receives_early(schedule):
+        bound = receives_first(bound, custom, own)
+    calls = [call for _, _, call in bound]
+    names = [f"PP:{action}" for _, action, _ in bound]
+    positions = [pos for pos, _, _ in bound]
     logger.debug(
         "zbpipe: rank %d runs %d calls for %d actions",
         schedule.rank,
@@ -141,3 +157,28 @@ def bind_action(
             "(zbpipe.schedules.action_loop)"
         )
     return binder(schedule, action)
+
+
+def posts_receives_early(schedule: Any) -> bool:
+    """True where every stage of ``schedule``'s rank sends and receives over gloo (module
+    docstring: receives posted early help there and are safe; not on NCCL)."""
+    seam = getattr(schedule, "seam", None)
+    stages = list(seam.stages.values()) if seam is not None else []
+    if not stages or not dist.is_available() or not dist.is_initialized():
+        return False
+    return all(dist.get_backend(getattr(st, "group", None)) == "gloo" for st in stages)
+
+
+def receives_first(
+    bound: Sequence[tuple[int, Any, Call]], custom: Mapping[Any, Any], own: Any
+) -> list[tuple[int, Any, Call]]:
+    """``bound`` (position, action, call) with the receives (RECV_F, RECV_B) first, each group in
+    its order. A receive a custom function handles stays where it is (it may do more)."""
+
+    def early(action: Any) -> bool:
+        kind = action.computation_type
+        fn = custom.get(kind)
+        return kind in (C.RECV_F, C.RECV_B) and (fn is None or fn is own)
+
+    first = [b for b in bound if early(b[1])]
+    return first + [b for b in bound if not early(b[1])]
