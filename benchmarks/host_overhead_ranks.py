@@ -18,7 +18,8 @@ by ``attach_stage_tracer``), which start after their receive was waited for; in 
 ``recv_wait`` (compute actions waiting for their receives, and for the sends those prove
 complete), ``recv_post`` and ``send_post`` (posting them), ``send_wait_end`` (the sends waited
 for at the step's end); ``other``, the rest (the runtime's bookkeeping; for torch everything
-but its compute: torch's posting and waiting are not separated).
+but its compute: torch's posting and waiting are not separated); ``busy_F``, ``busy_B``,
+``busy_W``, ``busy_BW``: ``busy`` by action kind.
 
     PYTHONPATH=src python benchmarks/host_overhead_ranks.py --reps 30 --out host_overhead_2ranks
 
@@ -43,9 +44,13 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     "ZBH1": ("ScheduleZBH1", {}),
     "ZBV": ("ScheduleZBV", {}),
 }
-LATE = " late-recv"  # a row name's suffix: receives posted where the lowering puts them
+DEFAULT_ROWS = ("torch:1F1B", "1F1BMulti", "ZBH1", "ZBV", "1F1BMulti late-recv", "ZBH1 late-recv", "ZBV late-recv")
+#: a row name's suffix -> how far ahead receives are posted (action_loop.RECEIVE_LEAD):
+#: " late-recv" where torch's lowering puts them, " lead-N" N compute actions ahead
+LEADS = {" late-recv": 0, " lead-1": 1, " lead-2": 2, " all-first": None}
 for _row in ("1F1BMulti", "ZBH1", "ZBV"):
-    ROWS[_row + LATE] = ROWS[_row]
+    for _suffix in LEADS:
+        ROWS[_row + _suffix] = ROWS[_row]
 
 
 def _build(row: str, rank: int, world: int, args: argparse.Namespace) -> tuple[Any, list[Any]]:
@@ -77,6 +82,8 @@ TIMED_PARTS = (
     ("zbpipe.schedules.sends", "PendingSends.wait_all", "send_wait_end"),
 )
 PARTS = ("own_step", "busy", *(part for _, _, part in TIMED_PARTS))
+#: the busy time by action kind (inside ``busy``, not added again)
+KINDS = ("F", "B", "W", "BW")
 
 
 class _Timers:
@@ -151,18 +158,21 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any
         mine = time.perf_counter() - t0
         took = torch.tensor([mine], dtype=torch.float64)
         dist.all_reduce(took, op=dist.ReduceOp.MAX)
-        busy = sum(e.end - e.start for e in tracers[row].events)
-        return float(took.item()), {"own_step": mine, "busy": busy, **timers.take()}
+        events = tracers[row].events
+        by_kind = {f"busy_{k}": sum(e.end - e.start for e in events if e.kind == k) for k in KINDS}
+        busy = sum(e.end - e.start for e in events)
+        return float(took.item()), {"own_step": mine, "busy": busy, **timers.take(), **by_kind}
 
     for row in rows:  # warm-up: shape inference, the first step's memory probe, the allocator
-        late = row.endswith(LATE)
-        undo = patch(action_loop, "posts_receives_early", lambda s: False) if late else None
+        lead = [v for suffix, v in LEADS.items() if row.endswith(suffix)]
+        undo = patch(action_loop, "RECEIVE_LEAD", lead[0]) if lead else None
         for _ in range(2):  # the program is bound in these steps and kept
             one_step(row)
         if undo is not None:
             undo.undo()
     times: dict[str, list[float]] = {row: [] for row in rows}
-    parts: dict[str, dict[str, list[float]]] = {row: {k: [] for k in PARTS} for row in rows}
+    keys = (*PARTS, *(f"busy_{k}" for k in KINDS))
+    parts: dict[str, dict[str, list[float]]] = {row: {k: [] for k in keys} for row in rows}
     for rep in range(args.reps):
         k = rep % len(rows)
         for row in rows[k:] + rows[:k]:
@@ -203,7 +213,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--reps", type=int, default=20, help="interleaved repetitions")
-    ap.add_argument("--rows", default=",".join(ROWS), help="rows to time (torch:1F1B first)")
+    ap.add_argument("--rows", default=",".join(DEFAULT_ROWS), help="rows to time (torch:1F1B first)")
     ap.add_argument("--out", default=None, help="results file name (benchmarks/results/)")
     args = ap.parse_args()
     args.rows = tuple(args.rows.split(","))

@@ -24,17 +24,18 @@ actions, and run its result here instead:
   own; nothing here changes.
 * A function registered with torch's ``register_custom_function`` for a computation type runs
   in place of the table's call, as in torch's loop (called ``fn(action, ctx)``).
-* **Receives posted early on gloo** (:func:`receives_first`): where every stage of the rank
-  communicates over gloo, the program posts all of the step's receives first, in the order the
-  lowering gave them, and each compute action still waits for its own where the lowering put
-  that wait. gloo's transport starts moving a message only once its receive is posted (the
-  receiver tells the sender it is ready): a receive posted just before the action that needs
-  it pays that hand-shake's round trip on top of the message, one per message
-  (docs/results/host-time.md measures it on 2 ranks). Posting a receive never blocks, the
-  receives keep their order (gloo matches a peer's messages to receives in posting order) and
-  the sends and waits do not move, so no rank can disagree with its peer about what comes next.
-  Not on NCCL (or any other backend): there a receive posted early sits on the stream a later
-  send to the same peer needs, and two ranks each waiting for the other's send would hang.
+* **Where receives are posted** (:func:`receives_ahead`, :data:`RECEIVE_LEAD`): where every
+  stage of the rank communicates over gloo, a receive can be posted some compute actions ahead
+  of where torch's lowering puts it (just before the action that waits for it), so that its
+  message can be read while the rank computes. The receives keep their order (gloo matches a
+  peer's messages to receives in posting order) and the sends and waits do not move, so no rank
+  can disagree with its peer about what comes next. The default is the lowering's placement
+  (lead 0): on this project's 2-core machine, posting a step's receives first made the
+  receives' waits *longer* and 1F1B-like steps slower, ZBV's within the noise
+  (docs/results/host-time.md, 2026-11-27 "Two gloo ranks: where the step goes"); a machine with
+  a core per rank may differ (``benchmarks/host_overhead_ranks.py`` times both). Never on NCCL
+  or another backend: there a receive posted early sits on the stream a later send to the same
+  peer needs, and two ranks each waiting for the other's send would hang.
 """
 
 from __future__ import annotations
@@ -127,8 +128,8 @@ def bind_program(
         call = bind_action(schedule, action, binders, custom, own)
         if call is not None:
             bound.append((pos, action, call))
-    if posts_receives_early(schedule):
-        bound = receives_first(bound, custom, own)
+    if RECEIVE_LEAD != 0 and posts_receives_early(schedule):
+        bound = receives_ahead(bound, custom, own, RECEIVE_LEAD)
     calls = [call for _, _, call in bound]
     names = [f"PP:{action}" for _, action, _ in bound]
     positions = [pos for pos, _, _ in bound]
@@ -160,8 +161,9 @@ def bind_action(
 
 
 def posts_receives_early(schedule: Any) -> bool:
-    """True where every stage of ``schedule``'s rank sends and receives over gloo (module
-    docstring: receives posted early help there and are safe; not on NCCL)."""
+    """True where every stage of ``schedule``'s rank sends and receives over gloo, where a
+    receive may be posted ahead of its place (:data:`RECEIVE_LEAD`; never on NCCL: module
+    docstring)."""
     seam = getattr(schedule, "seam", None)
     stages = list(seam.stages.values()) if seam is not None else []
     if not stages or not dist.is_available() or not dist.is_initialized():
@@ -169,16 +171,44 @@ def posts_receives_early(schedule: Any) -> bool:
     return all(dist.get_backend(getattr(st, "group", None)) == "gloo" for st in stages)
 
 
-def receives_first(
-    bound: Sequence[tuple[int, Any, Call]], custom: Mapping[Any, Any], own: Any
-) -> list[tuple[int, Any, Call]]:
-    """``bound`` (position, action, call) with the receives (RECV_F, RECV_B) first, each group in
-    its order. A receive a custom function handles stays where it is (it may do more)."""
+#: how many compute actions ahead of its place in torch's lowering a receive is posted on gloo
+#: (:func:`receives_ahead`; None: all of a step's receives first; 0, the default: where the
+#: lowering puts it, see the module docstring for why)
+RECEIVE_LEAD: int | None = 0
 
-    def early(action: Any) -> bool:
+#: the computation types a receive is moved ahead of (the rest are cheap to pass)
+_COMPUTE = (C.FORWARD, C.BACKWARD_INPUT, C.BACKWARD_WEIGHT, C.FULL_BACKWARD, C.OVERLAP_F_B)
+
+
+def receives_ahead(
+    bound: Sequence[tuple[int, Any, Call]],
+    custom: Mapping[Any, Any],
+    own: Any,
+    lead: int | None,
+) -> list[tuple[int, Any, Call]]:
+    """``bound`` (position, action, call) with each receive (RECV_F, RECV_B) moved ahead of
+    the ``lead`` compute actions before it (None: to the front), never past another receive:
+    the receives keep their order, the other actions theirs. A receive a custom function
+    handles stays where it is (it may do more than post), and nothing moves past it."""
+
+    def moves(action: Any) -> bool:
         kind = action.computation_type
         fn = custom.get(kind)
         return kind in (C.RECV_F, C.RECV_B) and (fn is None or fn is own)
 
-    first = [b for b in bound if early(b[1])]
-    return first + [b for b in bound if not early(b[1])]
+    out: list[tuple[int, Any, Call]] = []
+    floor = 0  # no receive goes before this index of ``out`` (the last receive placed, +1)
+    for b in bound:
+        kind = b[1].computation_type
+        if not moves(b[1]):
+            out.append(b)
+            if kind in (C.RECV_F, C.RECV_B):
+                floor = len(out)
+            continue
+        at, passed = len(out), 0
+        while at > floor and (lead is None or passed < lead):
+            at -= 1
+            passed += out[at][1].computation_type in _COMPUTE
+        out.insert(at, b)
+        floor = at + 1
+    return out
