@@ -11,6 +11,7 @@ zbpipe's schedules call the tracer themselves. For torch's built-in schedules,
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from contextlib import AbstractContextManager, nullcontext
@@ -42,8 +43,8 @@ class Tracer:
         self.enabled = enabled
         self._cuda = device is not None and torch.device(device).type == "cuda"
         self._events: list[Event] = []
-        #: host spans not yet read: (kind, stage, microbatch, start, end, waited), in order
-        self._raw: list[tuple[str, int, int, float, float, float]] = []
+        #: host spans not yet read, as Event's fields (rank first), in order
+        self._raw: list[tuple[int, str, int, int, float, float, float]] = []
         self._span_type: type[_Span] = _CudaSpan if self._cuda else _HostSpan
         self._pending: list[tuple[str, int, int, Any, Any, float]] = []
         self._anchor: tuple[Any, float] | None = None  # (first CUDA start event, host time then)
@@ -103,8 +104,7 @@ class Tracer:
         self._waited += seconds
 
     def _resolve_host(self) -> None:
-        rank = self.rank
-        self._events.extend(Event(rank, *raw) for raw in self._raw)
+        self._events.extend(map(_AS_EVENT, self._raw))  # no Python call per event
         self._raw.clear()
 
     def _resolve_cuda(self) -> None:
@@ -142,6 +142,8 @@ class Tracer:
 
 
 _NO_SPAN = nullcontext()
+#: a tuple of Event's fields -> the Event, in C (NamedTuple's own constructors run Python)
+_AS_EVENT = functools.partial(tuple.__new__, Event)
 
 
 class _Span:
@@ -167,7 +169,7 @@ class _HostSpan(_Span):
         t = self._tracer
         # a plain tuple: the Event is built when Tracer.events is read (a NamedTuple's Python
         # __new__ per action was most of the span's cost)
-        t._raw.append((self._kind, self._at_stage, self._mb, self._start, end, t._waited))
+        t._raw.append((t.rank, self._kind, self._at_stage, self._mb, self._start, end, t._waited))
 
 
 class _CudaSpan(_Span):
