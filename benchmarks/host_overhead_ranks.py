@@ -9,9 +9,10 @@ barrier, and its time is the slower rank's wall clock (a pipeline waits, so thre
 miss the bubbles). Reported: the median step and its ratio to torch's ``Schedule1F1B`` paired
 per repetition (min-max).
 
-Rows named ``... late-recv`` run the same schedule with each receive posted where torch's
-lowering puts it (just before the action that waits for it), as zbpipe did before it posted a
-step's receives first on gloo (zbpipe.schedules.action_loop): the two compared in one run.
+Rows named ``<schedule> late-recv``, ``lead-1``, ``lead-2`` and ``all-first`` run the schedule
+with each receive posted where torch's lowering puts it (just before the action that waits for
+it: zbpipe's default), one or two compute actions ahead, or every receive of the step first
+(zbpipe.schedules.action_loop.RECEIVE_LEAD, set while the row's program is bound).
 Per rank and row (medians over the repetitions, milliseconds): ``own_step``, the rank's own
 wall clock; ``busy``, the compute actions' traced spans (zbpipe's tracer; torch's stage wrapped
 by ``attach_stage_tracer``), which start after their receive was waited for; in zbpipe's rows
@@ -44,7 +45,7 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     "ZBH1": ("ScheduleZBH1", {}),
     "ZBV": ("ScheduleZBV", {}),
 }
-DEFAULT_ROWS = ("torch:1F1B", "1F1BMulti", "ZBH1", "ZBV", "1F1BMulti late-recv", "ZBH1 late-recv", "ZBV late-recv")
+DEFAULT_ROWS = ("torch:1F1B", "1F1BMulti", "ZBH1", "ZBV")
 #: a row name's suffix -> how far ahead receives are posted (action_loop.RECEIVE_LEAD):
 #: " late-recv" where torch's lowering puts them, " lead-N" N compute actions ahead
 LEADS = {" late-recv": 0, " lead-1": 1, " lead-2": 2, " all-first": None}
@@ -213,7 +214,9 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--reps", type=int, default=20, help="interleaved repetitions")
-    ap.add_argument("--rows", default=",".join(DEFAULT_ROWS), help="rows to time (torch:1F1B first)")
+    ap.add_argument(
+        "--rows", default=",".join(DEFAULT_ROWS), help="rows to time (torch:1F1B first)"
+    )
     ap.add_argument("--out", default=None, help="results file name (benchmarks/results/)")
     args = ap.parse_args()
     args.rows = tuple(args.rows.split(","))

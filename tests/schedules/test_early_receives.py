@@ -72,9 +72,10 @@ def test_not_early_without_a_process_group():
 
 
 def _early_receives_case(rank: int, world: int, schedule: str, m: int) -> float:
+    from torch.distributed.pipelining import PipelineStage
+
     import zbpipe
     from zbpipe.patching import patch
-    from torch.distributed.pipelining import PipelineStage
     from zbpipe.testing.models import build_stages, lm_loss, synthetic_batch
 
     cls = getattr(zbpipe, schedule)
