@@ -80,3 +80,49 @@ def test_a_faster_plan_within_the_budget_replaces_the_remade_one():
     assert fastest_keeping([slow, fast], c, peak - 0.5)[0] is slow
     # no budget known: the re-made plan stays
     assert fastest_keeping([slow, fast], c, None)[0] is slow
+
+
+def test_a_remade_order_only_as_fast_leaves_the_plan_for_equal_bytes(monkeypatch):
+    # Measured bytes (issue 37 item 4) under which ZB-V's plan for equal bytes already keeps the
+    # promise (1F1B's peak, chunks joined in pairs), and the planner re-makes a different order
+    # that the simulator finds exactly as fast: the plan for equal bytes (what
+    # measure_memory=False runs) must stay. Before, the re-made order replaced it.
+    from zbpipe.planning.yardsticks import onef1b_peak
+    from zbpipe.schedules import memory_replan
+
+    p, m, unit = 2, 4, 1000.0
+    f = [0.51, 1.05, 0.54, 1.41]  # bytes per stage after F and kept by B until W, in units
+    b = [1.29, 0.28, 0.17, 0.52]
+    held = {s: {"F": f[s] * unit, "B": (f[s] + b[s]) * unit} for s in range(2 * p)}
+    monkeypatch.setattr(memory_replan, "gather_stage_values", lambda local, group: held)
+    equal = plan("ZBV", p, m, costs=Costs(), memory="zb")
+    sched = _sched("ZBV", p, m, Costs(), layout="v")
+    sched.build_plan = lambda q, n, c, **o: plan("ZBV", q, n, costs=c, memory="zb", **o)
+    sched.equal_bytes_plan = sched.plan = equal
+    sched._stages = [SimpleNamespace(group=None, stage_index=s) for s in (0, 3)]
+    sched.rank, sched.memory_unit_bytes, sched.memory_costs = 1, None, None
+    chosen = memory_replan.MemoryReplanner().choose(sched)
+    measured = sched.memory_costs
+    promise = _onef1b_peak_2ranks(held) / sched.memory_unit_bytes
+    assert promise == pytest.approx(onef1b_peak(p, m, measured.joined(2)), rel=1e-2)
+    remade = plan("ZBV", p, m, costs=measured, memory="zb")
+    assert remade.order != equal.order  # (the old behaviour ran this)
+    assert simulate(remade, measured).makespan == pytest.approx(simulate(equal, measured).makespan)
+    assert max(simulate(equal, measured).peak_memory.values()) <= promise * (1 + 1e-2)
+    assert chosen.order == equal.order
+    # where the plan for equal bytes breaks the promise, the re-made plan runs
+    held[3] = {"F": 2.0 * unit, "B": 3.0 * unit}  # a heavier head (rank 0 holds it with chunk 0)
+    chosen = memory_replan.MemoryReplanner().choose(sched)
+    measured = sched.memory_costs
+    promise = _onef1b_peak_2ranks(held) / sched.memory_unit_bytes
+    assert max(simulate(equal, measured).peak_memory.values()) > promise * 1.1
+    assert max(simulate(chosen, measured).peak_memory.values()) <= promise * (1 + 1e-2)
+    assert chosen.order != equal.order
+
+
+def _onef1b_peak_2ranks(held: dict) -> float:
+    """torch 1F1B's peak on 2 ranks (m >= 2) of the same 4 chunks (rank 0: chunks 0-1): rank
+    0 holds both microbatches' forwards and one backward's extra, rank 1 one of each."""
+    f = [held[s]["F"] for s in range(4)]
+    extra = [held[s]["B"] - held[s]["F"] for s in range(4)]
+    return max(2 * (f[0] + f[1]) + extra[0] + extra[1], f[2] + f[3] + extra[2] + extra[3])

@@ -19,7 +19,8 @@ Both re-planners (:mod:`zbpipe.schedules.memory_replan` after the first step,
   :func:`zbpipe.planning.yardsticks.promised_peak`).
 * :func:`fastest_keeping`: among the re-made plan, the plan for equal bytes and the first step's
   plan, the fastest whose simulated peak keeps the budget, so a re-plan never makes a schedule
-  slower than the plan for equal bytes where that plan already keeps the promise.
+  slower than the plan for equal bytes where that plan already keeps the promise; on a tie the
+  plan for equal bytes stays (the promise then changes nothing).
 * :func:`cost_line`: what keeping the promise cost in simulated step time, and, when no plan
   within the budget beats 1F1B, a line saying so and what does (the chooser's candidates).
 """
@@ -78,18 +79,27 @@ def promised_budget(sched: Any, plan: Plan, costs: Costs) -> float | None:
 
 
 def fastest_keeping(
-    candidates: list[Plan], costs: Costs, budget: float | None
+    candidates: list[Plan], costs: Costs, budget: float | None, prefer: Plan | None = None
 ) -> tuple[Plan, dict[int, float]]:
     """The first candidate is the re-made plan; a later one replaces it only if it is strictly
-    faster under ``costs`` and its simulated peak is within ``budget`` on every rank. Returns the
-    chosen plan and each candidate's simulated makespan (by position)."""
+    faster under ``costs`` and its simulated peak is within ``budget`` on every rank, or if it is
+    ``prefer`` (the plan for equal bytes: what ``measure_memory=False`` runs), keeps the budget
+    and is no slower: a re-made order the simulator finds only as fast is no reason to leave
+    the plan the promise did not need changed (issue 37). Returns the chosen plan and each
+    candidate's simulated makespan (by position)."""
     spans = {i: simulate(c, costs).makespan for i, c in enumerate(candidates)}
     best = 0
     if budget is None:
         return candidates[0], spans
-    for i, c in enumerate(candidates[1:], start=1):
-        peak = max(simulate(c, costs).peak_memory.values())
-        if peak <= budget * (1 + 1e-9) + EPS and spans[i] < spans[best] * (1 - 1e-9):
+    keeps = {
+        i: max(simulate(c, costs).peak_memory.values()) <= budget * (1 + 1e-9) + EPS
+        for i, c in enumerate(candidates)
+    }
+    for i in range(1, len(candidates)):
+        if keeps[i] and spans[i] < spans[best] * (1 - 1e-9):
+            best = i
+    for i, c in enumerate(candidates):
+        if c is prefer and i != best and keeps[i] and spans[i] <= spans[best] * (1 + 1e-9):
             best = i
     return candidates[best], spans
 

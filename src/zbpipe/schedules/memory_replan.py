@@ -100,12 +100,14 @@ class MemoryReplanner:
             return plan
         # Never slower than the plan for equal bytes (nor the first step's) where that plan
         # already keeps the promise in the measured bytes: the generators search, they do not
-        # prove their result the fastest.
+        # prove their result the fastest. On a tie the plan for equal bytes stays.
         others = [sched.equal_bytes_plan]
         if sched.plan.order != sched.equal_bytes_plan.order:
             others.append(sched.plan)
         others = [p for p in others if p.order != new.order]
-        chosen, _ = fastest_keeping([new, *others], costs, promised_budget(sched, new, costs))
+        chosen, _ = fastest_keeping(
+            [new, *others], costs, promised_budget(sched, new, costs), sched.equal_bytes_plan
+        )
         sched.memory_costs = costs
         if sched.rank == 0 and logger.isEnabledFor(logging.WARNING):
             cost, beats = cost_line(sched, chosen, costs, sched.equal_bytes_plan, unit_bytes)

@@ -140,7 +140,7 @@ class CostProfiler:
         )
         others = [p for p in (sched.equal_bytes_plan, old) if p is not new]
         others = [p for i, p in enumerate(others) if all(p is not q for q in others[:i])]
-        chosen, _ = fastest_keeping([new, *others], costs, budget)
+        chosen, _ = fastest_keeping([new, *others], costs, budget, sched.equal_bytes_plan)
         r_old, r_new = simulate(old, costs), simulate(chosen, costs)
         outcome = "switched" if chosen is new else "kept a faster plan within the promise"
         if chosen.order == old.order:
