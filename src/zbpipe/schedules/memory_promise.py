@@ -87,13 +87,13 @@ def fastest_keeping(
     and is no slower: a re-made order the simulator finds only as fast is no reason to leave
     the plan the promise did not need changed (issue 37). Returns the chosen plan and each
     candidate's simulated makespan (by position)."""
-    spans = {i: simulate(c, costs).makespan for i, c in enumerate(candidates)}
+    sims = [simulate(c, costs) for c in candidates]  # (once each: the first step waits on it)
+    spans = {i: sim.makespan for i, sim in enumerate(sims)}
     best = 0
     if budget is None:
         return candidates[0], spans
     keeps = {
-        i: max(simulate(c, costs).peak_memory.values()) <= budget * (1 + 1e-9) + EPS
-        for i, c in enumerate(candidates)
+        i: max(sim.peak_memory.values()) <= budget * (1 + 1e-9) + EPS for i, sim in enumerate(sims)
     }
     for i in range(1, len(candidates)):
         if keeps[i] and spans[i] < spans[best] * (1 - 1e-9):
@@ -116,12 +116,19 @@ def onef1b_makespan(sched: Any, costs: Costs) -> float:
 
 
 def cost_line(
-    sched: Any, chosen: Plan, costs: Costs, equal_bytes: Plan, unit_bytes: float | None
+    sched: Any,
+    chosen: Plan,
+    costs: Costs,
+    equal_bytes: Plan,
+    unit_bytes: float | None,
+    spans: tuple[float, float] | None = None,
 ) -> tuple[str, bool]:
     """``(text, beats_1f1b)``: the chosen plan's simulated step time against the plan for equal
-    bytes and 1F1B's, and, when it does not beat 1F1B, the faster plans the chooser offers."""
-    t_new = simulate(chosen, costs).makespan
-    t_equal = simulate(equal_bytes, costs).makespan
+    bytes and 1F1B's, and, when it does not beat 1F1B, the faster plans the chooser offers.
+    ``spans``: the two plans' simulated step times where the caller has them."""
+    if spans is None:
+        spans = simulate(chosen, costs).makespan, simulate(equal_bytes, costs).makespan
+    t_new, t_equal = spans
     t_1f1b = onef1b_makespan(sched, costs)
     text = (
         f"; simulated step time {t_new / t_1f1b:.3f}x 1F1B's "

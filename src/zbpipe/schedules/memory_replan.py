@@ -105,12 +105,16 @@ class MemoryReplanner:
         if sched.plan.order != sched.equal_bytes_plan.order:
             others.append(sched.plan)
         others = [p for p in others if p.order != new.order]
-        chosen, _ = fastest_keeping(
-            [new, *others], costs, promised_budget(sched, new, costs), sched.equal_bytes_plan
+        candidates = [new, *others]
+        chosen, spans = fastest_keeping(
+            candidates, costs, promised_budget(sched, new, costs), sched.equal_bytes_plan
         )
         sched.memory_costs = costs
         if sched.rank == 0 and logger.isEnabledFor(logging.WARNING):
-            cost, beats = cost_line(sched, chosen, costs, sched.equal_bytes_plan, unit_bytes)
+            at = {id(c): spans[i] for i, c in enumerate(candidates)}
+            # (left out of the candidates, the plan for equal bytes has the re-made one's order)
+            known = at[id(chosen)], at.get(id(sched.equal_bytes_plan), spans[0])
+            cost, beats = cost_line(sched, chosen, costs, sched.equal_bytes_plan, unit_bytes, known)
             level = logging.INFO if beats else logging.WARNING
             if logger.isEnabledFor(level):
                 line = predicted_memory_line(sched, chosen, costs, unit_bytes, held)
