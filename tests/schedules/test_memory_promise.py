@@ -126,3 +126,26 @@ def _onef1b_peak_2ranks(held: dict) -> float:
     f = [held[s]["F"] for s in range(4)]
     extra = [held[s]["B"] - held[s]["F"] for s in range(4)]
     return max(2 * (f[0] + f[1]) + extra[0] + extra[1], f[2] + f[3] + extra[2] + extra[3])
+
+
+@pytest.mark.parametrize("name", ["ZBH1", "ZB1P"])
+def test_on_issue_37s_mlp_the_promise_needs_the_remade_plan_and_costs_one_step_in_13(name):
+    # The bytes the probe measured on issue 37's 2-rank MLP (docs/results/memory-promise.md): a
+    # Linear+ReLU stage holds more after B than after F (its output gradients, queued for W).
+    k = 1024.0
+    f, after_b = [512 * k, 640 * k], [1024 * k, 896 * k]
+    promise = max(2 * f[0] + after_b[0] - f[0], after_b[1])  # torch 1F1B's rank 0: 1536 KiB
+    unit = sum(f) / 2
+    c = Costs(
+        mem_f=[x / unit for x in f],
+        mem_b=[(b - x) / unit for x, b in zip(f, after_b)],
+        mem_w=[-b / unit for b in after_b],
+    )
+    equal, remade = plan(name, 2, 4, costs=Costs()), plan(name, 2, 4, costs=c)
+    # the plan for equal bytes runs rank 1's B1 before W0: 2 x 896 KiB held, over the promise
+    assert max(simulate(equal, c).peak_memory.values()) * unit > promise * 1.15
+    assert max(simulate(remade, c).peak_memory.values()) * unit <= promise * (1 + 1e-9)
+    # By hand (unit times): rank 1 can hold one B's bytes plus one F (1536 KiB), never two Bs,
+    # so its B3 ends at 12 at the earliest, and rank 0's B3 and W3 follow: 14 against 13.
+    assert simulate(equal, c).makespan == 13
+    assert simulate(remade, c).makespan == 14
