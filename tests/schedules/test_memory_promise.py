@@ -149,3 +149,26 @@ def test_on_issue_37s_mlp_the_promise_needs_the_remade_plan_and_costs_one_step_i
     # so its B3 ends at 12 at the earliest, and rank 0's B3 and W3 follow: 14 against 13.
     assert simulate(equal, c).makespan == 13
     assert simulate(remade, c).makespan == 14
+
+
+def test_when_the_promise_cannot_beat_1f1b_the_line_offers_the_faster_schedules_only():
+    # V-Min's bytes under the graph engine on the 4-rank GPT (benchmarks/v_budget.py): its
+    # plan is slower than 1F1B, the line offers the V schedules that are not, each at its own
+    # simulated time against 1F1B's, and not V-Min itself (its plan is not made again).
+    from zbpipe.schedules.memory_promise import cost_line
+
+    p, m = 4, 8
+    f, b = [0.904] + [0.855] * 6 + [1.97], [0.196] + [0.145] * 6 + [0.19]
+    c = Costs(mem_f=f, mem_b=b, mem_w=[-(x + y) for x, y in zip(f, b)])
+    sched = SimpleNamespace(pp_group_size=p, _n_microbatches=m, _num_stages=2 * p, layout="v")
+    chosen = plan("ZBVMin", p, m, costs=c)
+    t_1f1b = simulate(plan("1F1B", p, m, costs=c.joined(2)), c.joined(2)).makespan
+    assert simulate(chosen, c).makespan > t_1f1b
+    text, beats = cost_line(sched, chosen, c, plan("ZBV", p, m, costs=Costs()), None)
+    assert not beats and "No ZBVMin plan within the promise beats 1F1B" in text
+    offered = text.split("faster with more memory: ")[1]
+    for name in ("ZBVHalf", "ZBV"):
+        ratio = simulate(plan(name, p, m, costs=c), c).makespan / t_1f1b
+        assert ratio < 1
+        assert f"{name} {ratio:.3f}x its time" in offered
+    assert "ZBVMin" not in offered

@@ -16,7 +16,7 @@ simulated makespan, bubble rate and peak.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from ..core import Layout, Plan
@@ -109,8 +109,10 @@ def evaluate_candidates(
     *,
     v_costs: Costs | None = None,
     layouts: Sequence[Layout] = ("loop", "v"),
+    leave_out: Collection[str] = (),
 ) -> list[Candidate]:
-    """Every candidate of ``layouts``, planned at its own budget and simulated."""
+    """Every candidate of ``layouts`` (but those named in ``leave_out``), planned at its own
+    budget and simulated."""
     unknown = sorted(set(layouts) - {"loop", "v"})
     if unknown or not layouts:
         raise ValueError(f"layouts must be a non-empty subset of ('loop', 'v'), got {layouts!r}")
@@ -127,7 +129,8 @@ def evaluate_candidates(
         if layout not in layouts:
             continue
         for name in names:
-            out.append(_evaluate(name, layout, num_ranks, n_microbatches, c, memory_limit))
+            if name not in leave_out:
+                out.append(_evaluate(name, layout, num_ranks, n_microbatches, c, memory_limit))
     return out
 
 
