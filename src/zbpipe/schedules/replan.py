@@ -143,6 +143,8 @@ class CostProfiler:
         chosen, _ = fastest_keeping([new, *others], costs, budget, sched.equal_bytes_plan)
         r_old, r_new = simulate(old, costs), simulate(chosen, costs)
         outcome = "switched" if chosen is new else "kept a faster plan within the promise"
+        if chosen is sched.equal_bytes_plan and chosen is not new:
+            outcome = "kept the plan for equal bytes: no slower, within the promise"
         if chosen.order == old.order:
             outcome = "unchanged"
         sched.measured_costs = costs
