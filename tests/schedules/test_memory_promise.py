@@ -172,3 +172,28 @@ def test_when_the_promise_cannot_beat_1f1b_the_line_offers_the_faster_schedules_
         assert ratio < 1
         assert f"{name} {ratio:.3f}x its time" in offered
     assert "ZBVMin" not in offered
+
+
+def test_a_plan_made_within_a_tighter_budget_still_offers_its_own_schedule_at_its_own():
+    # A byte budget (ScheduleZBAuto's memory_limit="...GiB": ZB-2p's generator at that limit)
+    # tight enough that the plan is slower than 1F1B: the same schedule at its own budget (2x
+    # 1F1B's peak) is the fastest offer (B twice F or W: ZB-H1 and ZB-1p leave more bubble), and
+    # the line must name it. Only a plan made for its own budget is left out of the offer (its
+    # plan would be made again for nothing).
+    from zbpipe.planning.yardsticks import onef1b_peak
+    from zbpipe.schedules.memory_promise import cost_line
+
+    p, m = 4, 8
+    c = Costs(f=1.0, b=2.0, w=1.0)
+    sched = SimpleNamespace(pp_group_size=p, _n_microbatches=m, _num_stages=p, layout="loop")
+    t_1f1b = simulate(plan("1F1B", p, m, costs=c), c).makespan
+    tight = plan("ZB2P", p, m, costs=c, memory_limit=0.25 * onef1b_peak(p, m, c))  # 1 in flight
+    own = plan("ZB2P", p, m, costs=c)  # at its own budget, as the chooser plans it
+    assert simulate(tight, c).makespan > t_1f1b > simulate(own, c).makespan
+    text, beats = cost_line(sched, tight, c, plan("ZB2P", p, m, costs=Costs()), None)
+    assert not beats
+    ratio = simulate(own, c).makespan / t_1f1b
+    offered = text.split("faster with more memory: ")[1]
+    assert f"ZB2P {ratio:.3f}x its time" in offered
+    for name in ("ZBH1", "ZB1P"):  # slower than ZB-2p at its own budget here
+        assert simulate(plan(name, p, m, costs=c), c).makespan > simulate(own, c).makespan

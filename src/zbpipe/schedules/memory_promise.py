@@ -138,9 +138,25 @@ def cost_line(
     if not beats:
         text += (
             f". No {chosen.name} plan within the promise beats 1F1B with these bytes"
-            + offer_faster(sched, costs, unit_bytes, t_1f1b, leave_out=(chosen.name,))
+            + offer_faster(
+                sched, costs, unit_bytes, t_1f1b, leave_out=_made_at_own(sched, chosen, costs)
+            )
         )
     return text, beats
+
+
+def _made_at_own(sched: Any, chosen: Plan, costs: Costs) -> tuple[str, ...]:
+    """``(chosen.name,)`` where ``chosen`` was made for its name's own budget, the one the
+    chooser's candidate of that name is planned at (that candidate would be ``chosen`` again);
+    else ``()``: made within a tighter budget (a byte or numeric ``memory_limit``), the same
+    schedule at its own budget may be the nearest faster offer."""
+    own = promised_peak(
+        chosen.name, sched.pp_group_size, sched._n_microbatches, costs,
+        sched._num_stages // sched.pp_group_size,
+    )  # fmt: skip
+    made = promised_budget(sched, chosen, costs)
+    same = own is not None and made is not None and abs(made - own) <= 1e-9 * max(1.0, own)
+    return (chosen.name,) if same else ()
 
 
 def offer_faster(
