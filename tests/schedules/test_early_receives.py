@@ -116,3 +116,23 @@ def test_every_receive_first_on_gloo_and_gradients_equal_the_reference_over_step
     cases = [("ScheduleZBV", 8), ("ScheduleZBV", 3), ("ScheduleZBH1", 5), ("Schedule1F1BMulti", 4)]
     worst = run_ranks(_cases, 2, cases, timeout=300)
     assert len(worst) == 2 and all(len(w) == len(cases) for w in worst)
+
+
+@pytest.mark.parametrize(
+    ("backends", "early"),
+    [
+        (["gloo"], True),
+        (["gloo", "gloo"], True),
+        (["gloo", "nccl"], False),  # one stage's group on NCCL: never (module docstring)
+        (["nccl"], False),
+        (["cpu:gloo,cuda:nccl"], False),  # a default group with a backend per device
+        (["mpi"], False),
+    ],
+)
+def test_early_only_where_every_stage_group_is_gloo(monkeypatch, backends, early):
+    groups = [object() for _ in backends]
+    of = dict(zip(map(id, groups), backends))
+    monkeypatch.setattr(action_loop.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(action_loop.dist, "get_backend", lambda group=None: of[id(group)])
+    stages = {s: SimpleNamespace(group=g) for s, g in enumerate(groups)}
+    assert posts_receives_early(SimpleNamespace(seam=SimpleNamespace(stages=stages))) is early
