@@ -197,3 +197,24 @@ def test_a_plan_made_within_a_tighter_budget_still_offers_its_own_schedule_at_it
     assert f"ZB2P {ratio:.3f}x its time" in offered
     for name in ("ZBH1", "ZB1P"):  # slower than ZB-2p at its own budget here
         assert simulate(plan(name, p, m, costs=c), c).makespan > simulate(own, c).makespan
+
+
+def test_the_plan_for_equal_bytes_stays_on_a_tie_only_within_the_budget_and_no_slower():
+    # fastest_keeping's tie rule against hand-made cases: unit costs, p = 4, m = 8, where 1F1B
+    # takes 33 units at a peak of 4 and ZB-H1 27 at the same peak (closed forms: 1F1B
+    # (m + p - 1)(f + b + w); ZB-H1 m (f + b + w) + (p - 1)(f + b - w)).
+    c = Costs()
+    onef1b, zbh1 = plan("1F1B", 4, 8, costs=c), plan("ZBH1", 4, 8, costs=c)
+    twin = plan("ZBH1", 4, 8, costs=c)  # the same order, another object: a tie
+    assert (simulate(onef1b, c).makespan, simulate(zbh1, c).makespan) == (33, 27)
+    assert max(simulate(zbh1, c).peak_memory.values()) == 4
+    # a tie within the budget: the preferred plan
+    assert fastest_keeping([zbh1, twin], c, 4.0, prefer=twin)[0] is twin
+    # a tie over the budget: the re-made plan
+    assert fastest_keeping([zbh1, twin], c, 3.5, prefer=twin)[0] is zbh1
+    # slower within the budget: the faster, re-made plan
+    assert fastest_keeping([zbh1, onef1b], c, 4.0, prefer=onef1b)[0] is zbh1
+    # a faster third candidate beats the preferred one, which is not preferred over it
+    assert fastest_keeping([onef1b, onef1b, zbh1], c, 4.0, prefer=onef1b)[0] is zbh1
+    # the preferred plan is the fastest: chosen (as any faster plan within the budget)
+    assert fastest_keeping([onef1b, zbh1], c, 4.0, prefer=zbh1)[0] is zbh1
