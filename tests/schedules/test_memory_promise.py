@@ -146,9 +146,57 @@ def test_on_issue_37s_mlp_the_promise_needs_the_remade_plan_and_costs_one_step_i
     assert max(simulate(equal, c).peak_memory.values()) * unit > promise * 1.15
     assert max(simulate(remade, c).peak_memory.values()) * unit <= promise * (1 + 1e-9)
     # By hand (unit times): rank 1 can hold one B's bytes plus one F (1536 KiB), never two Bs,
-    # so its B3 ends at 12 at the earliest, and rank 0's B3 and W3 follow: 14 against 13.
-    assert simulate(equal, c).makespan == 13
-    assert simulate(remade, c).makespan == 14
+    # so its B3 ends at 12 at the earliest, and rank 0's B3 and W3 follow: 14 against 13. The
+    # same by exhaustive search over every order within the promise: the least any takes.
+    assert simulate(equal, c).makespan == 13 == _fastest_within(f, after_b, float("inf"), 4)
+    assert simulate(remade, c).makespan == 14 == _fastest_within(f, after_b, promise, 4)
+
+
+def _fastest_within(f: list[float], after_b: list[float], budget: float, m: int) -> int:
+    """The least step time, in units (F, B, W one unit each, no communication), of any pair of
+    rank orders on 2 ranks (one stage each) whose held bytes stay within ``budget`` on each:
+    F holds ``f[r]``, B raises it to ``after_b[r]``, W frees it. Microbatches are alike, so
+    each kind runs in microbatch order without loss of generality."""
+
+    def orders(r: int, seq: tuple, n: list[int], held: float) -> list[tuple]:
+        if len(seq) == 3 * m:
+            return [seq]
+        out = []
+        for kind, i, ok, add in (
+            ("F", 0, n[0] < m, f[r]),
+            ("B", 1, n[1] < n[0], after_b[r] - f[r]),
+            ("W", 2, n[2] < n[1], -after_b[r]),
+        ):
+            if ok and held + add <= budget:
+                nxt = list(n)
+                nxt[i] += 1
+                out += orders(r, (*seq, (kind, n[i])), nxt, held + add)
+        return out
+
+    def span(o0: tuple, o1: tuple) -> float:
+        end: dict = {}
+        at, clock, seqs = [0, 0], [0, 0], (o0, o1)
+        moved = True
+        while moved:
+            moved = False
+            for r in (0, 1):
+                while at[r] < 3 * m:
+                    kind, mb = seqs[r][at[r]]
+                    dep = (0, "F", mb) if (r, kind) == (1, "F") else None
+                    dep = (1, "B", mb) if (r, kind) == (0, "B") else dep
+                    if dep is not None and dep not in end:
+                        break
+                    clock[r] = max(clock[r], end.get(dep, 0)) + 1
+                    end[(r, kind, mb)] = clock[r]
+                    at[r] += 1
+                    moved = True
+        return max(clock) if at == [3 * m, 3 * m] else float("inf")
+
+    return int(
+        min(
+            span(a, b) for a in orders(0, (), [0, 0, 0], 0.0) for b in orders(1, (), [0, 0, 0], 0.0)
+        )
+    )
 
 
 def test_when_the_promise_cannot_beat_1f1b_the_line_offers_the_faster_schedules_only():
