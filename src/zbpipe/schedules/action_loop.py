@@ -31,9 +31,9 @@ actions, and run its result here instead:
   peer's messages to receives in posting order) and the sends and waits do not move, so no rank
   can disagree with its peer about what comes next. The default is the lowering's placement
   (lead 0): on this project's 2-core machine, posting a step's receives first made the
-  receives' waits *longer* and 1F1B-like steps slower, ZBV's within the noise
-  (docs/results/host-time.md, 2026-11-27 "Two gloo ranks: where the step goes"); a machine with
-  a core per rank may differ (``benchmarks/host_overhead_ranks.py`` times both). Never on NCCL
+  receives' waits *longer* and 1F1B-like steps slower (in five runs of six), ZBV's within the
+  noise (docs/results/host-time.md, 2026-11-27 "Two gloo ranks: where the step goes"); a machine
+  with a core per rank may differ (``benchmarks/host_overhead_ranks.py`` times both). Never on NCCL
   or another backend: there a receive posted early sits on the stream a later send to the same
   peer needs, and two ranks each waiting for the other's send would hang.
 """
