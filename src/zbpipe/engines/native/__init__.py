@@ -6,7 +6,8 @@ beyond the call that enters it, none in B, and W adds the common case inside the
 Gradients are bitwise those of the Python captures (tests/engines/test_native_capture.py).
 It is built on the user's machine with torch's JIT extension builder, once per Python and torch
 (:mod:`.build_native`); whether and when a process uses it is :mod:`.availability`
-(``ZBPIPE_NATIVE``: ``auto``, ``wait``, ``off``). docs/design/backward.md says why it exists.
+(``ZBPIPE_NATIVE``: ``auto``, ``load``, ``wait``, ``off``). docs/design/backward.md says why it
+exists.
 """
 
 from __future__ import annotations
