@@ -40,7 +40,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from collections import defaultdict
@@ -50,6 +49,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from results_io import extract_src, short_rev  # noqa: E402
 
 #: row -> (class, options); "torch:1F1B" is torch's Schedule1F1B. ZBV rows hold the same blocks
 #: as two stages (V placement on one rank); the others one stage.
@@ -411,29 +412,14 @@ def child(args: argparse.Namespace) -> None:
     )
 
 
-def _extract(rev: str, into: Path) -> Path:
-    archive = into / "src.tar"
-    with open(archive, "wb") as f:
-        subprocess.run(["git", "archive", rev, "src"], cwd=ROOT, stdout=f, check=True)
-    with tarfile.open(archive) as tar:
-        tar.extractall(into, filter="data")
-    return into / "src"
-
-
-def _short(rev: str) -> str:
-    return subprocess.run(
-        ["git", "rev-parse", "--short", rev], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout.strip()
-
-
 def rerun_at(rev: str) -> None:
     """Run this command again (without ``--rev``) on the zbpipe of git revision ``rev``."""
     argv = sys.argv[1:]
     i = argv.index("--rev")
     argv = argv[:i] + argv[i + 2 :]
     with tempfile.TemporaryDirectory() as tmp:
-        src = _extract(rev, Path(tmp))
-        env = {**os.environ, "PYTHONPATH": str(src), "HOST_OVERHEAD_REV": _short(rev)}
+        src = extract_src(rev, Path(tmp))
+        env = {**os.environ, "PYTHONPATH": str(src), "HOST_OVERHEAD_REV": short_rev(rev)}
         subprocess.run([sys.executable, __file__, *argv], env=env, check=True)
 
 
@@ -446,13 +432,13 @@ def _env_pairs(items: list[str]) -> dict[str, str]:
 
 
 def compare(args: argparse.Namespace) -> dict[str, Any]:
-    rev = _short(args.before)
+    rev = short_rev(args.before)
     rows = args.rows.split(",")
     sides: dict[str, list[dict[str, list[int]]]] = {"before": [], "after": []}
     linear: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
     side_env = {"before": _env_pairs(args.before_env), "after": _env_pairs(args.after_env)}
     with tempfile.TemporaryDirectory() as tmp:
-        srcs = {"before": _extract(args.before, Path(tmp)), "after": ROOT / "src"}
+        srcs = {"before": extract_src(args.before, Path(tmp)), "after": ROOT / "src"}
         for pair in range(args.pairs):
             for side in ("before", "after") if pair % 2 == 0 else ("after", "before"):
                 env = {**os.environ, **side_env[side], "PYTHONPATH": str(srcs[side])}
@@ -508,7 +494,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         }
         for piece in linear["after"][0]
     }
-    after_rev = _short("HEAD")
+    after_rev = short_rev("HEAD")
     return {
         "before_rev": rev,
         "after_rev": after_rev,

@@ -205,14 +205,20 @@ def _attribution(
     return out
 
 
-def main() -> None:
-    from zbpipe.testing import run_ranks
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_shape_arguments(ap: argparse.ArgumentParser) -> None:
+    """The host-bound shapes (hidden 64, seq 32, 4 blocks, m = 8) as options; send_cost.py
+    shares them."""
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--microbatches", type=int, default=8)
+
+
+def main() -> None:
+    from zbpipe.testing import run_ranks
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_shape_arguments(ap)
     ap.add_argument("--reps", type=int, default=20, help="interleaved repetitions")
     ap.add_argument(
         "--rows", default=",".join(DEFAULT_ROWS), help="rows to time (torch:1F1B first)"

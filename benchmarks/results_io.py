@@ -13,11 +13,14 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tarfile
 from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def machine() -> str:
@@ -61,3 +64,21 @@ def paired_ratios(times: list[float], base: list[float]) -> dict[str, float]:
     """Median, min and max of ``times[i] / base[i]``: repetitions paired with the baseline's."""
     r = [a / b for a, b in zip(times, base, strict=True)]
     return {"median": statistics.median(r), "min": min(r), "max": max(r)}
+
+
+def extract_src(rev: str, into: Path) -> Path:
+    """``src/`` of git revision ``rev`` unpacked under ``into`` (a before/after comparison's
+    "before" side); returns the unpacked ``src`` folder."""
+    archive = into / "src.tar"
+    with open(archive, "wb") as f:
+        subprocess.run(["git", "archive", rev, "src"], cwd=ROOT, stdout=f, check=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(into, filter="data")
+    return into / "src"
+
+
+def short_rev(rev: str) -> str:
+    """``rev``'s short hash (what a result file records as the code it measured)."""
+    return subprocess.run(
+        ["git", "rev-parse", "--short", rev], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()

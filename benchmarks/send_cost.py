@@ -98,13 +98,12 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any
 
 
 def main() -> None:
+    from host_overhead_ranks import add_shape_arguments
+
     from zbpipe.testing import run_ranks
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--seq", type=int, default=32)
-    ap.add_argument("--blocks", type=int, default=4)
-    ap.add_argument("--microbatches", type=int, default=8)
+    add_shape_arguments(ap)
     ap.add_argument("--n", type=int, default=400, help="sends posted alone")
     ap.add_argument("--steps", type=int, default=20, help="profiled steps per schedule")
     ap.add_argument("--rows", default="torch:1F1B,ZBH1,ZBV")

@@ -20,7 +20,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -28,6 +27,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from results_io import extract_src, short_rev  # noqa: E402
 
 
 def child() -> None:
@@ -70,21 +71,6 @@ def child() -> None:
     print("RESULT " + json.dumps(out))
 
 
-def _extract(rev: str, into: Path) -> Path:
-    archive = into / "src.tar"
-    with open(archive, "wb") as f:
-        subprocess.run(["git", "archive", rev, "src"], cwd=ROOT, stdout=f, check=True)
-    with tarfile.open(archive) as tar:
-        tar.extractall(into, filter="data")
-    return into / "src"
-
-
-def _rev(rev: str) -> str:
-    return subprocess.run(
-        ["git", "rev-parse", "--short", rev], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout.strip()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("mode", nargs="?", default="compare", choices=("compare", "child"))
@@ -97,7 +83,7 @@ def main() -> None:
         return
     sides: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
     with tempfile.TemporaryDirectory() as tmp:
-        srcs = {"before": _extract(args.before, Path(tmp)), "after": ROOT / "src"}
+        srcs = {"before": extract_src(args.before, Path(tmp)), "after": ROOT / "src"}
         for pair in range(args.pairs):
             for side in ("before", "after") if pair % 2 == 0 else ("after", "before"):
                 env = {**os.environ, "PYTHONPATH": str(srcs[side])}
@@ -124,7 +110,11 @@ def main() -> None:
         from results_io import write_result
 
         data = {
-            "config": {"before": _rev(args.before), "after": _rev("HEAD"), "pairs": args.pairs},
+            "config": {
+                "before": short_rev(args.before),
+                "after": short_rev("HEAD"),
+                "pairs": args.pairs,
+            },
             "median": summary,
             "runs": sides,
         }
