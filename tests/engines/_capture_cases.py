@@ -10,7 +10,14 @@ import torch
 from torch import nn
 
 from zbpipe.engines.deferred import WeightGradStore
-from zbpipe.engines.linear_patch import StoreSlot
+from zbpipe.engines.linear_patch import StoreSlot, patch_linears
+
+
+def patched(module: nn.Module) -> StoreSlot:
+    """``module``'s Linears made deferred, reading the returned (empty) slot."""
+    slot = StoreSlot()
+    patch_linears(module, slot)
+    return slot
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ from zbpipe.engines.deferred import DeferredEngine, WeightGradStore
 from zbpipe.engines.linear_patch import StoreSlot, patch_linears, post_accumulate_hooks_parked
 from zbpipe.engines.weight_capture import CaptureState
 
-from ._capture_cases import Twice, holding
+from ._capture_cases import Twice, holding, patched
 
 
 def _store(native, *, exact: bool = True, immediate: bool = False) -> WeightGradStore:
@@ -43,8 +43,7 @@ def _native(out: torch.Tensor) -> bool:
 
 def _run(module, x, g, store, ctx=contextlib.nullcontext):
     """F, B, W as the seam runs them (F under ``ctx()``); the input's gradient and F's output."""
-    slot = StoreSlot()
-    patch_linears(module, slot)
+    slot = patched(module)
     x = x.detach().clone().requires_grad_(x.requires_grad)
     with holding(slot, store), ctx():
         out = module(x)
@@ -135,8 +134,7 @@ def test_native_under_checkpointing_defers_and_matches_plain_autograd(native_cap
     torch.manual_seed(0)
     block = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
     ref = copy.deepcopy(block)
-    slot = StoreSlot()
-    patch_linears(block, slot)
+    slot = patched(block)
     store = _store(native_capture)
     x = torch.randn(5, 8)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -195,8 +193,7 @@ def test_a_weight_with_register_hook_is_left_to_the_function(native_capture):
     ref.load_state_dict(lin.state_dict())
     seen = []
     lin.weight.register_hook(lambda grad: seen.append(grad.clone()))
-    slot = StoreSlot()
-    patch_linears(lin, slot)
+    slot = patched(lin)
     store = _store(native_capture)
     x = torch.randn(5, 8, requires_grad=True)
     with holding(slot, store):
@@ -221,8 +218,7 @@ def test_post_accumulate_hooks_fire_once_in_w_after_the_sum(native_capture, imme
     mod = copy.deepcopy(base)
     fired = []
     mod.a.weight.register_post_accumulate_grad_hook(lambda p: fired.append(p.grad.clone()))
-    slot = StoreSlot()
-    patch_linears(mod, slot)
+    slot = patched(mod)
     store = _store(native_capture, exact=True, immediate=immediate)
     with holding(slot, store):
         out = mod(x.clone().requires_grad_())
@@ -235,8 +231,7 @@ def test_post_accumulate_hooks_fire_once_in_w_after_the_sum(native_capture, imme
 
 def test_the_queue_refuses_a_second_w_and_a_late_gemm(native_capture):
     lin = nn.Linear(8, 4)
-    slot = StoreSlot()
-    patch_linears(lin, slot)
+    slot = patched(lin)
     store = _store(native_capture)
     with holding(slot, store):
         out = lin(torch.randn(5, 8, requires_grad=True))
@@ -252,8 +247,7 @@ def test_the_queue_refuses_a_second_w_and_a_late_gemm(native_capture):
 
 def test_a_failed_step_drops_the_queue_without_computing_it(native_capture):
     lin = nn.Linear(8, 4)
-    slot = StoreSlot()
-    patch_linears(lin, slot)
+    slot = patched(lin)
     store = _store(native_capture)
     with holding(slot, store):
         out = lin(torch.randn(5, 8, requires_grad=True))
@@ -266,8 +260,7 @@ def test_a_failed_step_drops_the_queue_without_computing_it(native_capture):
 
 def test_an_in_place_change_of_the_input_after_the_linear_raises(native_capture):
     lin = nn.Linear(8, 8)
-    slot = StoreSlot()
-    patch_linears(lin, slot)
+    slot = patched(lin)
     store = _store(native_capture)
     with holding(slot, store):
         h = torch.randn(5, 8, requires_grad=True) * 1.0
@@ -281,8 +274,7 @@ def test_the_input_is_let_go_of_once_b_ran(native_capture):
     """A fused BW through the store adds each GEMM in B: nothing keeps the input after it (B
     frees the node's saved tensors), though the output, held for the user, keeps its node."""
     lin = nn.Linear(8, 8)
-    slot = StoreSlot()
-    patch_linears(lin, slot)
+    slot = patched(lin)
     store = _store(native_capture, exact=False, immediate=True)
     lin.weight.grad = torch.zeros_like(lin.weight)
     with holding(slot, store):
@@ -304,8 +296,7 @@ def test_a_backward_outside_b_computes_the_weight_gradient_in_it(native_capture)
     torch.manual_seed(0)
     lin, ref = nn.Linear(8, 4), nn.Linear(8, 4)
     ref.load_state_dict(lin.state_dict())
-    slot = StoreSlot()
-    patch_linears(lin, slot)
+    slot = patched(lin)
     store = _store(native_capture)
     x = torch.randn(5, 8, requires_grad=True)
     with holding(slot, store):

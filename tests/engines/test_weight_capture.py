@@ -22,10 +22,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from zbpipe.engines.deferred import WeightGradStore
-from zbpipe.engines.linear_patch import StoreSlot, patch_linears
 from zbpipe.engines.weight_capture import CaptureState
 
-from ._capture_cases import Twice, holding
+from ._capture_cases import Twice, holding, patched
 
 
 def _store(fast: bool, *, exact: bool = True, immediate: bool = False, state=None):
@@ -41,8 +40,7 @@ def _hooked(out: torch.Tensor) -> bool:
 
 def _run(module: nn.Module, x: torch.Tensor, g: torch.Tensor, store: WeightGradStore):
     """F, B, W as the seam runs them; returns the input's gradient and F's output."""
-    slot = StoreSlot()
-    patch_linears(module, slot)
+    slot = patched(module)
     x = x.detach().clone().requires_grad_()
     with holding(slot, store):
         out = module(x)
@@ -113,8 +111,7 @@ def test_the_function_where_the_hook_cannot_do_what_it_does(case):
     torch.manual_seed(0)
     lin, ref = nn.Linear(8, 4), nn.Linear(8, 4)
     ref.load_state_dict(lin.state_dict())
-    slot = StoreSlot()
-    patch_linears(lin, slot)
+    slot = patched(lin)
     x = torch.randn(5, 8, requires_grad=True)
     x, ctx = _fallback_cases()[case](lin, x)
     store = _store(True)
@@ -153,8 +150,7 @@ def test_a_frozen_weight_queues_nothing_and_gets_no_gradient():
 
 def test_an_in_place_change_of_the_input_after_the_linear_raises():
     lin = nn.Linear(8, 8)
-    slot = StoreSlot()
-    patch_linears(lin, slot)
+    slot = patched(lin)
     x = torch.randn(5, 8, requires_grad=True)
     store = _store(True)
     with holding(slot, store):
@@ -168,8 +164,7 @@ def test_an_in_place_change_of_the_input_after_the_linear_raises():
 def test_a_create_graph_backward_over_a_hooked_linear_raises_and_switches_back():
     torch.manual_seed(0)
     lin = nn.Linear(8, 4)
-    slot = StoreSlot()
-    patch_linears(lin, slot)
+    slot = patched(lin)
     state = CaptureState(fast=True)
     store = _store(True, state=state)
     x = torch.randn(5, 8, requires_grad=True)
@@ -188,8 +183,7 @@ def test_the_hook_lets_go_of_the_input_once_b_ran():
     hook on it: the input must not stay alive through them (the Function's saved input is freed
     by B as well). ``immediate``: nothing is queued, so nothing else holds it."""
     lin = nn.Linear(8, 8)
-    slot = StoreSlot()
-    patch_linears(lin, slot)
+    slot = patched(lin)
     store = _store(True, exact=False, immediate=True)
     lin.weight.grad = torch.zeros_like(lin.weight)
     with holding(slot, store):
@@ -211,8 +205,7 @@ def test_a_backward_outside_b_adds_the_weight_gradient_at_once():
     torch.manual_seed(0)
     lin, ref = nn.Linear(8, 4), nn.Linear(8, 4)
     ref.load_state_dict(lin.state_dict())
-    slot = StoreSlot()
-    patch_linears(lin, slot)
+    slot = patched(lin)
     store = _store(True)
     x = torch.randn(5, 8, requires_grad=True)
     with holding(slot, store):
@@ -229,8 +222,7 @@ def test_checkpointed_blocks_take_the_function_and_match_plain_autograd():
     torch.manual_seed(0)
     block = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
     ref = copy.deepcopy(block)
-    slot = StoreSlot()
-    patch_linears(block, slot)
+    slot = patched(block)
     store = _store(True)
     x = torch.randn(5, 8)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
