@@ -23,6 +23,7 @@ import torch
 
 from ..planning import Costs, Plan
 from ..planning.budget import is_budget_string
+from ..planning.search.perturbed import SCENARIOS
 from .runtime import PlannedSchedule
 
 
@@ -76,6 +77,7 @@ class ScheduleZBV(PlannedSchedule):
     safe_first_step = True
     layout = "v"
     stages_per_rank = 2
+    replan_perturbed_ties = SCENARIOS
 
     def __init__(
         self, *args: Any, memory: Literal["zb", "half", "min"] = "zb", **kwargs: Any

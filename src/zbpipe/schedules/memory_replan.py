@@ -132,9 +132,13 @@ class MemoryReplanner:
         measured times, still exchanges its fingerprint (:func:`~zbpipe.schedules.replan.
         agree_on_plan`).
         """
+        options = dict(sched._plan_options)
+        ties = getattr(sched, "replan_perturbed_ties", 0)  # (equal times tie many orders)
+        if ties:
+            options.setdefault("perturbed_ties", ties)
         try:
             new: Plan = sched.build_plan(
-                sched.pp_group_size, sched._n_microbatches, costs, **sched._plan_options
+                sched.pp_group_size, sched._n_microbatches, costs, **options
             )
         except ValueError as e:
             if getattr(sched, "byte_budget", None) is not None:

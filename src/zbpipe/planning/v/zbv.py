@@ -26,6 +26,7 @@ Deterministic: candidates are tried in a fixed order and ties keep the first.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 from typing import Literal
@@ -34,6 +35,7 @@ from ..core import Plan, PlanError, make_plan, v_placement
 from ..costs import Costs, StageCosts
 from ..rules import EPS, check_sizes, within
 from ..search.improve import improve
+from ..search.perturbed import SCORED, least_sensitive, scenarios
 from ..simulator import simulate_timing
 from ..yardsticks import V_FORMULAS, v_budget, v_minimum_memory
 from .blocks import block_candidates
@@ -102,12 +104,18 @@ def plan_zbv(
     costs: Costs | None = None,
     memory_limit: float | None = None,
     memory: MemoryMode = "zb",
+    perturbed_ties: int = 0,
 ) -> Plan:
     """A V-placement zero-bubble plan: ZB-V (``memory="zb"``), V-Half (``"half"``) or V-Min.
 
     ``costs`` describe each of the ``2 * num_ranks`` stages (chunks); ``memory_limit`` (per rank,
     in ``Costs`` memory units) replaces the mode's default budget. Raises ``ValueError`` if no
     plan fits the limit, naming the smallest limit that works.
+
+    ``perturbed_ties`` (a count, 0 by default): where ``costs`` are not measured times, also plan
+    for that many cost sets drawn around them (:mod:`zbpipe.planning.search.perturbed`) and, among
+    the plans as fast as this one under ``costs``, return the one with the least mean makespan
+    over the drawn sets. With 4, four to five times the planning (``benchmarks/perturbed_ties.py``).
     """
     if memory not in _NAMES:
         raise ValueError(f"memory must be one of {sorted(_NAMES)}, got {memory!r}")
@@ -123,7 +131,27 @@ def plan_zbv(
     polished = [_polish(p, m, costs, budget, memory, fam, label, res) for fam, label, res in best]
     (span, _), plan, label = min(polished, key=lambda c: c[0])
     log.debug("%s p=%d m=%d: chose %s (span %.4g after polishing)", plan.name, p, m, label, span)
+    if perturbed_ties:
+        plan = _least_sensitive_tie(p, m, costs, budget, memory, plan, perturbed_ties)
     return plan
+
+
+def _least_sensitive_tie(
+    p: int, m: int, costs: Costs, budget: float, memory: MemoryMode, chosen: Plan, count: int
+) -> Plan:
+    """``chosen``, or a plan made for one of ``count`` cost sets drawn around ``costs`` that is
+    as fast under ``costs`` and less slowed on average by ``SCORED`` drawn sets (planning is
+    dear, simulating cheap). The drawn plans' local search gets a quarter of the simulations
+    (they are candidates, not the answer)."""
+    if count < 0:
+        raise ValueError(f"perturbed_ties must be a count >= 0, got {count}")
+    drawn = scenarios(costs, 2 * p, max(count, SCORED))
+    candidates = [chosen]
+    for d in drawn[:count]:
+        for family, label, res in _best_per_family(p, m, d, d.per_stage(2 * p), budget, memory):
+            candidates.append(_polish(p, m, d, budget, memory, family, label, res, 0.25)[1])
+    best = least_sensitive(candidates, costs, drawn)
+    return dataclasses.replace(best, meta={**best.meta, "perturbed_ties": count})
 
 
 def _budget(
@@ -187,8 +215,10 @@ def _polish(
     family: bool,
     label: str,
     res: GreedyResult,
+    share: float = 1.0,
 ) -> tuple[tuple[float, float], Plan, str]:
-    """``res`` as a Plan, polished by ``improve``; with its (span, makespan) as simulated."""
+    """``res`` as a Plan, polished by ``improve`` (``share`` of the usual simulations); with its
+    (span, makespan) as simulated."""
     plan = make_plan(
         _NAMES[memory], p, m, v_placement(p), res.order, layout="v",
         memory=memory, memory_budget=budget, strategy=label,
@@ -199,6 +229,7 @@ def _polish(
         # a block order is periodic and tight: the local search rarely finds a move in it, and
         # its simulations are costly (moves sit early in the timeline), so a quarter is enough
         evals = max(100, evals // 4)
+    evals = max(50, int(evals * share))
     plan = improve(plan, costs, memory_limit=budget, max_seconds=None, max_evals=evals)
     try:  # independent check of deadlock freedom and memory
         r = simulate_timing(plan, costs, memory_limit=budget)
@@ -218,9 +249,12 @@ def plan_zbv_half(
     n_microbatches: int,
     costs: Costs | None = None,
     memory_limit: float | None = None,
+    perturbed_ties: int = 0,
 ) -> Plan:
     """V-Half: about half of 1F1B's activation memory."""
-    return plan_zbv(num_ranks, n_microbatches, costs, memory_limit, memory="half")
+    return plan_zbv(
+        num_ranks, n_microbatches, costs, memory_limit, memory="half", perturbed_ties=perturbed_ties
+    )
 
 
 def plan_zbv_min(
@@ -228,6 +262,9 @@ def plan_zbv_min(
     n_microbatches: int,
     costs: Costs | None = None,
     memory_limit: float | None = None,
+    perturbed_ties: int = 0,
 ) -> Plan:
     """V-Min: about a third of 1F1B's activation memory."""
-    return plan_zbv(num_ranks, n_microbatches, costs, memory_limit, memory="min")
+    return plan_zbv(
+        num_ranks, n_microbatches, costs, memory_limit, memory="min", perturbed_ties=perturbed_ties
+    )
