@@ -62,12 +62,12 @@ def run(name: str, cases: int, seed: int) -> dict[str, Any]:
             t0 = time.perf_counter()
             generator = plan(name, p, m, costs=equal_times)
             t1 = time.perf_counter()
-            chosen = plan(name, p, m, costs=equal_times, perturbed_ties=4)
-            t2 = time.perf_counter()
-            bound = plan(name, p, m, costs=real)
         except ValueError:  # no plan fits the mode's budget with these bytes
             skipped += 1
             continue
+        chosen = plan(name, p, m, costs=equal_times, perturbed_ties=4)
+        t2 = time.perf_counter()
+        bound = plan(name, p, m, costs=real)
         t_gen.append(t1 - t0)
         t_ties.append(t2 - t1)
         base = simulate(generator, real).makespan

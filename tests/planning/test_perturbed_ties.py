@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zbpipe.planning import Costs, plan, simulate
+from zbpipe.planning import Costs, Plan, plan, simulate
 from zbpipe.planning.core import Action, make_plan
 from zbpipe.planning.search.perturbed import least_sensitive, scenarios
 from zbpipe.planning.simulator import simulate_timing
@@ -42,7 +42,7 @@ def test_the_gpt_remade_plan_keeps_its_speed_under_the_measured_times() -> None:
     t_gen, t_chosen, t_free = (
         simulate(x, measured).makespan for x in (generator, chosen, without_promise)
     )
-    assert t_chosen <= 0.97 * t_gen  # measured: 1028.1 against 1086.8 ms
+    assert t_chosen <= 0.97 * t_gen  # 1027.7 against 1086.5 ms with these times
     assert t_chosen <= 1.01 * t_free  # within a hundredth of the plan that ignores the promise
     assert chosen.meta["perturbed_ties"] == 4
 
@@ -54,7 +54,7 @@ def test_the_gpt_remade_plan_keeps_its_speed_under_the_measured_times() -> None:
     mem=st.lists(st.tuples(st.floats(0.5, 2.0), st.floats(-0.3, 0.8)), min_size=6, max_size=6),
     mode=st.sampled_from(["zb", "half", "min"]),
 )
-def test_never_slower_nor_heavier_than_the_generators_choice(p, k, mem, mode) -> None:
+def test_never_slower_than_the_generators_choice_and_within_its_budget(p, k, mem, mode) -> None:
     mem = mem[: 2 * p]
     costs = Costs(
         mem_f=[f for f, _ in mem],
@@ -68,10 +68,10 @@ def test_never_slower_nor_heavier_than_the_generators_choice(p, k, mem, mode) ->
         return  # no plan fits the mode's budget with these bytes: nothing to compare
     chosen = plan_zbv(p, m, costs, memory=mode, perturbed_ties=3)
     budget = chosen.meta["memory_budget"]
-    g, c = simulate_timing(generator, costs), simulate_timing(chosen, costs, memory_limit=budget)
-    assert (round(c.longest_span, 9), round(c.makespan, 9)) <= (
-        round(g.longest_span, 9), round(g.makespan, 9),
-    )  # fmt: skip
+    g, c = simulate_timing(generator, costs), simulate_timing(chosen, costs)
+    assert round(c.longest_span, 9) <= round(g.longest_span, 9)
+    assert round(c.makespan, 9) <= round(g.makespan, 9)
+    assert max(simulate(chosen, costs).peak_memory.values()) <= budget + 1e-9
     assert chosen == plan_zbv(p, m, costs, memory=mode, perturbed_ties=3)  # every rank alike
 
 
@@ -92,17 +92,16 @@ def test_scenarios_move_times_only_within_the_spread_and_repeat() -> None:
         scenarios(costs, 2, spread=1.0)
 
 
-def _one_rank(order: str, name: str = "hand") -> object:
+def _one_rank(order: str, name: str = "hand") -> Plan:
     """A 1-rank, 1-stage plan from ``"F0 F1 B0 ..."`` (the kind and the microbatch)."""
     actions = tuple(Action(0, a[0], int(a[1:])) for a in order.split())
     return make_plan(name, 1, 2, {0: 0}, {0: actions})
 
 
 def test_least_sensitive_worked_by_hand() -> None:
-    # One stage, one rank, two microbatches: every order of the same actions takes
-    # 2 (F + B + W) under any costs, so each is as fast as the first; and a plan with idle time
-    # is never chosen over it. By hand: with one rank nothing waits, so all three score alike
-    # and the first stays.
+    # One stage, one rank, two microbatches: every order of the same actions takes 2 (F + B + W)
+    # under any costs (one rank never waits), so the two orders tie under every drawn set too
+    # and the first given stays, whichever it is.
     costs = Costs()
     a, b = _one_rank("F0 B0 W0 F1 B1 W1"), _one_rank("F0 F1 B0 B1 W0 W1")
     drawn = scenarios(costs, 1, count=4)
@@ -126,8 +125,20 @@ def test_least_sensitive_prefers_the_plan_the_drawn_costs_slow_less() -> None:
 
 
 def test_a_candidate_slower_than_the_first_is_never_chosen() -> None:
-    costs = Costs()
-    zbh1, onef1b = plan("ZBH1", 2, 4, costs), plan("1F1B", 2, 4, costs)
-    assert simulate(onef1b, costs).makespan > simulate(zbh1, costs).makespan  # 15 against 13
-    for drawn in (scenarios(costs, 2, count=8), scenarios(costs, 2, count=8, spread=0.9)):
-        assert least_sensitive([zbh1, onef1b], costs, drawn) is zbh1
+    # Under the GPT's measured times the generator's plan (x) is slower than the chosen one (y);
+    # under the drawn set below (found by search) x is 5% faster. Scored on that set alone, x
+    # would win: it must not, being slower than the first candidate under the planned costs.
+    bytes_only, measured = Costs(**GPT_BYTES), Costs(**GPT_BYTES, **GPT_TIMES)
+    x, y = plan_zbv(2, 4, bytes_only), plan_zbv(2, 4, bytes_only, perturbed_ties=4)
+    drawn = [
+        Costs(
+            **GPT_BYTES,
+            f=[2.91, 1.87, 1.13, 2.44],
+            b=[0.36, 2.61, 0.62, 0.37],
+            w=[0.52, 2.52, 0.25, 2.75],
+        )
+    ]
+    assert simulate(x, drawn[0]).makespan < 0.96 * simulate(y, drawn[0]).makespan
+    assert simulate(x, measured).makespan > simulate(y, measured).makespan
+    assert least_sensitive([y, x], measured, drawn) is y
+    assert least_sensitive([x, y], bytes_only, drawn) is x  # tied under equal times: x wins

@@ -266,3 +266,42 @@ def test_the_plan_for_equal_bytes_stays_on_a_tie_only_within_the_budget_and_no_s
     assert fastest_keeping([onef1b, onef1b, zbh1], c, 4.0, prefer=onef1b)[0] is zbh1
     # the preferred plan is the fastest: chosen (as any faster plan within the budget)
     assert fastest_keeping([onef1b, zbh1], c, 4.0, prefer=zbh1)[0] is zbh1
+
+
+@pytest.mark.parametrize(
+    "ties,times,asks", [(0, Costs(), False), (4, Costs(), True), (4, Costs(b=1.2, w=0.8), False)]
+)
+def test_the_replan_asks_the_v_planner_for_the_schedules_choice_among_ties(
+    monkeypatch, ties, times, asks
+):
+    # The 2-rank GPT's bytes (tests/planning/test_perturbed_ties.py): the plan for equal bytes
+    # breaks the promise and several re-made orders tie. The re-plan runs the planner's plan for
+    # the measured bytes with the schedule's ``replan_perturbed_ties`` (4 for ZB-V, 0 for
+    # V-Half and V-Min) where the time costs are the equal guess (not where the user gave
+    # times), and the plan it runs is that one.
+    from zbpipe.planning.v.zbv import plan_zbv
+    from zbpipe.schedules import memory_replan
+
+    p, m, unit = 2, 4, 1000.0
+    f, b = [1.02, 0.965, 0.965, 1.05], [-0.057, -0.002, -0.002, -0.058]
+    held = {s: {"F": f[s] * unit, "B": (f[s] + b[s]) * unit} for s in range(2 * p)}
+    monkeypatch.setattr(memory_replan, "gather_stage_values", lambda local, group: held)
+    asked = []
+
+    def build(q, n, c, **o):
+        asked.append(o)
+        return plan("ZBV", q, n, costs=c, memory="zb", **o)
+
+    sched = _sched("ZBV", p, m, times, layout="v")
+    sched.build_plan, sched.replan_perturbed_ties = build, ties
+    sched.equal_bytes_plan = sched.plan = plan("ZBV", p, m, costs=times, memory="zb")
+    sched._stages = [SimpleNamespace(group=None, stage_index=s) for s in (0, 3)]
+    sched.rank, sched.memory_unit_bytes, sched.memory_costs = 1, None, None
+    chosen = memory_replan.MemoryReplanner().choose(sched)
+    assert asked == [{"perturbed_ties": ties} if asks else {}]
+    generator = plan_zbv(p, m, sched.memory_costs)
+    if asks:
+        assert chosen.order == plan_zbv(p, m, sched.memory_costs, perturbed_ties=ties).order
+        assert chosen.order != generator.order  # (the GPT's bytes tie: see there)
+    else:
+        assert chosen.order == generator.order

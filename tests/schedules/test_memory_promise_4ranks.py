@@ -29,6 +29,7 @@ LOOP = [("ZBH1", "deferred", "default"), ("ZB1P", "deferred", "default"),
         ("ZB1P", "graph", "profile")]  # fmt: skip
 V = [("ZBV", "deferred", "default"), ("ZBVHalf", "deferred", "default"),
      ("ZBVMin", "deferred", "default"), ("ZBV", "graph", "default"),
+     ("ZBVHalf", "graph", "default"),  # (held 1.104 of its formula with ZB-V's re-plan rule)
      ("ZBV", "deferred", "profile")]  # fmt: skip
 
 

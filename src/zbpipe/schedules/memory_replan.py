@@ -33,6 +33,7 @@ from ..memory.probe import MemoryProbe
 from ..observe.profile import gather_stage_values, memory_costs
 from ..planning import Costs, Plan, simulate
 from ..planning.budget import format_bytes
+from ..planning.search.perturbed import equal_times
 from .memory_promise import cost_line, fastest_keeping, promised_budget
 
 logger = logging.getLogger(__name__)
@@ -134,7 +135,7 @@ class MemoryReplanner:
         """
         options = dict(sched._plan_options)
         ties = getattr(sched, "replan_perturbed_ties", 0)  # (equal times tie many orders)
-        if ties:
+        if ties and equal_times(sched.costs, sched._num_stages):
             options.setdefault("perturbed_ties", ties)
         try:
             new: Plan = sched.build_plan(

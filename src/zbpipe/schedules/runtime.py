@@ -98,9 +98,9 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
     safe_first_step: bool = False
     #: the plan re-made for the measured bytes is chosen, among the plans as fast under the
     #: time costs, as the least slowed by this many cost sets drawn around them
-    #: (:mod:`zbpipe.planning.search.perturbed`); 0: the generator's own choice. Set where the
-    #: generator takes ``perturbed_ties``
-    replan_perturbed_ties: ClassVar[int] = 0
+    #: (:mod:`zbpipe.planning.search.perturbed`); 0: the generator's own choice. Set (per
+    #: instance, before the plan is built) where the generator takes ``perturbed_ties``
+    replan_perturbed_ties: int = 0
     #: how each of torch's computation types becomes a call of the action loop
     #: (:mod:`zbpipe.schedules.action_loop`); a schedule with an action kind of its own adds
     #: an entry: ``action_binders = {**PlannedSchedule.action_binders, KIND: bind_kind}``

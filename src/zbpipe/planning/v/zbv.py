@@ -35,7 +35,7 @@ from ..core import Plan, PlanError, make_plan, v_placement
 from ..costs import Costs, StageCosts
 from ..rules import EPS, check_sizes, within
 from ..search.improve import improve
-from ..search.perturbed import SCORED, least_sensitive, scenarios
+from ..search.perturbed import PLAN_SEED, SCORE_SEED, SCORED, least_sensitive, scenarios
 from ..simulator import simulate_timing
 from ..yardsticks import V_FORMULAS, v_budget, v_minimum_memory
 from .blocks import block_candidates
@@ -112,10 +112,11 @@ def plan_zbv(
     in ``Costs`` memory units) replaces the mode's default budget. Raises ``ValueError`` if no
     plan fits the limit, naming the smallest limit that works.
 
-    ``perturbed_ties`` (a count, 0 by default): where ``costs`` are not measured times, also plan
-    for that many cost sets drawn around them (:mod:`zbpipe.planning.search.perturbed`) and, among
-    the plans as fast as this one under ``costs``, return the one with the least mean makespan
-    over the drawn sets. With 4, four to five times the planning (``benchmarks/perturbed_ties.py``).
+    ``perturbed_ties`` (a count, 0 by default): for ``costs`` whose times are a guess (equal,
+    nothing measured), also plan for that many cost sets drawn around them
+    (:mod:`zbpipe.planning.search.perturbed`) and, among the plans no slower than this one under
+    ``costs`` (span and makespan), return the one with the least mean makespan over other drawn
+    sets. With 4, 3.6-4.6 times the planning (``benchmarks/perturbed_ties.py``).
     """
     if memory not in _NAMES:
         raise ValueError(f"memory must be one of {sorted(_NAMES)}, got {memory!r}")
@@ -140,17 +141,16 @@ def _least_sensitive_tie(
     p: int, m: int, costs: Costs, budget: float, memory: MemoryMode, chosen: Plan, count: int
 ) -> Plan:
     """``chosen``, or a plan made for one of ``count`` cost sets drawn around ``costs`` that is
-    as fast under ``costs`` and less slowed on average by ``SCORED`` drawn sets (planning is
-    dear, simulating cheap). The drawn plans' local search gets a quarter of the simulations
+    as fast under ``costs`` and less slowed on average by ``SCORED`` other drawn sets (planning
+    is dear, simulating cheap). The drawn plans' local search gets a quarter of the simulations
     (they are candidates, not the answer)."""
     if count < 0:
         raise ValueError(f"perturbed_ties must be a count >= 0, got {count}")
-    drawn = scenarios(costs, 2 * p, max(count, SCORED))
     candidates = [chosen]
-    for d in drawn[:count]:
+    for d in scenarios(costs, 2 * p, count, seed=PLAN_SEED):
         for family, label, res in _best_per_family(p, m, d, d.per_stage(2 * p), budget, memory):
             candidates.append(_polish(p, m, d, budget, memory, family, label, res, 0.25)[1])
-    best = least_sensitive(candidates, costs, drawn)
+    best = least_sensitive(candidates, costs, scenarios(costs, 2 * p, SCORED, seed=SCORE_SEED))
     return dataclasses.replace(best, meta={**best.meta, "perturbed_ties": count})
 
 
