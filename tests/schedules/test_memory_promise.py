@@ -268,22 +268,33 @@ def test_the_plan_for_equal_bytes_stays_on_a_tie_only_within_the_budget_and_no_s
     assert fastest_keeping([onef1b, zbh1], c, 4.0, prefer=zbh1)[0] is zbh1
 
 
+GPT_HELD = ([1.02, 0.965, 0.965, 1.05], [-0.057, -0.002, -0.002, -0.058])
+EVEN_HELD = ([1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0])  # the plan for equal bytes keeps it
+
+
 @pytest.mark.parametrize(
-    "ties,times,asks", [(0, Costs(), False), (4, Costs(), True), (4, Costs(b=1.2, w=0.8), False)]
+    "ties,times,held_units,asks",
+    [
+        (0, Costs(), GPT_HELD, False),
+        (4, Costs(), GPT_HELD, True),
+        (4, Costs(b=1.2, w=0.8), GPT_HELD, False),
+        (4, Costs(), EVEN_HELD, False),
+    ],
 )
 def test_the_replan_asks_the_v_planner_for_the_schedules_choice_among_ties(
-    monkeypatch, ties, times, asks
+    monkeypatch, ties, times, held_units, asks
 ):
     # The 2-rank GPT's bytes (tests/planning/test_perturbed_ties.py): the plan for equal bytes
     # breaks the promise and several re-made orders tie. The re-plan runs the planner's plan for
     # the measured bytes with the schedule's ``replan_perturbed_ties`` (4 for ZB-V, 0 for
     # V-Half and V-Min) where the time costs are the equal guess (not where the user gave
-    # times), and the plan it runs is that one.
+    # times) and the plan for equal bytes breaks the promise (where it keeps it, it runs on a
+    # tie anyway), and the plan it runs is that one.
     from zbpipe.planning.v.zbv import plan_zbv
     from zbpipe.schedules import memory_replan
 
     p, m, unit = 2, 4, 1000.0
-    f, b = [1.02, 0.965, 0.965, 1.05], [-0.057, -0.002, -0.002, -0.058]
+    f, b = held_units
     held = {s: {"F": f[s] * unit, "B": (f[s] + b[s]) * unit} for s in range(2 * p)}
     monkeypatch.setattr(memory_replan, "gather_stage_values", lambda local, group: held)
     asked = []
@@ -303,5 +314,7 @@ def test_the_replan_asks_the_v_planner_for_the_schedules_choice_among_ties(
     if asks:
         assert chosen.order == plan_zbv(p, m, sched.memory_costs, perturbed_ties=ties).order
         assert chosen.order != generator.order  # (the GPT's bytes tie: see there)
-    else:
+    elif held_units is GPT_HELD:
         assert chosen.order == generator.order
+    else:  # (the plan for equal bytes keeps the promise: it runs)
+        assert chosen.order == sched.equal_bytes_plan.order
