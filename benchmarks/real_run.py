@@ -166,35 +166,52 @@ def _build(name: str, rank: int, world: int, cfg: Config) -> tuple[Any, list, An
     return sched, stages, tracer, meter
 
 
-def _rank_main(rank: int, world: int, cfg: Config) -> dict | None:
+def _batch(cfg: Config) -> tuple[Any, Any]:
+    """The whole batch and its target: the same on every rank and for every schedule."""
     import torch
-    import torch.distributed as dist
 
-    from zbpipe.observe.trace import Trace
     from zbpipe.testing.models import TinyGPTConfig, synthetic_batch
 
-    runs = {name: _build(name, rank, world, cfg) for name in cfg.schedules}
     if cfg.model == "mlp":
         torch.manual_seed(1)
         ids = torch.randn(cfg.microbatches * cfg.microbatch_size, cfg.hidden)
-        tgt = torch.randn_like(ids)
-    else:
-        mcfg = TinyGPTConfig(vocab=256, hidden=cfg.hidden, seq=cfg.seq)
-        ids, tgt = synthetic_batch(mcfg, cfg.microbatches * cfg.microbatch_size, 0)
+        return ids, torch.randn_like(ids)
+    mcfg = TinyGPTConfig(vocab=256, hidden=cfg.hidden, seq=cfg.seq)
+    return synthetic_batch(mcfg, cfg.microbatches * cfg.microbatch_size, 0)
+
+
+def _timed_step(
+    run: tuple[Any, list, Any, Any], ids: Any, tgt: Any
+) -> tuple[float, float, list, int]:
+    """One step of a ``_build`` result from a barrier, gradients cleared first: its start and
+    end (``perf_counter``), the tracer's events and the meter's peak bytes."""
+    import torch.distributed as dist
+
+    sched, stages, tracer, meter = run
+    has_first = any(s.is_first for s in stages)
+    has_last = any(s.is_last for s in stages)
+    for st in stages:
+        for p in st.submod.parameters():
+            p.grad = None
+    tracer.clear()
+    meter.reset_peak()
+    dist.barrier()
+    t0 = time.perf_counter()
+    sched.step(*((ids,) if has_first else ()), target=tgt if has_last else None)
+    return t0, time.perf_counter(), list(tracer.events), meter.peak_bytes
+
+
+def _rank_main(rank: int, world: int, cfg: Config) -> dict | None:
+    import torch.distributed as dist
+
+    from zbpipe.observe.trace import Trace
+
+    runs = {name: _build(name, rank, world, cfg) for name in cfg.schedules}
+    ids, tgt = _batch(cfg)
 
     def one_step(name: str) -> tuple[float, list, int]:
-        sched, stages, tracer, meter = runs[name]
-        has_first = any(s.is_first for s in stages)
-        has_last = any(s.is_last for s in stages)
-        for st in stages:
-            for p in st.submod.parameters():
-                p.grad = None
-        tracer.clear()
-        meter.reset_peak()
-        dist.barrier()
-        t0 = time.perf_counter()
-        sched.step(*((ids,) if has_first else ()), target=tgt if has_last else None)
-        return time.perf_counter() - t0, list(tracer.events), meter.peak_bytes
+        t0, t1, events, peak = _timed_step(runs[name], ids, tgt)
+        return t1 - t0, events, peak
 
     first = {}
     for name in cfg.schedules:  # warm-up (shape inference, allocator; the memory probe)

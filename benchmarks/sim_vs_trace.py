@@ -26,10 +26,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
-import time
 from typing import Any
 
-from real_run import INT_FIELDS, Config, _build
+from real_run import INT_FIELDS, Config, _batch, _build, _timed_step
 
 
 def _dependency(kind: str, stage: int, num_stages: int) -> tuple[str, int] | None:
@@ -61,35 +60,13 @@ def cross_rank_waits(steps: list[dict[int, list]], placement: dict[int, int]) ->
 
 
 def _rank_main(rank: int, world: int, cfg: Config) -> dict | None:
-    import torch
     import torch.distributed as dist
 
     runs = {name: _build(name, rank, world, cfg) for name in cfg.schedules}
-    torch.manual_seed(1)
-    x = torch.randn(cfg.microbatches * cfg.microbatch_size, cfg.hidden)
-    target = torch.randn_like(x)
-    if cfg.model != "mlp":
-        from zbpipe.testing.models import TinyGPTConfig, synthetic_batch
-
-        x, target = synthetic_batch(
-            TinyGPTConfig(vocab=256, hidden=cfg.hidden, seq=cfg.seq),
-            cfg.microbatches * cfg.microbatch_size,
-            0,
-        )
+    x, target = _batch(cfg)
 
     def one_step(name: str) -> tuple[float, float, list]:
-        sched, stages, tracer, _ = runs[name]
-        for st in stages:
-            for p in st.submod.parameters():
-                p.grad = None
-        tracer.clear()
-        dist.barrier()
-        t0 = time.perf_counter()
-        sched.step(
-            *((x,) if any(s.is_first for s in stages) else ()),
-            target=target if any(s.is_last for s in stages) else None,
-        )
-        return t0, time.perf_counter(), list(tracer.events)
+        return _timed_step(runs[name], x, target)[:3]
 
     for name in cfg.schedules:  # shape inference, the memory probe and its re-plan
         one_step(name)

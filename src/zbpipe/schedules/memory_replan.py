@@ -33,7 +33,7 @@ from ..memory.probe import MemoryProbe
 from ..observe.profile import gather_stage_values, memory_costs
 from ..planning import Costs, Plan, simulate
 from ..planning.budget import format_bytes
-from ..planning.core import EPS
+from ..planning.rules import within
 from ..planning.search.perturbed import equal_times
 from ..planning.yardsticks import promised_peak
 from .memory_promise import cost_line, fastest_keeping, promised_budget
@@ -173,8 +173,7 @@ def _equal_bytes_kept(sched: Any, costs: Costs) -> bool:
         limit = promised_peak(name, sched.pp_group_size, sched._n_microbatches, costs, chunks)
     if limit is None:
         return False
-    peak = max(simulate(sched.equal_bytes_plan, costs).peak_memory.values())
-    return bool(peak <= limit * (1 + 1e-9) + EPS)
+    return within(max(simulate(sched.equal_bytes_plan, costs).peak_memory.values()), limit)
 
 
 def predicted_memory_line(
