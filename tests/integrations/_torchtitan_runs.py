@@ -46,6 +46,7 @@ from datetime import timedelta
 
 MARKER = "zbpipe-test-run: "
 MOE_MARKER = "zbpipe-test-moe: "
+W_MARKER = "zbpipe-test-w: "
 
 
 def _forget_imports(recipe_dir: str) -> None:
@@ -124,6 +125,29 @@ def _log_moe_state() -> None:
     Trainer.train = train
 
 
+def _count_w_gemms() -> dict[str, object]:
+    """Count, in this process, what zbpipe's W computes during the next run: every weight GEMM
+    its stores ran (``gemms``, the native capture's included) and the distinct weights of the
+    GEMMs queued on the Python side (``weights``: compiled Linears queue there; eager ones may go
+    to the native capture). Read by the Trainer tests as a behaviour (the split reached W), not
+    as a time. Installed after :func:`_forget_imports`, so the run's own zbpipe import finds the
+    patched class (a no-op where zbpipe is not importable)."""
+    counts: dict[str, object] = {"gemms": 0, "weights": set()}
+    try:
+        from zbpipe.engines.weight_store import WeightGradStore
+    except ImportError:
+        return counts
+    original = WeightGradStore.run
+
+    def run(self):  # type: ignore[no-untyped-def]
+        counts["gemms"] += self.num_gemms  # type: ignore[operator]
+        counts["weights"].update(id(e[0]) for e in self._entries or ())  # type: ignore[attr-defined]
+        return original(self)
+
+    WeightGradStore.run = run
+    return counts
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))  # every interface, as torch's stores bind
@@ -152,12 +176,14 @@ def main() -> None:
         sys.argv = ["torchtitan.train", *args]  # before the import: torchtitan 0.2 reads it then
         importlib.import_module("torchtitan.train")  # the run's imports, before its port
         _log_moe_state()
+        w = _count_w_gemms()
         key = f"zbpipe-test-run/{i}/port"
         if rank == 0:
             agent.set(key, str(free_port()))
         os.environ["MASTER_PORT"] = agent.get(key).decode()
         os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
         runpy.run_module("torchtitan.train", run_name="__main__", alter_sys=True)
+        print(f"{W_MARKER}gemms={w['gemms']} weights={len(w['weights'])}", flush=True)
 
 
 if __name__ == "__main__":

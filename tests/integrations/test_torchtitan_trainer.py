@@ -3,15 +3,26 @@
 Each run is torchtitan's entry point ``torchtitan.train`` on 2 CPU ranks (gloo) with the recipe
 ``recipes/torchtitan/llama3_debug_cpu.py`` (torchtitan's llama3 debug model, optimizer, loss, LR
 schedule and dataloader), a local dataset and tokenizer (tests/integrations/_torchtitan_assets.py),
-3 steps of 4 sequences of 32 tokens (4 for the compiled ``ZBV:profile`` run and its reference:
-the profile re-plans at the end of step 3). Every run starts from one seed checkpoint (torchtitan's
+3 steps of 4 sequences of 32 tokens (4 for the ``ZBV:profile`` runs and their reference: the
+profile re-plans at the end of step 3). Every run starts from one seed checkpoint (torchtitan's
 ``--checkpoint.create_seed_checkpoint``, its own 1-rank launch), so a V placement and a loop
 placement start from the same weights. The references are torchtitan's runs with torch's 1F1B
-(full and selective activation checkpointing) and Interleaved1F1B. The six 2-rank runs share
-one torchrun launch, one after another in each rank's process
+(full and selective activation checkpointing) and Interleaved1F1B, eager. The six eager runs
+share one torchrun launch, one after another in each rank's process
 (tests/integrations/_torchtitan_runs.py: each is what ``python -m torchtitan.train`` runs; the
-launch saves five rounds of imports); the six compiled ones (torch.compile with each AC mode)
-get a launch each.
+launch saves five rounds of imports); the two compiled zbpipe runs (torch.compile, ``aot_eager``,
+with selective and with full AC) get a launch each (a second compiled Trainer in one process
+fails in dynamo's guards).
+
+The compiled runs are checked against the eager references: torchtitan's compiled and eager
+runs of this model gave the same losses to the 6 printed digits (stored with every run of
+session 14, benchmarks/results/torchtitan_trainer_losses.json), far inside ``RTOL``. Issue 45 cut
+the compiled references (1F1B, 1F1B with selective AC, Interleaved1F1B) and the compiled ZB-H1
+run with full AC, a launch each: compiled ZB-H1 is checked under selective AC, compiled full AC
+under ``ZBV:profile``.
+
+That the split reached torchtitan's Trainer is read off what W computed, not off times: each
+rank counts the weight GEMMs its W ran (``zbpipe-test-w:`` lines, _torchtitan_runs.py).
 
 Needs torch >= 2.14 (torchtitan 0.3.0's Trainer calls ``step(arg_mbs=...)``, which torch 2.13's
 built-in schedules lack) and torchtitan's training dependencies; CI runs it in its torch 2.14.1
@@ -35,9 +46,9 @@ from tests.integrations._torchtitan_trainer import (
     write_losses,
 )
 
-# Eight torchrun launches (the seed checkpoint, the eager runs, each compiled run), each allowed
-# 480 s by the launcher, within the test's 2400 s: CI runs them beside the main suite on 2 cores.
-pytestmark = [pytest.mark.torchtitan_trainer, pytest.mark.timeout(2400)]
+# Four torchrun launches (the seed checkpoint, the eager runs, each compiled run), each allowed
+# 480 s by the launcher, within the test's 1500 s: CI runs them beside the main suite on 2 cores.
+pytestmark = [pytest.mark.torchtitan_trainer, pytest.mark.timeout(1500)]
 
 STEPS = 3
 #: runs given one more step: ``costs="profile"`` re-plans at the end of step 3 (one warm-up
@@ -46,7 +57,6 @@ PROFILED = {
     "zbpipe ZBV:profile": 4,
     "torchtitan Interleaved1F1B": 4,
     "zbpipe ZBV:profile, compiled": 4,
-    "torchtitan Interleaved1F1B, compiled": 4,
 }
 #: torchtitan's compile (model and loss, each block compiled with fullgraph=True), with the
 #: aot_eager backend: dynamo and AOTAutograd capture each block as one autograd node, which is
@@ -61,11 +71,7 @@ RUNS = {
     "torchtitan 1F1B": ("1F1B", "full", False),
     "torchtitan Interleaved1F1B": ("Interleaved1F1B", "full", False),
     "torchtitan 1F1B, selective AC": ("1F1B", "selective", False),
-    "torchtitan Interleaved1F1B, compiled": ("Interleaved1F1B", "full", True),
-    "zbpipe ZBH1, compiled": ("ZBH1", "full", True),
     "zbpipe ZBH1, compiled, selective AC": ("ZBH1", "selective", True),
-    "torchtitan 1F1B, compiled": ("1F1B", "full", True),
-    "torchtitan 1F1B, compiled, selective AC": ("1F1B", "selective", True),
     # ":profile" (costs measured on the first steps, the plan re-made for them) on a compiled
     # run: the name form a torchtitan config uses (docs/use/torchtitan.md), in a launch that exists
     # anyway
@@ -133,25 +139,32 @@ def trained(tmp_path_factory) -> dict[str, dict[int, float]]:
     replan = "zbpipe profile: ScheduleZBV:profile measured costs"
     for name in ("zbpipe ZBV:profile", "zbpipe ZBV:profile, compiled"):
         assert replan in logs[name], logs[name]
-    assert_w_has_the_weight_gemms(logs["zbpipe ZBV:profile"])
-    assert_w_has_the_weight_gemms(logs["zbpipe ZBV:profile, compiled"])
+    for name in RUNS:
+        if name.startswith("zbpipe"):
+            assert_w_ran_the_weight_gemms(logs[name], compiled=RUNS[name][2])
     write_losses("torchtitan_trainer_losses", found, STEPS)
     return found
 
 
-def assert_w_has_the_weight_gemms(log: str) -> None:
-    """The profile's measured B and W times show the split happened in torchtitan's Trainer:
-    W runs the Linears' weight GEMMs. Before torchtitan's instance-level forwards were reached
-    (every weight GEMM in B) W measured 0.1-0.3 ms against B's 66-124 ms, W / B about 0.002;
-    with the split, on this model with full AC (B also recomputes each block), 0.07. The
-    compiled run too: before its Linears' weight GEMMs reached W (FSDP2 hands compiled code its
-    unsharded parameters, not the sharded DTensors routed; docs/results/torchtitan-trainer.md) its
-    W held only the eager Linears' GEMMs, W / B about 0.01; with them, 0.09 to 0.22. A functional
-    check read off one run's own times, far from the broken values (not a speed threshold)."""
-    found = re.search(r"B=\[([^\]]*)\] W=\[([^\]]*)\]", log)
-    assert found, log
-    b, w = (sum(float(v) for v in group.split(",")) for group in found.groups())
-    assert w / b > 0.02, found.group(0)
+#: a block of the llama3 debug model holds 7 Linears (wq, wk, wv, wo, w1, w2, w3)
+BLOCK_LINEARS = 7
+
+
+def assert_w_ran_the_weight_gemms(log: str, compiled: bool) -> None:
+    """The split happened in torchtitan's Trainer: on every rank W computed weight GEMMs
+    (before torchtitan's instance-level forwards were reached, every weight GEMM ran in B and W
+    had none). A compiled run's W holds its compiled blocks' Linears too (before they reached W,
+    FSDP2 handing compiled code its unsharded parameters, W held only the eager head's GEMM;
+    docs/results/torchtitan-trainer.md): at least one block's Linears, queued on the Python side
+    (the native capture serves eager Linears only)."""
+    counts = [
+        (int(g), int(k)) for g, k in re.findall(r"zbpipe-test-w: gemms=(\d+) weights=(\d+)", log)
+    ]
+    assert len(counts) == 2, log[-4000:]  # one line per rank
+    for gemms, weights in counts:
+        assert gemms > 0, counts
+        if compiled:
+            assert weights >= BLOCK_LINEARS, counts
 
 
 def test_zbh1_trains_like_torchtitans_1f1b(trained):
@@ -175,24 +188,18 @@ def test_zbh1_with_torchtitans_default_selective_ac(trained):
     )
 
 
-def test_compiled_zbh1_trains_like_torchtitans_compiled_1f1b(trained):
-    """torchtitan's compile (each block and the loss) with full AC: the deferred engine's
-    compiled Linears keep the split inside the compiled blocks (tests/engines/ count it)."""
-    assert_same_losses(trained["zbpipe ZBH1, compiled"], trained["torchtitan 1F1B, compiled"])
-
-
-def test_compiled_zbv_with_profiled_costs_trains_like_torchtitans_compiled_interleaved_1f1b(
-    trained,
-):
-    """``pipeline_parallel_schedule = "ZBV:profile"``: 4 steps, the last on the plan re-made
-    from the measured costs; measuring and re-planning change the order, not the math."""
+def test_compiled_zbv_with_profiled_costs_trains_like_torchtitans_interleaved_1f1b(trained):
+    """``pipeline_parallel_schedule = "ZBV:profile"``, compiled with full AC (it replaces the
+    compiled ZB-H1 run with full AC, and its compiled reference): 4 steps, the last on the plan
+    re-made from the measured costs; measuring and re-planning change the order, not the math."""
     assert_same_losses(
-        trained["zbpipe ZBV:profile, compiled"], trained["torchtitan Interleaved1F1B, compiled"]
+        trained["zbpipe ZBV:profile, compiled"], trained["torchtitan Interleaved1F1B"]
     )
 
 
 def test_compiled_zbh1_with_torchtitans_default_selective_ac(trained):
+    """The deferred engine's compiled Linears keep the split inside the compiled blocks
+    (tests/engines/ count it) under torchtitan's default selective AC."""
     assert_same_losses(
-        trained["zbpipe ZBH1, compiled, selective AC"],
-        trained["torchtitan 1F1B, compiled, selective AC"],
+        trained["zbpipe ZBH1, compiled, selective AC"], trained["torchtitan 1F1B, selective AC"]
     )
