@@ -85,6 +85,8 @@ def layer_costs_from_config(
     """The pieces of a decoder-only transformer in model order: the embedding, ``num_layers``
     decoder layers (the first ``dense_layers`` dense with ``ffn_hidden`` when the others are
     MoE, as DeepSeek-V3 does), the head. Names default to torchtitan's module names.
+
+    Long because every piece's arguments are spelled out by keyword.
     """
     _check(num_layers=num_layers, vocab=vocab, dense_layers=dense_layers)
     if num_experts and (top_k < 1 or top_k > num_experts or moe_ffn_hidden < 1):
@@ -127,3 +129,25 @@ def layer_costs_from_config(
         )
     )
     return pieces
+
+
+def layer_cost_from_params(
+    name: str,
+    active_params: float,
+    *,
+    hidden: int,
+    seq: int,
+    microbatch_size: int = 1,
+    dtype_bytes: int = 4,
+) -> LayerCost:
+    """One decoder layer from the parameters a token goes through (``active_params``: all of a
+    dense layer's, an MoE layer's shared ones plus ``top_k / num_experts`` of its experts'):
+    ``2 * tokens * active_params`` forward FLOPs in matrix multiplies plus causal attention's
+    ``2 * tokens * seq * hidden``. Memory as :func:`transformer_layer_cost` counts it, with the
+    matrices' input widths taken as ``active_params / hidden``."""
+    _check(active_params=active_params, hidden=hidden, seq=seq, microbatch_size=microbatch_size)
+    tokens = seq * microbatch_size
+    linear = 2.0 * tokens * active_params
+    scores = 2.0 * tokens * seq * hidden
+    mem = dtype_bytes * tokens * (active_params / max(hidden, 1) + 8 * hidden)
+    return LayerCost((name,), f=linear + scores, b=linear + 2 * scores, w=linear, mem=mem)

@@ -221,6 +221,9 @@ def choose_split(
 
     Raises ``ValueError`` for too few pieces, a baseline of the wrong shape or a schedule the
     plan layer does not know.
+
+    Long because the checks, the baseline's limit and the local search from two starts share
+    one memo of simulated splits.
     """
     if num_ranks < 1 or n_microbatches < 1:
         raise ValueError(
