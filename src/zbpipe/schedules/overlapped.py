@@ -94,17 +94,18 @@ class ScheduleDualPipeV(PlannedSchedule):
         self._report_pairs(self.plan)
 
     def _report_no_overlap(self, points: Sequence[CommPoint], found: bool) -> None:
-        """Warn (rank 0) where pairs were asked to overlap and cannot: no points, or an
-        engine that runs B whole."""
-        name, level = type(self).__name__, logging.WARNING if found else logging.INFO
+        """Say (rank 0) where pairs were asked to overlap and cannot: no points (INFO: a model
+        without collectives in its stages, a PP-only one, has nothing to hide, so nothing is
+        wrong), or an engine that runs B whole (WARNING: points the user has go unused)."""
+        name = type(self).__name__
         if not points:
             where = "comm_points='auto' found no communication point (torchtitan's MoE token "
             where += "dispatchers) in the stages" if found else "comm_points is empty"
-            logger.log(
-                level,
+            logger.info(
                 "zbpipe: %s: %s, so each pair runs its halves in turn (as torch's "
-                "ScheduleDualPipeV does) and no collective is hidden; declare the model's "
-                "collectives with comm_points=[CommPoint(...)] (docs/use/dualpipev.md)",
+                "ScheduleDualPipeV does): nothing to hide in a model without collectives in its "
+                "stages; a model with some declares them with comm_points=[CommPoint(...)] "
+                "(docs/use/dualpipev.md)",
                 name,
                 where,
             )
