@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..patching import rebind
+from ..schedules.entry import named
 from .names import lookup_zbpipe, register
 
 logger = logging.getLogger(__name__)
@@ -181,6 +182,10 @@ def _wrap_pipeline_llm(original: Callable) -> Callable:
                 kwargs["parallelism"] = dataclasses.replace(
                     parallelism, module_fqns_per_model_part=parts
                 )
+            # the schedule built inside knows its config name: its advice names an option
+            # of that name, which a config can carry (zbpipe.schedules.entry)
+            with named(parallelism.pipeline_parallel_schedule):
+                return original(model, **kwargs)
         return original(model, **kwargs)
 
     return pipeline_llm
