@@ -160,3 +160,20 @@ def test_dualpipev_budget_names_take_bytes_only() -> None:
 
     with pytest.raises(ValueError, match="its budget is bytes like"):
         find_schedule_class("ZBDualPipeV:1p")
+
+
+def test_a_schedule_built_by_torchtitans_pipeline_llm_knows_its_config_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pytest.importorskip("torchtitan")
+    from zbpipe.integrations import torchtitan_integration as tt
+    from zbpipe.schedules.entry import entry_name
+
+    monkeypatch.setenv("ZBPIPE_SPLIT", "default")  # (the split is not what this checks)
+    seen = []
+    wrapped = tt._wrap_pipeline_llm(lambda model, **kwargs: seen.append(entry_name()))
+    for name in ("ZBDualPipeV:profile", "1F1B"):  # a zbpipe name; torch's, passed through
+        parallelism = SimpleNamespace(pipeline_parallel_schedule=name)
+        wrapped(None, parallelism=parallelism, parallel_dims=None)
+    assert seen == ["ZBDualPipeV:profile", None]
+    assert entry_name() is None  # reset after the build
