@@ -318,6 +318,9 @@ class _Source:
         self.polls += 1
         return self.module if self.polls >= self.ready else None
 
+    def step_begins(self):  # (the real source logs the build under way here, once)
+        pass
+
 
 def test_an_engine_takes_the_native_capture_up_at_a_steps_start(native_capture):
     state = CaptureState(source=_Source(native_capture, ready=3))  # polled once here

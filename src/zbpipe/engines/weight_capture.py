@@ -93,6 +93,8 @@ class CaptureState:
         self._steps += 1
         if self.native is None and self._source is not None:
             self.native = self._source.poll()
+            if self.native is None:
+                self._source.step_begins()  # a build under way: said in the step's log, once
         self.fast = self._steps > 1 and not self.create_graph_seen
 
     def saw_create_graph(self) -> None:

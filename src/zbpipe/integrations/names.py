@@ -47,6 +47,7 @@ from types import ModuleType
 from ..continuous.schedule import ScheduleContinuous
 from ..engines.protocol import SPLITS
 from ..patching import rebind
+from ..planning.budget import is_budget_string
 from ..schedules import chooser
 from ..schedules import classes as c
 from ..schedules.overlapped import ScheduleDualPipeV
@@ -74,7 +75,11 @@ SCHEDULE_CLASSES: dict[str, type] = {
 #: classes that take ``memory_limit=``: a name ``"<name>:<budget>"`` (``"Auto:40GiB"``,
 #: ``"ZBAuto:512MiB"``, ``"AutoV:80%"``) gives the budget where only a name can be configured
 #: (torchtitan's ``pipeline_parallel_schedule``)
-BUDGETED: tuple[type, ...] = (c.ScheduleZBAuto, chooser.ScheduleAuto)
+BUDGETED: tuple[type, ...] = (c.ScheduleZBAuto, chooser.ScheduleAuto, ScheduleDualPipeV)
+
+#: of those, the classes whose budget is bytes only (no ``"1p"`` / ``"2p"``):
+#: ``"ZBDualPipeV:7.5MiB"``, the budget its log names to keep every overlapped pair
+BYTES_ONLY: tuple[type, ...] = (ScheduleDualPipeV,)
 
 #: the name option that fixes ``costs="profile"`` (``"ZBV:profile"``): the first steps measure
 #: the stages' costs and bytes and the plan is re-made for them (:mod:`zbpipe.observe.profile`)
@@ -185,6 +190,11 @@ def with_budget(cls: type, budget: str) -> type:
         raise ValueError(
             f"schedule {cls.__name__}:{budget}: the budget must be '1p', '2p', bytes like "
             "'40GiB' or a share of the device like '80%'"
+        )
+    if issubclass(cls, BYTES_ONLY) and not is_budget_string(budget):
+        raise ValueError(
+            f"schedule {cls.__name__}:{budget}: its budget is bytes like '40GiB' or a share "
+            "of the device like '80%'"
         )
     fixed = c.with_fixed_option(cls, f"{cls.__name__}:{budget}", "memory_limit", budget)
     return fixed

@@ -9,7 +9,10 @@ decisions zbpipe's classes must answer for themselves:
 * **stages per rank**: torchtitan gives every ``PipelineScheduleMulti`` subclass two stages per
   rank; zbpipe uses ``cls.stages_per_rank`` (ZB-H1: one);
 * **which rank logs the loss**: torchtitan names the rank of the last stage by comparing the
-  schedule name with ``"ZBVZeroBubble"``; zbpipe asks where the class puts the last stage.
+  schedule name with ``"ZBVZeroBubble"``; zbpipe asks where the class puts the last stage;
+* **which layers each stage holds** (0.3.x): torchtitan's default split is made for 1F1B;
+  ``pipeline_llm`` gets a split made for the schedule
+  (:mod:`zbpipe.integrations.torchtitan_split`) unless the config gives one.
 
 :func:`install` (run at import) registers zbpipe's names with torch
 (:func:`zbpipe.integrations.names.register`) and wraps the few torchtitan functions behind those
@@ -34,6 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..patching import rebind
+from ..schedules.entry import named
 from .names import lookup_zbpipe, register
 
 logger = logging.getLogger(__name__)
@@ -162,6 +166,68 @@ def _wrap_module_split_v02(original: Callable) -> Callable:
     return pipeline_module_split
 
 
+def _wrap_pipeline_llm(original: Callable) -> Callable:
+    """torchtitan 0.3.x ``pipeline_parallel.pipeline_llm(model, *, parallel_dims, training,
+    parallelism, model_config, ...)``: for a zbpipe schedule and no split of the user's, passes
+    the split made for the schedule as ``module_fqns_per_model_part``
+    (:mod:`zbpipe.integrations.torchtitan_split`)."""
+
+    @functools.wraps(original)
+    def pipeline_llm(model: Any, **kwargs: Any) -> Any:
+        parallelism = kwargs["parallelism"]
+        cls = lookup_zbpipe(parallelism.pipeline_parallel_schedule)
+        if cls is not None:
+            parts = _split_for(cls, model, **kwargs)
+            if parts is not None:
+                kwargs["parallelism"] = dataclasses.replace(
+                    parallelism, module_fqns_per_model_part=parts
+                )
+            # the schedule built inside knows its config name: its advice names an option
+            # of that name, which a config can carry (zbpipe.schedules.entry)
+            with named(parallelism.pipeline_parallel_schedule):
+                return original(model, **kwargs)
+        return original(model, **kwargs)
+
+    return pipeline_llm
+
+
+def _split_for(cls: type, model: Any, **kwargs: Any) -> list[list[str]] | None:
+    from . import torchtitan_split as ts
+
+    pp = importlib.import_module(_PP)
+    parallelism, dims = kwargs["parallelism"], kwargs["parallel_dims"]
+    if ts.split_mode() == "default" or ts.user_split(parallelism):
+        return None  # checked before any cost is counted: a user's split is theirs
+    num_stages, num_layers, first, last = pp._get_pipeline_metadata(
+        dims, parallelism, kwargs["model_config"]
+    )
+    default = pp._generate_llm_fqn_per_model_part(num_stages, num_layers, first, last)
+    split = ts.schedule_split(
+        cls,
+        model=model,
+        model_config=kwargs["model_config"],
+        parallelism=parallelism,
+        training=kwargs["training"],
+        num_ranks=dims.pp,
+        num_stages=num_stages,
+        default_parts=default,
+    )
+    if split is None:
+        return None
+    if _is_logging_rank():
+        m = max(
+            kwargs["training"].local_batch_size // parallelism.pipeline_parallel_microbatch_size, 1
+        )
+        logger.info(ts.describe(cls, split, m))
+    return [list(part) for part in split.parts]
+
+
+def _is_logging_rank() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
 def _metrics_rank(cls: type, parallel_dims: Any) -> int:
     # torchtitan's layout: pp is the outermost mesh dimension, so the first global rank of pipeline
     # rank r is r * (world_size // pp) (same formula torchtitan uses for the last rank).
@@ -222,6 +288,7 @@ TARGETS: dict[str, list[tuple[str, str, Callable[[Callable], Callable]]]] = {
     "0.3.x": [
         (_PP, "_get_pipeline_metadata", _wrap_pipeline_metadata),
         (_PP, "_get_pp_rank_to_stage_indices_mapping", _wrap_stage_mapping),
+        (_PP, "pipeline_llm", _wrap_pipeline_llm),
         (_METRICS, "_get_metrics_rank", lambda f: _wrap_get_metrics_rank(f, v02=False)),
         (_METRICS, "ensure_pp_loss_visible", lambda f: _wrap_ensure_loss_visible(f, v02=False)),
     ],

@@ -8,6 +8,7 @@ is a share of the device's memory and is resolved where the device is known (the
 
 from __future__ import annotations
 
+import math
 import re
 
 _UNITS = {
@@ -64,3 +65,20 @@ def format_bytes(nbytes: float) -> str:
         if abs(nbytes) >= size:
             return f"{nbytes / size:.4g} {unit}"
     return f"{nbytes:.0f} B"
+
+
+def budget_option(nbytes: float) -> str:
+    """``nbytes`` as a budget a schedule name option takes (``"6.83MiB"``), 3 significant
+    digits in the largest binary unit that keeps it >= 1, rounded up: the budget named holds
+    what was measured."""
+    unit, size = "B", 1
+    for name, s in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= s:
+            unit, size = name, s
+            break
+    value = nbytes / size
+    if value <= 0:
+        return "1B"
+    exponent = math.floor(math.log10(value))
+    step = 10.0 ** (exponent - 2)
+    return f"{math.ceil(value / step - 1e-9) * step:.{max(0, 2 - exponent)}f}{unit}"

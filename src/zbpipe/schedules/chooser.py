@@ -51,14 +51,14 @@ class ScheduleAuto(PlannedSchedule):
         unit_bytes: float | None = None,
         **kwargs: Any,
     ) -> None:
-        from .classes import _resolve_budget, check_memory_limit
+        from .classes import check_memory_limit, resolve_budget
 
         check_memory_limit(type(self), memory_limit)
         self.byte_budget: float | None = None
         self.memory_limit = memory_limit
         if is_budget_string(memory_limit):
             assert isinstance(memory_limit, str)
-            self.byte_budget = _resolve_budget(type(self), memory_limit, args, kwargs)
+            self.byte_budget = resolve_budget(type(self), memory_limit, args, kwargs)
         if unit_bytes is not None and not isinstance(kwargs.get("costs"), Costs):
             raise ValueError(
                 f"{type(self).__name__}: unit_bytes says what one memory unit of costs= is; "

@@ -122,7 +122,7 @@ class ScheduleZBAuto(PlannedSchedule):
         self.byte_budget: float | None = None
         if is_budget_string(memory_limit):
             assert isinstance(memory_limit, str)
-            self.byte_budget = _resolve_budget(type(self), memory_limit, args, kwargs)
+            self.byte_budget = resolve_budget(type(self), memory_limit, args, kwargs)
             if kwargs.get("measure_memory", True) is False:
                 raise ValueError(
                     f"{type(self).__name__}: memory_limit={memory_limit!r} is a byte budget, "
@@ -209,7 +209,7 @@ def check_memory_limit(cls: type, memory_limit: object) -> None:
         )
 
 
-def _resolve_budget(cls: type, text: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
+def resolve_budget(cls: type, text: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
     """Bytes for ``"40GiB"``; for ``"80%"`` that share of the CUDA device's free memory now."""
     from ..planning.budget import parse_budget
 

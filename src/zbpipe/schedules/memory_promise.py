@@ -31,9 +31,13 @@ import dataclasses
 from typing import Any
 
 from ..planning import Costs, Plan, simulate
-from ..planning.budget import format_bytes
+from ..planning.budget import budget_option, format_bytes
 from ..planning.core import EPS
 from ..planning.yardsticks import onef1b_peak, promised_peak
+
+#: a plan's meta key naming the zero-bubble plan the plain order replaced
+#: (:mod:`zbpipe.schedules.plain_order`)
+INSTEAD_OF = "instead_of"
 
 #: what the first steps' plan assumes B may hold beyond F, per unit its F holds, times ``p``:
 #: more than any plan can afford twice, so at most one W waits per rank whatever B holds
@@ -135,12 +139,17 @@ def cost_line(
         f"({t_new / t_equal - 1:+.1%} against the plan for equal bytes per stage)"
     )
     beats = t_new < t_1f1b * (1 - 1e-9)
+    instead = chosen.meta.get(INSTEAD_OF)
+    if instead is not None:  # (zbpipe.schedules.plain_order: it said so, once)
+        text += f"; the plain order {chosen.name} runs: no {instead} plan beats it"
     if not beats:
-        text += (
-            f". No {chosen.name} plan within the promise beats 1F1B with these bytes"
-            + offer_faster(
-                sched, costs, unit_bytes, t_1f1b, leave_out=_made_at_own(sched, chosen, costs)
-            )
+        name = instead if instead is not None else chosen.name
+        text += f". No {name} plan within the promise beats 1F1B with these bytes" + offer_faster(
+            sched,
+            costs,
+            unit_bytes,
+            t_1f1b,
+            leave_out=(instead,) if instead else _made_at_own(sched, chosen, costs),
         )
     return text, beats
 
@@ -189,7 +198,20 @@ def offer_faster(
         + (f" ({format_bytes(c.peak * unit_bytes)})" if unit_bytes else "")
         for c in sorted(faster, key=lambda c: c.peak)
     )
-    return (
-        f"; faster with more memory: {offers} (zbpipe.choose_schedule(..., memory_limit=...) "
-        "runs the fastest within a byte budget)"
-    )
+    most = max(c.peak for c in faster) * unit_bytes if unit_bytes else None
+    return f"; faster with more memory: {offers} ({budget_advice(sched, most)})"
+
+
+def budget_advice(sched: Any, nbytes: float | None = None) -> str:
+    """How to run the fastest plan within a byte budget, in the form the user's entry point
+    takes: a schedule name option where the schedule was built from a name (torchtitan's
+    ``pipeline_parallel_schedule``: :mod:`zbpipe.schedules.entry`), with ``nbytes`` as the
+    example where known; else the chooser's call."""
+    if getattr(sched, "entry_name", None):
+        auto = "AutoV" if sched.layout == "v" else "Auto"
+        example = budget_option(nbytes) if nbytes else "40GiB"
+        return (
+            f"the schedule name '{auto}:<bytes per rank>', e.g. '{auto}:{example}', runs the "
+            "fastest within that budget"
+        )
+    return "zbpipe.choose_schedule(..., memory_limit=...) runs the fastest within a byte budget"

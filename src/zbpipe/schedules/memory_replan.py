@@ -37,6 +37,7 @@ from ..planning.rules import within
 from ..planning.search.perturbed import equal_times
 from ..planning.yardsticks import promised_peak
 from .memory_promise import cost_line, fastest_keeping, promised_budget
+from .plain_order import never_slower
 
 logger = logging.getLogger(__name__)
 
@@ -113,15 +114,17 @@ class MemoryReplanner:
             candidates, costs, promised_budget(sched, new, costs), sched.equal_bytes_plan
         )
         sched.memory_costs = costs
-        if sched.rank == 0 and logger.isEnabledFor(logging.WARNING):
+        # INFO whatever it says: a plan that cannot beat 1F1B within the promise gave way to
+        # the plain order where that is faster (zbpipe.schedules.plain_order), and the faster
+        # schedules offered hold more than the one the user chose (issue 47: no warning about a
+        # mode nobody chose)
+        if sched.rank == 0 and logger.isEnabledFor(logging.INFO):
             at = {id(c): spans[i] for i, c in enumerate(candidates)}
             # (left out of the candidates, the plan for equal bytes has the re-made one's order)
             known = at[id(chosen)], at.get(id(sched.equal_bytes_plan), spans[0])
-            cost, beats = cost_line(sched, chosen, costs, sched.equal_bytes_plan, unit_bytes, known)
-            level = logging.INFO if beats else logging.WARNING
-            if logger.isEnabledFor(level):
-                line = predicted_memory_line(sched, chosen, costs, unit_bytes, held)
-                logger.log(level, "%s%s", line, cost)
+            cost, _ = cost_line(sched, chosen, costs, sched.equal_bytes_plan, unit_bytes, known)
+            line = predicted_memory_line(sched, chosen, costs, unit_bytes, held)
+            logger.info("%s%s", line, cost)
         return chosen
 
     def _plan(self, sched: Any, costs: Costs) -> Plan | None:
@@ -144,9 +147,8 @@ class MemoryReplanner:
         ):
             options.setdefault("perturbed_ties", ties)
         try:
-            new: Plan = sched.build_plan(
-                sched.pp_group_size, sched._n_microbatches, costs, **options
-            )
+            built = sched.build_plan(sched.pp_group_size, sched._n_microbatches, costs, **options)
+            new: Plan = never_slower(sched, built, costs)
         except ValueError as e:
             if getattr(sched, "byte_budget", None) is not None:
                 raise  # a byte budget the measured bytes cannot meet: on every rank

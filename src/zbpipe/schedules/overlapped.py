@@ -14,8 +14,9 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from ..planning import Costs, Plan
-from ..planning.budget import format_bytes
+from ..planning.budget import budget_option, format_bytes, is_budget_string
 from ..planning.v.dualpipev import PairsMode, skeleton_budget
+from .classes import resolve_budget
 from .comm_points import CommPoint, find_points
 from .runtime import PlannedSchedule
 
@@ -77,6 +78,22 @@ class ScheduleDualPipeV(PlannedSchedule):
             raise ValueError(f"{name}: pairs must be 'auto', 'most' or 'paying', got {pairs!r}")
         self.memory = memory
         self.pairs = pairs
+        #: a byte ``memory_limit`` ("40GiB": what the name "ZBDualPipeV:40GiB" fixes), planned in
+        #: the units the first step measures; None: the mode's budget or a number of units
+        self.byte_budget: float | None = None
+        limit = kwargs.get("memory_limit")
+        if isinstance(limit, str):
+            if not is_budget_string(limit):
+                raise ValueError(
+                    f"{name}: memory_limit must be bytes like '40GiB', a share of the CUDA "
+                    f"device like '80%', or a number of memory units, got {limit!r}"
+                )
+            if kwargs.get("measure_memory", True) is False:
+                raise ValueError(
+                    f"{name}: memory_limit={limit!r} is a byte budget, which needs the first "
+                    "step's measurement: drop measure_memory=False"
+                )
+            self.byte_budget = resolve_budget(type(self), kwargs.pop("memory_limit"), args, kwargs)
         found = comm_points == "auto"
         stages = args[0] if args else kwargs.get("stages", ())
         mods = [st.submod for st in (stages if isinstance(stages, (list, tuple)) else [stages])]
@@ -94,17 +111,18 @@ class ScheduleDualPipeV(PlannedSchedule):
         self._report_pairs(self.plan)
 
     def _report_no_overlap(self, points: Sequence[CommPoint], found: bool) -> None:
-        """Warn (rank 0) where pairs were asked to overlap and cannot: no points, or an
-        engine that runs B whole."""
-        name, level = type(self).__name__, logging.WARNING if found else logging.INFO
+        """Say (rank 0) where pairs were asked to overlap and cannot: no points (INFO: a model
+        without collectives in its stages, a PP-only one, has nothing to hide, so nothing is
+        wrong), or an engine that runs B whole (WARNING: points the user has go unused)."""
+        name = type(self).__name__
         if not points:
             where = "comm_points='auto' found no communication point (torchtitan's MoE token "
             where += "dispatchers) in the stages" if found else "comm_points is empty"
-            logger.log(
-                level,
+            logger.info(
                 "zbpipe: %s: %s, so each pair runs its halves in turn (as torch's "
-                "ScheduleDualPipeV does) and no collective is hidden; declare the model's "
-                "collectives with comm_points=[CommPoint(...)] (docs/use/dualpipev.md)",
+                "ScheduleDualPipeV does): nothing to hide in a model without collectives in its "
+                "stages; a model with some declares them with comm_points=[CommPoint(...)] "
+                "(docs/use/dualpipev.md)",
                 name,
                 where,
             )
@@ -133,6 +151,9 @@ class ScheduleDualPipeV(PlannedSchedule):
         # where they pay; before, as many as memory allows (pairs="auto").
         profiler = getattr(self, "_profiler", None)
         pairs = "paying" if self.pairs == "auto" and profiler and profiler.done else self.pairs
+        unit = getattr(self, "memory_unit_bytes", None)
+        if self.byte_budget is not None and unit:  # before the bytes are known: the mode's
+            options = {**options, "memory_limit": self.byte_budget / unit}
         return super().build_plan(
             num_ranks, n_microbatches, costs, memory=self.memory, pairs=pairs, **options
         )
@@ -147,17 +168,22 @@ class ScheduleDualPipeV(PlannedSchedule):
         if self.rank != 0:
             return
         costs = self.measured_costs or self.memory_costs or self.costs
-        level, text = pairs_report(plan, costs, self.memory_unit_bytes)
+        level, text = pairs_report(plan, costs, self.memory_unit_bytes, self.entry_name)
         if text:
             logger.log(level, "zbpipe: %s %s", type(self).__name__, text)
 
 
-def pairs_report(plan: Plan, costs: Costs, unit_bytes: float | None) -> tuple[int, str]:
+def pairs_report(
+    plan: Plan, costs: Costs, unit_bytes: float | None, entry: str | None = None
+) -> tuple[int, str]:
     """``(log level, text)`` for a DualPipeV plan with fewer pairs than its order has (text
     empty where it keeps them all): a WARNING where ``n_microbatches`` or the ``"zb"`` budget
     took them (with the budget that keeps them: ``costs`` are those the plan was made for,
     ``unit_bytes`` the bytes of their memory unit, if measured); an INFO where a smaller memory
-    mode was asked for, or where the others would make the step longer."""
+    mode was asked for, or where the others would make the step longer. ``entry``: the schedule
+    name it was built from (torchtitan's config), if any: the budget that keeps every pair is
+    then advised as that name with a byte budget (``"ZBDualPipeV:6.83MiB"``), which a config
+    can carry, not as a constructor argument it cannot."""
     meta, p, m = plan.meta, plan.num_ranks, plan.n_microbatches
     have, whole = len(plan.pairs), int(meta.get("skeleton_pairs", 0))  # type: ignore[call-overload]
     if m < 2 * p:
@@ -184,15 +210,27 @@ def pairs_report(plan: Plan, costs: Costs, unit_bytes: float | None) -> tuple[in
         f"runs {have} of the DualPipeV order's {whole} overlapped pairs per step: the order "
         f"does not fit its memory budget ({_amount(budget, unit_bytes)} per rank, "
         f"memory={mode!r}{', in measured bytes' if unit_bytes else ''}). All its pairs fit in "
-        f"{_amount(need, unit_bytes)} per rank: pass memory_limit={need:.4g} (memory units"
-        + (
-            f"; one unit is {format_bytes(unit_bytes)}, an average chunk's microbatch"
-            if unit_bytes
-            else ""
-        )
-        + ")"
+        f"{_amount(need, unit_bytes)} per rank: " + _keep_pairs(need, unit_bytes, entry)
     )
     return (logging.WARNING if mode == "zb" else logging.INFO), text
+
+
+def _keep_pairs(need: float, unit_bytes: float | None, entry: str | None) -> str:
+    """What to pass for a budget of ``need`` units, in the entry point's form."""
+    if entry is None:
+        return f"pass memory_limit={need:.4g} (memory units" + (
+            f"; one unit is {format_bytes(unit_bytes)}, an average chunk's microbatch)"
+            if unit_bytes
+            else ")"
+        )
+    if not unit_bytes:  # (a name carries bytes; until they are measured there are none)
+        return (
+            "the first step measures the bytes, and this line then names the schedule name "
+            "that keeps them"
+        )
+    budget = budget_option(need * unit_bytes)
+    kept = [o for o in entry.split(":") if not is_budget_string(o.strip())]
+    return f"name the schedule {':'.join([*kept, budget])!r} (a byte budget per rank)"
 
 
 def _amount(units: float, unit_bytes: float | None) -> str:

@@ -23,6 +23,7 @@ from ..observe.profile import (
 )
 from ..planning import Costs, Plan, SimResult
 from .memory_promise import fastest_keeping, promised_budget
+from .plain_order import never_slower
 
 logger = logging.getLogger(__name__)
 
@@ -186,9 +187,10 @@ class CostProfiler:
 
         def build(c: Costs) -> tuple[Plan, Costs]:
             try:
-                plan: Plan = sched.build_plan(
+                built = sched.build_plan(
                     sched.pp_group_size, sched._n_microbatches, c, **sched._plan_options
                 )
+                plan: Plan = never_slower(sched, built, c)
                 return plan, c
             except ValueError as e:  # PlanError included: report it to the peers, then raise
                 agree_on_plan(sched, str(e), sched._stages[0].group)

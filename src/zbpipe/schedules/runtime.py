@@ -37,12 +37,14 @@ from ..planning import Costs, Layout, Plan
 from ..planning.fuse import fuse_adjacent_backward
 from . import measured_start, planned_actions
 from .action_loop import ActionProgram, Binder, bind_action, bind_program
+from .entry import entry_name
 from .inputs import FirstStageKeywords, drop_inputs_off_stage0, microbatch_inputs
 from .measured_start import MeasuredStart
 from .memory_promise import first_step_plan
 from .memory_replan import MemoryReplanner
 from .nonfinite import NonfiniteLosses
 from .pairs import PairRunner, bind_pair
+from .plain_order import never_slower
 from .replan import CostProfiler
 from .sends import PendingSends, proven_sends
 from .stage_seam import StageSeam
@@ -171,8 +173,15 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         #: the costs the plan was re-made for after the first step measured bytes: the given
         #: times with the measured memory fields (None until then; zbpipe.schedules.memory_replan)
         self.memory_costs: Costs | None = None
-        self.plan: Plan = self.build_plan(
-            self.pp_group_size, n_microbatches, self.costs, **plan_options
+        #: how the schedule was named where it was built from a name (torchtitan's config),
+        #: so that advice is given in a form that entry point accepts (None: the constructor)
+        self.entry_name: str | None = entry_name()
+        # never slower than the plain order (zbpipe.schedules.plain_order), here and in both
+        # re-plans: each plan made goes through never_slower
+        self.plan: Plan = never_slower(
+            self,
+            self.build_plan(self.pp_group_size, n_microbatches, self.costs, **plan_options),
+            self.costs,
         )
         #: the plan for equal bytes per stage (what ``measure_memory=False`` runs throughout)
         self.equal_bytes_plan: Plan = self.plan

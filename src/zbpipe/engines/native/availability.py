@@ -73,6 +73,8 @@ class NativeSource:
         self._target: B.Target | None = None
         self._builder: subprocess.Popen[bytes] | None = None
         self._started = 0.0
+        #: whether a step was told it runs beside the background build (once per process)
+        self._step_told = False
 
     def start(self, how: str) -> None:
         """Load, build or decline, as ``how`` (a :func:`mode`) says; logs what it does."""
@@ -149,6 +151,23 @@ class NativeSource:
     @property
     def building(self) -> bool:
         return self._builder is not None
+
+    def step_begins(self) -> None:
+        """A schedule's step begins (after :meth:`poll`): the first one that starts while the
+        background build runs says so, once per process, at INFO. The build's core is taken
+        from the training job (on the issue 47 runs, a 2-core machine, that first run was 35%
+        slower), and the start line went out at construction, far above the step lines a user
+        reads, so the step's log names it with the command that builds it ahead of a job."""
+        if self._step_told or not self.building:
+            return
+        self._step_told = True
+        logger.info(
+            "zbpipe: this step runs while the native weight capture builds in the background "
+            "(about half a minute of one core, taken from this job: steps are slower until it "
+            "is done, then the deferred Linears switch to it). Build it ahead of a job, once per "
+            "machine and torch: `python -m zbpipe build-native`; or %s=off",
+            ENV,
+        )
 
     def _spawn(self, t: B.Target) -> None:
         script = os.path.abspath(B.__file__)

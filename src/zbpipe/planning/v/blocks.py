@@ -167,8 +167,9 @@ def _structures(real: list[StageCosts]) -> list[tuple[str, list[StageCosts]]]:
     out = [("real", real)]
     seen = {(1, 1, 1)}
     out.append(("1:1:1", _with_lengths(real, (1, 1, 1))))
-    for div in (1, 2):
-        q = min(lengths) / div
+    positive = [x for x in lengths if x > 0]  # (a W measured as 0: no weight GEMM to defer)
+    for div in (1, 2) if positive else ():
+        q = min(positive) / div
         ratio = tuple(max(1, round(x / q)) for x in lengths)
         g = math.gcd(*ratio)
         ratio = tuple(x // g for x in ratio)
