@@ -102,6 +102,7 @@ from .census import (
 from .compiler import (
     dynamo_counters,
     lower_with_operands_kept,
+    route_through_function_modes,
 )
 from .modules import (
     compiled_submodule,
@@ -114,7 +115,7 @@ from .modules import (
     selective_checkpoint_submodule,
     set_own_parameter,
 )
-from .ops import grouped_mm, has_grouped_mm
+from .ops import grouped_mm, grouped_mm_function, has_grouped_mm
 from .overlap import (
     all_to_all_single,
     backward_group,
@@ -260,6 +261,7 @@ __all__ = [
     "selective_checkpoint_submodule",
     "asked_by_checkpoint",
     "lower_with_operands_kept",
+    "route_through_function_modes",
     "all_to_all_single",
     "backward_group",
     "outside_python_modes",
@@ -267,6 +269,7 @@ __all__ = [
     "dynamo_counters",
     "grouped_mm",
     "has_grouped_mm",
+    "grouped_mm_function",
     "TORCH_HAS_LOSS_KWARGS",
     "TORCH_SENDS_TO_LOCAL_NEIGHBOURS",
     "stage_metas",

@@ -25,12 +25,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from .. import _compat as C
-from .compiled_experts import compiled_einsum_weight, gradient_equations, split_equation
-from .expert_grads import EinsumProduct
+from .compiled_experts import split_equation
+from .derived_ops import Derivation, derived_gemm
+
+#: the grouped GEMM as the mode sees it; dynamo hands it to the mode inside compiled code too
+_GROUPED_MM = C.grouped_mm_function()
+C.route_through_function_modes(_GROUPED_MM)
 
 __all__ = ["batched_modules", "batched_weights", "deferred_matmuls"]
 
@@ -60,77 +65,152 @@ def batched_modules(module: nn.Module) -> list[nn.Module]:
     return found
 
 
-def _match(func: Any, args: tuple[Any, ...], weights: dict[int, Tensor]) -> Any:
-    """``(equation, x, weight, weight_first)`` if this call multiplies a tracked weight."""
-    if func in _MATMULS:
-        if len(args) != 2 or not all(isinstance(a, Tensor) and a.dim() == 3 for a in args):
-            return None
-        a, b = args
-        if id(b) in weights and a.shape[0] == b.shape[0]:
-            return _BMM, a, b, False
-        if id(a) in weights and a.shape[0] == b.shape[0]:
-            return _BMM, b, a, True
-        return None
-    if func is torch.einsum and args and isinstance(args[0], str):
-        ops = args[1] if len(args) == 2 and isinstance(args[1], list | tuple) else args[1:]
-        if len(ops) != 2 or split_equation(args[0]) is None:
-            return None
-        a, b = ops
-        if isinstance(b, Tensor) and id(b) in weights:
-            return args[0], a, b, False
-        if isinstance(a, Tensor) and id(a) in weights:
-            return args[0], b, a, True
+_CASTS = {
+    Tensor.bfloat16: "bfloat16",
+    Tensor.half: "float16",
+    Tensor.float: "float32",
+    Tensor.double: "float64",
+}
+_TRANSPOSES = frozenset((Tensor.transpose, torch.transpose, Tensor.swapaxes, torch.swapaxes))
+_SELECTS = frozenset((Tensor.select, torch.select))
+_DERIVING = frozenset((*_CASTS, *_TRANSPOSES, *_SELECTS, Tensor.to, Tensor.t, Tensor.__getitem__))
+
+
+def _index(i: Any, compiling: bool) -> int | None:
+    if isinstance(i, int) and not isinstance(i, bool):
+        return i
+    if not compiling and isinstance(i, Tensor) and i.dim() == 0 and not i.is_floating_point():
+        return int(i)  # a 0-d index tensor (an expert loop over torch.where's experts)
     return None
 
 
-class _EinsumWeight(torch.autograd.Function):
-    """``torch.einsum(eq, x, weight)`` (or ``(weight, x)``), the weight gradient queued during
-    a zbpipe B."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, x: Tensor, weight: Tensor, eq: str, weight_first: bool, store: Any
-    ) -> Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.state = (store, weight, eq, weight_first)
-        return torch.einsum(eq, weight, x) if weight_first else torch.einsum(eq, x, weight)
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        x, weight = ctx.saved_tensors
-        store, leaf, eq, weight_first = ctx.state
-        eq_x, eq_w = gradient_equations(eq, weight_first)
-        need_x, need_w = ctx.needs_input_grad[:2]
-        grad_x = torch.einsum(eq_x, grad_out, weight) if need_x else None
-        grad_w = None
-        if need_w:
-            product = EinsumProduct(eq_w)
-            deferrable = leaf.grad_fn is None and not C.has_grad_hooks(leaf)
-            if deferrable and store.deferring and not torch.is_grad_enabled():
-                store.put(leaf, x, grad_out, product)
-            else:
-                grad_w = product.compute(x, grad_out)
-        return grad_x, grad_w, None, None, None
+def _step(func: Any, args: tuple[Any, ...], kwargs: Any, src: Tensor, compiling: bool) -> Any:
+    """The :data:`~zbpipe.engines.derived_ops.Step` this call takes from ``src``, or None."""
+    n = src.dim()
+    if func in _CASTS:
+        return ("cast", _CASTS[func]) if len(args) == 1 and not kwargs else None
+    if func is Tensor.to:
+        dtype = args[1] if len(args) == 2 and not kwargs else (kwargs or {}).get("dtype")
+        if len(args) + len(kwargs or {}) != 2 or not isinstance(dtype, torch.dtype):
+            return None
+        return ("cast", str(dtype).removeprefix("torch.")) if dtype.is_floating_point else None
+    if kwargs:
+        return None
+    if func in _TRANSPOSES and len(args) == 3:
+        a, b = (d % n for d in args[1:])
+        return ("t", min(a, b), max(a, b)) if a != b else None
+    if func is Tensor.t and n == 2:
+        return ("t", 0, 1)
+    if func is Tensor.__getitem__ and len(args) == 2 and n >= 1:
+        i = _index(args[1], compiling)
+        return None if i is None else ("select", 0, i % src.shape[0])
+    if func in _SELECTS and len(args) == 3 and isinstance(args[1], int):
+        i = _index(args[2], compiling)
+        return None if i is None else ("select", args[1] % n, i % src.shape[args[1] % n])
+    return None
 
 
 class _ExpertMatmuls(TorchFunctionMode):
-    """Within one expert module's forward: its 3-D weights' matmuls and einsums deferred."""
+    """Within one expert module's forward: the GEMMs on its 3-D weights, or on tensors derived
+    from them, deferred (see the module docstring)."""
 
     def __init__(self, weights: dict[int, Tensor], store: Any, compiling: bool) -> None:
         super().__init__()
         self.weights, self.store, self.compiling = weights, store, compiling
+        #: tensors derived from the weights in this call, with how (eager: by id; compiled:
+        #: a list searched by identity, which dynamo traces)
+        self.by_id: dict[int, tuple[Tensor, Derivation]] = {}
+        self.derived: list[tuple[Tensor, Derivation]] = []
+
+    def derivation(self, t: Any) -> Derivation | None:
+        if not isinstance(t, Tensor):
+            return None
+        if not self.compiling:
+            w = self.weights.get(id(t))
+            if w is not None and w is t:
+                return Derivation(w)
+            found = self.by_id.get(id(t))
+            return found[1] if found is not None and found[0] is t else None
+        # compiled: identity only (an id() of an input would guard the graph on that object)
+        for w in self.weights.values():
+            if w is t:
+                return Derivation(w)
+        for d, how in self.derived:
+            if d is t:
+                return how
+        return None
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
-        if not kwargs and (func in _MATMULS or func is torch.einsum):
-            found = _match(func, args, self.weights)
-            if found is not None:
-                eq, x, weight, weight_first = found
+        if func in _DERIVING:
+            out = func(*args, **(kwargs or {}))
+            how = self.derivation(args[0]) if args else None
+            step = None if how is None else _step(func, args, kwargs, args[0], self.compiling)
+            if how is not None and step is not None and isinstance(out, Tensor):
                 if self.compiling:
-                    return compiled_einsum_weight(x, weight, eq, weight_first)
-                return _EinsumWeight.apply(x, weight, eq, weight_first, self.store)  # type: ignore[no-untyped-call]
+                    self.derived.append((out, how.then(step)))
+                else:
+                    self.by_id[id(out)] = (out, how.then(step))
+            return out
+        found = self._gemm(func, args, kwargs or {})
+        if found is not None:
+            return found
         return func(*args, **(kwargs or {}))
+
+    def _gemm(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The deferred GEMM for this call if it multiplies a derived weight, else None."""
+        store, compiling = self.store, self.compiling
+        if func is _GROUPED_MM:
+            offs = kwargs.get("offs")
+            extra = {k: v for k, v in kwargs.items() if k != "offs" and v is not None}
+            if len(args) != 2 or offs is None or extra:
+                return None
+            x, w = args
+            how = self.derivation(w)
+            if how is None or w.dim() != 3 or x.dim() != 2:
+                return None
+            return derived_gemm("grouped", x, w, how, offs, store, compiling)
+        if func is F.linear:
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if len(args) < 2 or bias is not None or set(kwargs) - {"bias"}:
+                return None
+            how = self.derivation(args[1])
+            if how is None or args[1].dim() != 2:
+                return None
+            return derived_gemm("linear", args[0], args[1], how, None, store, compiling)
+        if kwargs or not (func in _MATMULS or func is torch.einsum):
+            return None
+        match = self._match(func, args)
+        if match is None:
+            return None
+        eq, x, w, how, first = match
+        return derived_gemm("einsum", x, w, how, None, store, compiling, eq, first)
+
+    def _match(self, func: Any, args: tuple[Any, ...]) -> Any:
+        """``(equation, x, weight, derivation, weight_first)`` if this matmul, bmm or einsum
+        multiplies a derived weight."""
+        if func in _MATMULS:
+            if len(args) != 2 or not all(isinstance(a, Tensor) and a.dim() == 3 for a in args):
+                return None
+            a, b = args
+            if a.shape[0] != b.shape[0]:
+                return None
+            if (how := self.derivation(b)) is not None:
+                return _BMM, a, b, how, False
+            if (how := self.derivation(a)) is not None:
+                return _BMM, b, a, how, True
+            return None
+        if args and isinstance(args[0], str):
+            ops = args[1] if len(args) == 2 and isinstance(args[1], list | tuple) else args[1:]
+            if len(ops) != 2 or split_equation(args[0]) is None:
+                return None
+            a, b = ops
+            if (how := self.derivation(b)) is not None:
+                return args[0], a, b, how, False
+            if (how := self.derivation(a)) is not None:
+                return args[0], b, a, how, True
+        return None
 
 
 def deferred_matmuls(module: nn.Module, store: Any, compiling: bool) -> _ExpertMatmuls:

@@ -74,17 +74,17 @@ def _top_k(expert: nn.Module, parents: dict[int, nn.Module]) -> tuple[int, int]:
 
 def _expert_classes(module: nn.Module) -> tuple[dict[int, tuple[str, float]], int, int]:
     """{id(parameter): (kind, flops per token)} of the experts' weights; (patchable, left)."""
-    grouped, batched, left = expert_modules(module)
+    patchable, left = expert_modules(module)
     parents = {id(c): m for m in module.modules() for c in m.children()}
     found: dict[int, tuple[str, float]] = {}
-    for kind, mods in (("experts", grouped + batched), ("converted experts", left)):
+    for kind, mods in (("experts", patchable), ("converted experts", left)):
         for m in mods:
             k, n = _top_k(m, parents)
             for name in deferred_weight_names(m):
                 p = C.own_parameter(m, name)
                 if p is not None:
                     found[id(p)] = (kind, 2.0 * p.numel() * k / n)
-    return found, len(grouped) + len(batched), len(left)
+    return found, len(patchable), len(left)
 
 
 def census(module: nn.Module) -> list[WeightClass]:

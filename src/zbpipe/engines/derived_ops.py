@@ -1,0 +1,347 @@
+"""Weight-gradient capture at the operation: a GEMM whose weight operand derives from a parameter.
+
+An expert weight reaches its GEMM through a few views and casts, written differently by every
+model: torchtitan 0.3's ``torch._grouped_mm(x, w.bfloat16().transpose(-2, -1), offs=offs)``,
+torchtitan main's grouped linears ``grouped_mm(x, w.transpose(-2, -1), offs)``, a Hugging Face
+expert loop's ``F.linear(x, w[e])``, a padded model's ``torch.bmm(x, w)``. zbpipe does not read
+the module's code: :mod:`zbpipe.engines.expert_matmuls` watches the ops its forward runs,
+records each tensor derived from one of its 3-D parameters (:class:`Derivation`: the steps,
+casts, transposes and integer selects, from the parameter to the operand) and replaces the GEMM
+that takes such an operand by :class:`_DerivedGemm` (eager) or :class:`_CompiledDerivedGemm`
+(inside ``torch.compile``), whose backward computes the input gradient in B and queues the
+weight's for W.
+
+W computes what autograd's fused backward computes, bit for bit: the operand's gradient by the
+same product, then each step undone in reverse order (a transpose back, a cast back, a select
+scattered into zeros), then the add into ``.grad`` (:class:`DerivedProduct`). Two shortcuts give
+the same bits cheaper: a grouped GEMM whose operand ends in a transpose of its last two dims
+computes its product in the parameter's layout (``GroupedProduct``'s GEMM),
+and a product of one selected expert is added into that expert's slice of ``.grad`` rather than
+into a zero-padded copy the size of the parameter.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import _compat as C
+from .accumulate import accumulate
+from .compiled_experts import _weight_grad, gradient_equations
+from .expert_grads import WeightProduct, _add_converted
+
+__all__ = ["Derivation", "DerivedProduct", "derived_gemm", "spec_of"]
+
+#: a step from a parameter towards an operand: ("cast", dtype name), ("t", dim0, dim1) with
+#: dims counted from 0, ("select", dim, index)
+Step = tuple[Any, ...]
+
+
+class Derivation:
+    """A tensor derived from the parameter ``leaf`` through ``steps``."""
+
+    __slots__ = ("leaf", "steps")
+
+    def __init__(self, leaf: Tensor, steps: tuple[Step, ...] = ()) -> None:
+        self.leaf, self.steps = leaf, steps
+
+    def then(self, step: Step) -> Derivation:
+        return Derivation(self.leaf, (*self.steps, step))
+
+
+def spec_of(kind: str, steps: tuple[Step, ...], eq: str = "", weight_first: bool = False) -> str:
+    """The string the compiled weight-gradient op carries (a custom op takes no tuples)."""
+    parts = [kind, eq, str(int(weight_first))]
+    parts += [":".join(str(s) for s in step) for step in steps]
+    return ";".join(parts)
+
+
+@functools.cache
+def parse_spec(spec: str) -> tuple[str, str, bool, tuple[Step, ...]]:
+    kind, eq, first, *raw = spec.split(";")
+    steps: list[Step] = []
+    for s in raw:
+        name, *args = s.split(":")
+        steps.append((name, args[0]) if name == "cast" else (name, *map(int, args)))
+    return kind, eq, first == "1", tuple(steps)
+
+
+class DerivedProduct(WeightProduct):
+    """The gradient of a parameter reaching a GEMM through ``steps`` (see the module docstring).
+
+    ``kind``: ``grouped`` (``torch._grouped_mm(x, operand, offs=offs)``), ``linear``
+    (``F.linear(x, operand)``) or ``einsum`` (``torch.einsum(eq, x, operand)``, or ``(operand,
+    x)`` when ``weight_first``)."""
+
+    __slots__ = ("kind", "eq", "weight_first", "steps", "offs")
+
+    def __init__(
+        self,
+        kind: str,
+        steps: tuple[Step, ...],
+        offs: Tensor | None = None,
+        eq: str = "",
+        weight_first: bool = False,
+    ) -> None:
+        self.kind, self.steps, self.offs = kind, steps, offs
+        self.eq, self.weight_first = eq, weight_first
+
+    def _operand_grad(self, x: Tensor, g: Tensor, ndim: int) -> tuple[Tensor, int]:
+        """The operand's gradient and how many trailing steps it already undid."""
+        steps = self.steps
+        if self.kind == "grouped":
+            assert self.offs is not None
+            if steps and steps[-1] == ("t", ndim - 2, ndim - 1):  # the parameter's layout
+                return C.grouped_mm(g.t(), x, self.offs), 1
+            return C.grouped_mm(x.t(), g, self.offs), 0
+        if self.kind == "linear":
+            g2d = g if g.dim() == 2 else g.reshape(-1, g.shape[-1])
+            x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+            return g2d.t().mm(x2d), 0
+        _, eq_w = gradient_equations(self.eq, self.weight_first)
+        return torch.einsum(eq_w, x, g), 0
+
+    def _undo(self, weight: Tensor, x: Tensor, g: Tensor, keep_select: bool) -> Tensor:
+        """The gradient pulled back through the steps (all but a first select when
+        ``keep_select``; never the cast back to the parameter's dtype, which :meth:`grad` and
+        :meth:`add` do)."""
+        shapes, dtypes = [tuple(weight.shape)], [weight.dtype]
+        for step in self.steps:  # the shape and dtype before each step
+            shape = list(shapes[-1])
+            if step[0] == "t":
+                shape[step[1]], shape[step[2]] = shape[step[2]], shape[step[1]]
+            elif step[0] == "select":
+                del shape[step[1]]
+            shapes.append(tuple(shape))
+            dtypes.append(getattr(torch, step[1]) if step[0] == "cast" else dtypes[-1])
+        d, done = self._operand_grad(x, g, len(shapes[-1]))
+        for i in range(len(self.steps) - 1 - done, -1, -1):
+            step = self.steps[i]
+            if step[0] == "t":
+                d = d.transpose(step[1], step[2])
+            elif step[0] == "cast":
+                if i:
+                    d = d.to(dtypes[i])
+            elif i or not keep_select:
+                full = torch.zeros(shapes[i], dtype=d.dtype, device=d.device)
+                full.select(step[1], step[2]).copy_(d)
+                d = full
+        return d
+
+    def compute(self, x: Tensor, g: Tensor) -> Tensor:
+        raise NotImplementedError("DerivedProduct needs the weight: grad() or add()")
+
+    def grad(self, weight: Tensor, x: Tensor, g: Tensor) -> Tensor:
+        dw = self._undo(weight, x, g, keep_select=False)
+        if dw.dtype != weight.dtype:
+            dw = dw.to(weight.dtype)
+        return dw
+
+    def add(self, weight: Tensor, x: Tensor, g: Tensor) -> Tensor | None:
+        grad = weight.grad
+        sliced = bool(self.steps) and self.steps[0][0] == "select"
+        plain = grad is not None and type(grad) is Tensor and not C.is_dtensor(weight)
+        if C.has_post_accumulate_grad_hooks(weight) or not plain:
+            dw = self.grad(weight, x, g)
+            if C.has_post_accumulate_grad_hooks(weight):
+                return dw
+            accumulate(weight, dw)
+            return None
+        assert grad is not None
+        if sliced:  # one expert: its slice of .grad, not a zero-padded copy
+            grad = grad.select(self.steps[0][1], self.steps[0][2])
+        dw = self._undo(weight, x, g, keep_select=sliced)
+        if dw.dtype == grad.dtype:
+            grad.add_(dw)
+        elif dw.dim() >= 1:
+            _add_converted(grad, dw)
+        else:
+            grad.add_(dw.to(grad.dtype))
+        return None
+
+
+def _gemm(kind: str, eq: str, weight_first: bool, x: Tensor, w: Tensor, offs: Any) -> Tensor:
+    if kind == "grouped":
+        return C.grouped_mm(x, w, offs)
+    if kind == "linear":
+        return F.linear(x, w)
+    return torch.einsum(eq, w, x) if weight_first else torch.einsum(eq, x, w)
+
+
+def _input_grad(kind: str, eq: str, weight_first: bool, g: Tensor, w: Tensor, offs: Any) -> Tensor:
+    if kind == "grouped":
+        return C.grouped_mm(g, w.transpose(-2, -1), offs)
+    if kind == "linear":
+        return g.matmul(w)
+    eq_x, _ = gradient_equations(eq, weight_first)
+    return torch.einsum(eq_x, g, w)
+
+
+class _DerivedGemm(torch.autograd.Function):
+    """The GEMM on ``operand`` (already derived from ``source``, the parameter ``leaf``), its
+    weight gradient queued during a zbpipe B."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        source: Tensor,
+        operand: Tensor,
+        offs: Tensor | None,
+        spec: tuple[str, str, bool, tuple[Step, ...]],
+        store: Any,
+        leaf: Tensor,
+    ) -> Tensor:
+        kind, eq, first, _ = spec
+        ctx.save_for_backward(x, operand, offs)
+        # the store and the leaf apart from the saved tensors: non-reentrant checkpointing hands
+        # B detached copies from its recompute in place of each saved tensor
+        ctx.state = (spec, store, leaf, leaf.grad_fn is None and not C.has_grad_hooks(leaf))
+        return _gemm(kind, eq, first, x, operand, offs)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        x, operand, offs = ctx.saved_tensors
+        (kind, eq, first, steps), store, leaf, deferrable = ctx.state
+        need_x, need_w = ctx.needs_input_grad[:2]
+        grad_x = grad_w = None
+        if need_x:
+            grad_x = _input_grad(kind, eq, first, grad_out, operand, offs)
+        if need_w:
+            product = DerivedProduct(kind, steps, offs, eq, first)
+            if deferrable and store.deferring and not torch.is_grad_enabled():
+                store.put(leaf, x, grad_out, product)  # W computes it
+            else:  # a fused backward, or create_graph=True: autograd's result
+                grad_w = product.grad(leaf, x, grad_out)
+        return grad_x, grad_w, None, None, None, None, None
+
+
+def _derived_weight_grad(
+    x: Tensor, grad_out: Tensor, offs: Tensor | None, weight: Tensor, spec: str, kept: bool = False
+) -> Tensor:
+    """The compiled op's kernel: the gradient of ``weight``, or queued for W during a zbpipe B
+    of its stage (:func:`~zbpipe.engines.compiled_experts._weight_grad` routes it)."""
+    kind, eq, first, steps = parse_spec(spec)
+    if offs is not None:  # (a few bytes; the kept twin keeps x and grad_out only)
+        offs = offs.clone()
+    product = _Bound(DerivedProduct(kind, steps, offs, eq, first), weight)
+    return _weight_grad(x, grad_out, weight, product, kept)
+
+
+class _Bound(WeightProduct):
+    """A :class:`DerivedProduct` with its weight, for callers that ask ``compute(x, g)``."""
+
+    __slots__ = ("inner", "weight")
+
+    def __init__(self, inner: DerivedProduct, weight: Tensor) -> None:
+        self.inner, self.weight = inner, weight
+
+    def compute(self, x: Tensor, g: Tensor) -> Tensor:
+        return self.inner.grad(self.weight, x, g)
+
+    def grad(self, weight: Tensor, x: Tensor, g: Tensor) -> Tensor:
+        return self.inner.grad(weight, x, g)
+
+    def add(self, weight: Tensor, x: Tensor, g: Tensor) -> Tensor | None:
+        return self.inner.add(weight, x, g)
+
+
+def _dispatch(x: Tensor, g: Tensor, offs: Tensor | None, w: Tensor, spec: str) -> Tensor:
+    current = sys.modules.get(__name__)  # a re-import must not leave the op on a stale copy
+    fn = getattr(current, "_derived_weight_grad", _derived_weight_grad)
+    result: Tensor = fn(x, g, offs, w, spec)
+    return result
+
+
+def _dispatch_kept(x: Tensor, g: Tensor, offs: Tensor | None, w: Tensor, spec: str) -> Tensor:
+    current = sys.modules.get(__name__)
+    fn = getattr(current, "_derived_weight_grad", _derived_weight_grad)
+    result: Tensor = fn(x, g, offs, w, spec, True)
+    return result
+
+
+def _fake(x: Tensor, g: Tensor, offs: Tensor | None, w: Tensor, spec: str) -> Tensor:
+    return torch.empty_like(w)
+
+
+def _register() -> tuple[Any, Any]:
+    names = ("derived_weight_grad", "derived_weight_grad_kept")
+    try:
+        a, b = (getattr(torch.ops.zbpipe, n).default for n in names)
+        return a, b
+    except (AttributeError, RuntimeError):
+        pass
+    lib = torch.library.Library("zbpipe", "FRAGMENT")  # type: ignore[no-untyped-call]
+    for name, kernel in zip(names, (_dispatch, _dispatch_kept), strict=True):
+        lib.define(  # type: ignore[no-untyped-call]
+            f"{name}(Tensor x, Tensor grad_out, Tensor? offs, Tensor weight, str spec) -> Tensor",
+            tags=(torch.Tag.cudagraph_unsafe,),
+        )
+        lib.impl(name, kernel, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+        torch.library.register_fake(f"zbpipe::{name}", _fake, lib=lib)
+    _dispatch.__dict__["library"] = lib
+    a, b = (getattr(torch.ops.zbpipe, n).default for n in names)
+    return a, b
+
+
+DERIVED_OP, DERIVED_OP_KEPT = _register()
+
+
+class _CompiledDerivedGemm(torch.autograd.Function):
+    """Traced by dynamo: the GEMM on the derived operand (``operand`` None: the parameter
+    itself, which dynamo will not take twice), its weight gradient the opaque op (routed at run
+    time, as :mod:`zbpipe.engines.compiled_experts`' ops are)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        leaf: Tensor,
+        operand: Tensor | None,
+        offs: Tensor | None,
+        spec: str,
+        parsed: tuple[str, str, bool, tuple[Step, ...]],
+    ) -> Tensor:
+        kind, eq, first, _ = parsed
+        w = leaf if operand is None else operand
+        ctx.save_for_backward(x, w, offs, leaf)
+        ctx.spec, ctx.parsed = spec, parsed
+        return _gemm(kind, eq, first, x, w, offs)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        x, operand, offs, leaf = ctx.saved_tensors
+        kind, eq, first, _ = ctx.parsed
+        need_x, need_w = ctx.needs_input_grad[:2]
+        grad_x = _input_grad(kind, eq, first, grad_out, operand, offs) if need_x else None
+        grad_w = DERIVED_OP(x, grad_out, offs, leaf, ctx.spec) if need_w else None
+        return grad_x, grad_w, None, None, None, None
+
+
+def derived_gemm(
+    kind: str,
+    x: Tensor,
+    operand: Tensor,
+    how: Derivation,
+    offs: Tensor | None,
+    store: Any,
+    compiling: bool,
+    eq: str = "",
+    weight_first: bool = False,
+) -> Tensor:
+    """The GEMM ``kind`` of ``x`` and ``operand`` (derived from a parameter as ``how`` says)
+    whose weight gradient waits for W (``store``: the stage's, eager)."""
+    if compiling:
+        spec = spec_of(kind, how.steps, eq, weight_first)
+        parsed = (kind, eq, weight_first, how.steps)
+        derived = operand if how.steps else None
+        out: Tensor = _CompiledDerivedGemm.apply(x, how.leaf, derived, offs, spec, parsed)  # type: ignore[no-untyped-call]
+        return out
+    spec_t = (kind, eq, weight_first, how.steps)
+    res: Tensor = _DerivedGemm.apply(x, how.leaf, operand.detach(), offs, spec_t, store, how.leaf)  # type: ignore[no-untyped-call]
+    return res
