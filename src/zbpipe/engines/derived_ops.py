@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _compat as C
-from .accumulate import accumulate
+from .accumulate import accumulate, as_param_grad
 from .compiled_experts import _weight_grad, gradient_equations
 from .expert_grads import WeightProduct, _add_converted
 
@@ -43,15 +43,22 @@ Step = tuple[Any, ...]
 
 
 class Derivation:
-    """A tensor derived from the parameter ``leaf`` through ``steps``."""
+    """A tensor derived from the parameter ``leaf`` through ``steps``, taken from ``source``:
+    the tensor the GEMM's weight edge hangs on, the parameter itself, or for a DTensor
+    parameter the local alias its ``to_local()`` returned (eager: autograd carries the gradient
+    from it to the DTensor; compiled: the local shard, which AOTAutograd flattens the DTensor
+    into). The steps start from the local shape: a DTensor's shard's."""
 
-    __slots__ = ("leaf", "steps")
+    __slots__ = ("leaf", "steps", "source")
 
-    def __init__(self, leaf: Tensor, steps: tuple[Step, ...] = ()) -> None:
+    def __init__(
+        self, leaf: Tensor, steps: tuple[Step, ...] = (), source: Tensor | None = None
+    ) -> None:
         self.leaf, self.steps = leaf, steps
+        self.source = leaf if source is None else source
 
     def then(self, step: Step) -> Derivation:
-        return Derivation(self.leaf, (*self.steps, step))
+        return Derivation(self.leaf, (*self.steps, step), self.source)
 
 
 def spec_of(kind: str, steps: tuple[Step, ...], eq: str = "", weight_first: bool = False) -> str:
@@ -110,7 +117,8 @@ class DerivedProduct(WeightProduct):
         """The gradient pulled back through the steps (all but a first select when
         ``keep_select``; never the cast back to the parameter's dtype, which :meth:`grad` and
         :meth:`add` do)."""
-        shapes, dtypes = [tuple(weight.shape)], [weight.dtype]
+        local = C.local_tensor(weight) if C.is_dtensor(weight) else weight
+        shapes, dtypes = [tuple(local.shape)], [local.dtype]
         for step in self.steps:  # the shape and dtype before each step
             shape = list(shapes[-1])
             if step[0] == "t":
@@ -136,11 +144,15 @@ class DerivedProduct(WeightProduct):
     def compute(self, x: Tensor, g: Tensor) -> Tensor:
         raise NotImplementedError("DerivedProduct needs the weight: grad() or add()")
 
-    def grad(self, weight: Tensor, x: Tensor, g: Tensor) -> Tensor:
+    def local_grad(self, weight: Tensor, x: Tensor, g: Tensor) -> Tensor:
+        """The gradient in the weight's dtype, of its local shape (a DTensor's: its shard's)."""
         dw = self._undo(weight, x, g, keep_select=False)
         if dw.dtype != weight.dtype:
             dw = dw.to(weight.dtype)
         return dw
+
+    def grad(self, weight: Tensor, x: Tensor, g: Tensor) -> Tensor:
+        return as_param_grad(weight, self.local_grad(weight, x, g))
 
     def add(self, weight: Tensor, x: Tensor, g: Tensor) -> Tensor | None:
         grad = weight.grad
@@ -216,8 +228,9 @@ class _DerivedGemm(torch.autograd.Function):
             product = DerivedProduct(kind, steps, offs, eq, first)
             if deferrable and store.deferring and not torch.is_grad_enabled():
                 store.put(leaf, x, grad_out, product)  # W computes it
-            else:  # a fused backward, or create_graph=True: autograd's result
-                grad_w = product.grad(leaf, x, grad_out)
+            else:  # a fused backward, or create_graph=True: autograd's result (for the
+                # source: a DTensor's to_local alias gets its local gradient)
+                grad_w = product.local_grad(leaf, x, grad_out)
         return grad_x, grad_w, None, None, None, None, None
 
 
@@ -242,7 +255,7 @@ class _Bound(WeightProduct):
         self.inner, self.weight = inner, weight
 
     def compute(self, x: Tensor, g: Tensor) -> Tensor:
-        return self.inner.grad(self.weight, x, g)
+        return self.inner.local_grad(self.weight, x, g)
 
     def grad(self, weight: Tensor, x: Tensor, g: Tensor) -> Tensor:
         return self.inner.grad(weight, x, g)
@@ -340,8 +353,8 @@ def derived_gemm(
         spec = spec_of(kind, how.steps, eq, weight_first)
         parsed = (kind, eq, weight_first, how.steps)
         derived = operand if how.steps else None
-        out: Tensor = _CompiledDerivedGemm.apply(x, how.leaf, derived, offs, spec, parsed)  # type: ignore[no-untyped-call]
+        out: Tensor = _CompiledDerivedGemm.apply(x, how.source, derived, offs, spec, parsed)  # type: ignore[no-untyped-call]
         return out
     spec_t = (kind, eq, weight_first, how.steps)
-    res: Tensor = _DerivedGemm.apply(x, how.leaf, operand.detach(), offs, spec_t, store, how.leaf)  # type: ignore[no-untyped-call]
+    res: Tensor = _DerivedGemm.apply(x, how.source, operand.detach(), offs, spec_t, store, how.leaf)  # type: ignore[no-untyped-call]
     return res

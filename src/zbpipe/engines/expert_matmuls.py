@@ -114,9 +114,17 @@ class _ExpertMatmuls(TorchFunctionMode):
     """Within one expert module's forward: the GEMMs on its 3-D weights, or on tensors derived
     from them, deferred (see the module docstring)."""
 
-    def __init__(self, weights: dict[int, Tensor], store: Any, compiling: bool) -> None:
+    def __init__(
+        self,
+        weights: dict[int, Tensor],
+        shards: list[tuple[Tensor, Tensor]],
+        store: Any,
+        compiling: bool,
+    ) -> None:
         super().__init__()
         self.weights, self.store, self.compiling = weights, store, compiling
+        #: (local shard, DTensor parameter) of the weights that are DTensors
+        self.shards = shards
         #: tensors derived from the weights in this call, with how (eager: by id; compiled:
         #: a list searched by identity, which dynamo traces)
         self.by_id: dict[int, tuple[Tensor, Derivation]] = {}
@@ -135,6 +143,9 @@ class _ExpertMatmuls(TorchFunctionMode):
         for w in self.weights.values():
             if w is t:
                 return Derivation(w)
+        for local, w in self.shards:  # the shard itself: what compiled code has of a DTensor
+            if local is t:
+                return Derivation(w, (), local)
         for d, how in self.derived:
             if d is t:
                 return how
@@ -143,6 +154,8 @@ class _ExpertMatmuls(TorchFunctionMode):
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
+        if func is Tensor.view_as and len(args) == 2 and not kwargs:
+            return self._alias(func, args)
         if func in _DERIVING:
             out = func(*args, **(kwargs or {}))
             how = self.derivation(args[0]) if args else None
@@ -157,6 +170,22 @@ class _ExpertMatmuls(TorchFunctionMode):
         if found is not None:
             return found
         return func(*args, **(kwargs or {}))
+
+    def _alias(self, func: Any, args: tuple[Any, ...]) -> Any:
+        """``local.view_as(local)`` of a DTensor weight's shard: how ``DTensor.to_local()``
+        makes the alias it returns (``_ToTorchTensor.forward``, torch 2.13 and 2.14; the
+        ``TorchFunctionMode`` sees that call, not ``to_local`` itself, a Python method of the
+        subclass). The alias is the weight, its local shape: recorded as derived from it."""
+        out = func(*args)
+        for local, w in self.shards:
+            if local is args[0] and isinstance(out, Tensor) and out.shape == local.shape:
+                # eager: the alias, which autograd links to the DTensor; compiled: the shard
+                how = Derivation(w, (), local if self.compiling else out)
+                if self.compiling:
+                    self.derived.append((out, how))
+                else:
+                    self.by_id[id(out)] = (out, how)
+        return out
 
     def _gemm(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The deferred GEMM for this call if it multiplies a derived weight, else None."""
@@ -218,4 +247,5 @@ def deferred_matmuls(module: nn.Module, store: Any, compiling: bool) -> _ExpertM
     weights = {
         id(p): p for name in batched_weights(module) if (p := getattr(module, name)) is not None
     }
-    return _ExpertMatmuls(weights, store, compiling)
+    shards = [(C.local_tensor(p), p) for p in weights.values() if C.is_dtensor(p)]
+    return _ExpertMatmuls(weights, shards, store, compiling)
