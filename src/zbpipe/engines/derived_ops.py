@@ -23,7 +23,6 @@ into a zero-padded copy the size of the parameter.
 from __future__ import annotations
 
 import functools
-import sys
 from typing import Any
 
 import torch
@@ -32,7 +31,7 @@ from torch import Tensor
 
 from .. import _compat as C
 from .accumulate import accumulate, as_param_grad
-from .compiled_experts import _weight_grad, gradient_equations
+from .compiled_experts import gradient_equations
 from .expert_grads import WeightProduct, _add_converted
 
 __all__ = ["Derivation", "DerivedProduct", "derived_gemm", "spec_of"]
@@ -234,108 +233,6 @@ class _DerivedGemm(torch.autograd.Function):
         return grad_x, grad_w, None, None, None, None, None
 
 
-def _derived_weight_grad(
-    x: Tensor, grad_out: Tensor, offs: Tensor | None, weight: Tensor, spec: str, kept: bool = False
-) -> Tensor:
-    """The compiled op's kernel: the gradient of ``weight``, or queued for W during a zbpipe B
-    of its stage (:func:`~zbpipe.engines.compiled_experts._weight_grad` routes it)."""
-    kind, eq, first, steps = parse_spec(spec)
-    if offs is not None:  # (a few bytes; the kept twin keeps x and grad_out only)
-        offs = offs.clone()
-    product = _Bound(DerivedProduct(kind, steps, offs, eq, first), weight)
-    return _weight_grad(x, grad_out, weight, product, kept)
-
-
-class _Bound(WeightProduct):
-    """A :class:`DerivedProduct` with its weight, for callers that ask ``compute(x, g)``."""
-
-    __slots__ = ("inner", "weight")
-
-    def __init__(self, inner: DerivedProduct, weight: Tensor) -> None:
-        self.inner, self.weight = inner, weight
-
-    def compute(self, x: Tensor, g: Tensor) -> Tensor:
-        return self.inner.local_grad(self.weight, x, g)
-
-    def grad(self, weight: Tensor, x: Tensor, g: Tensor) -> Tensor:
-        return self.inner.grad(weight, x, g)
-
-    def add(self, weight: Tensor, x: Tensor, g: Tensor) -> Tensor | None:
-        return self.inner.add(weight, x, g)
-
-
-def _dispatch(x: Tensor, g: Tensor, offs: Tensor | None, w: Tensor, spec: str) -> Tensor:
-    current = sys.modules.get(__name__)  # a re-import must not leave the op on a stale copy
-    fn = getattr(current, "_derived_weight_grad", _derived_weight_grad)
-    result: Tensor = fn(x, g, offs, w, spec)
-    return result
-
-
-def _dispatch_kept(x: Tensor, g: Tensor, offs: Tensor | None, w: Tensor, spec: str) -> Tensor:
-    current = sys.modules.get(__name__)
-    fn = getattr(current, "_derived_weight_grad", _derived_weight_grad)
-    result: Tensor = fn(x, g, offs, w, spec, True)
-    return result
-
-
-def _fake(x: Tensor, g: Tensor, offs: Tensor | None, w: Tensor, spec: str) -> Tensor:
-    return torch.empty_like(w)
-
-
-def _register() -> tuple[Any, Any]:
-    names = ("derived_weight_grad", "derived_weight_grad_kept")
-    try:
-        a, b = (getattr(torch.ops.zbpipe, n).default for n in names)
-        return a, b
-    except (AttributeError, RuntimeError):
-        pass
-    lib = torch.library.Library("zbpipe", "FRAGMENT")  # type: ignore[no-untyped-call]
-    for name, kernel in zip(names, (_dispatch, _dispatch_kept), strict=True):
-        lib.define(  # type: ignore[no-untyped-call]
-            f"{name}(Tensor x, Tensor grad_out, Tensor? offs, Tensor weight, str spec) -> Tensor",
-            tags=(torch.Tag.cudagraph_unsafe,),
-        )
-        lib.impl(name, kernel, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
-        torch.library.register_fake(f"zbpipe::{name}", _fake, lib=lib)
-    _dispatch.__dict__["library"] = lib
-    a, b = (getattr(torch.ops.zbpipe, n).default for n in names)
-    return a, b
-
-
-DERIVED_OP, DERIVED_OP_KEPT = _register()
-
-
-class _CompiledDerivedGemm(torch.autograd.Function):
-    """Traced by dynamo: the GEMM on the derived operand (``operand`` None: the parameter
-    itself, which dynamo will not take twice), its weight gradient the opaque op (routed at run
-    time, as :mod:`zbpipe.engines.compiled_experts`' ops are)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x: Tensor,
-        leaf: Tensor,
-        operand: Tensor | None,
-        offs: Tensor | None,
-        spec: str,
-        parsed: tuple[str, str, bool, tuple[Step, ...]],
-    ) -> Tensor:
-        kind, eq, first, _ = parsed
-        w = leaf if operand is None else operand
-        ctx.save_for_backward(x, w, offs, leaf)
-        ctx.spec, ctx.parsed = spec, parsed
-        return _gemm(kind, eq, first, x, w, offs)
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        x, operand, offs, leaf = ctx.saved_tensors
-        kind, eq, first, _ = ctx.parsed
-        need_x, need_w = ctx.needs_input_grad[:2]
-        grad_x = _input_grad(kind, eq, first, grad_out, operand, offs) if need_x else None
-        grad_w = DERIVED_OP(x, grad_out, offs, leaf, ctx.spec) if need_w else None
-        return grad_x, grad_w, None, None, None, None
-
-
 def derived_gemm(
     kind: str,
     x: Tensor,
@@ -343,18 +240,12 @@ def derived_gemm(
     how: Derivation,
     offs: Tensor | None,
     store: Any,
-    compiling: bool,
     eq: str = "",
     weight_first: bool = False,
 ) -> Tensor:
-    """The GEMM ``kind`` of ``x`` and ``operand`` (derived from a parameter as ``how`` says)
-    whose weight gradient waits for W (``store``: the stage's, eager)."""
-    if compiling:
-        spec = spec_of(kind, how.steps, eq, weight_first)
-        parsed = (kind, eq, weight_first, how.steps)
-        derived = operand if how.steps else None
-        out: Tensor = _CompiledDerivedGemm.apply(x, how.source, derived, offs, spec, parsed)  # type: ignore[no-untyped-call]
-        return out
+    """Eager: the GEMM ``kind`` of ``x`` and ``operand`` (derived from a parameter as ``how``
+    says) whose weight gradient waits for W in ``store``, the stage's (compiled:
+    :func:`~zbpipe.engines.compiled_derived.compiled_gemm`)."""
     spec_t = (kind, eq, weight_first, how.steps)
     res: Tensor = _DerivedGemm.apply(x, how.source, operand.detach(), offs, spec_t, store, how.leaf)  # type: ignore[no-untyped-call]
     return res

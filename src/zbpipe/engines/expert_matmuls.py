@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from .. import _compat as C
+from .compiled_derived import compiled_gemm, gate
 from .compiled_experts import split_equation
 from .derived_ops import Derivation, derived_gemm
 
@@ -129,6 +130,8 @@ class _ExpertMatmuls(TorchFunctionMode):
         #: a list searched by identity, which dynamo traces)
         self.by_id: dict[int, tuple[Tensor, Derivation]] = {}
         self.derived: list[tuple[Tensor, Derivation]] = []
+        #: compiled: (weight edge, its gate) of the weights GEMMs took slices of in this call
+        self.gates: list[tuple[Tensor, Tensor]] = []
 
     def derivation(self, t: Any) -> Derivation | None:
         if not isinstance(t, Tensor):
@@ -189,7 +192,6 @@ class _ExpertMatmuls(TorchFunctionMode):
 
     def _gemm(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The deferred GEMM for this call if it multiplies a derived weight, else None."""
-        store, compiling = self.store, self.compiling
         if func is _GROUPED_MM:
             offs = kwargs.get("offs")
             extra = {k: v for k, v in kwargs.items() if k != "offs" and v is not None}
@@ -199,7 +201,7 @@ class _ExpertMatmuls(TorchFunctionMode):
             how = self.derivation(w)
             if how is None or w.dim() != 3 or x.dim() != 2:
                 return None
-            return derived_gemm("grouped", x, w, how, offs, store, compiling)
+            return self._deferred("grouped", x, w, how, offs)
         if func is F.linear:
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             if len(args) < 2 or bias is not None or set(kwargs) - {"bias"}:
@@ -207,14 +209,34 @@ class _ExpertMatmuls(TorchFunctionMode):
             how = self.derivation(args[1])
             if how is None or args[1].dim() != 2:
                 return None
-            return derived_gemm("linear", args[0], args[1], how, None, store, compiling)
+            return self._deferred("linear", args[0], args[1], how, None)
         if kwargs or not (func in _MATMULS or func is torch.einsum):
             return None
         match = self._match(func, args)
         if match is None:
             return None
         eq, x, w, how, first = match
-        return derived_gemm("einsum", x, w, how, None, store, compiling, eq, first)
+        return self._deferred("einsum", x, w, how, None, eq, first)
+
+    def _deferred(
+        self,
+        kind: str,
+        x: Tensor,
+        w: Tensor,
+        how: Derivation,
+        offs: Tensor | None,
+        eq: str = "",
+        first: bool = False,
+    ) -> Tensor:
+        if not self.compiling:
+            return derived_gemm(kind, x, w, how, offs, self.store, eq, first)
+        gated = None
+        if how.steps and how.steps[0][0] == "select":  # one slice of several, maybe
+            gated = next((g for src, g in self.gates if src is how.source), None)
+            if gated is None:
+                gated = gate(how.source)
+                self.gates.append((how.source, gated))
+        return compiled_gemm(kind, x, w, how, offs, gated, eq, first)
 
     def _match(self, func: Any, args: tuple[Any, ...]) -> Any:
         """``(equation, x, weight, derivation, weight_first)`` if this matmul, bmm or einsum

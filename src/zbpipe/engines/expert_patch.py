@@ -37,8 +37,8 @@ import torch
 from torch import Tensor, nn
 
 from .. import _compat as C
+from .compiled_derived import DERIVED_OP, DERIVED_OP_KEPT
 from .compiled_experts import route_compiled_experts
-from .derived_ops import DERIVED_OP, DERIVED_OP_KEPT
 from .expert_matmuls import batched_modules, batched_weights, deferred_matmuls
 from .linear_patch import StoreSlot
 
