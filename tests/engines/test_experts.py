@@ -18,7 +18,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from tests.engines import _moe_cases as cases
-from zbpipe.engines import expert_grads
+from zbpipe.engines import derived_ops, expert_grads
 from zbpipe.engines.expert_patch import (
     expert_modules,
     patch_experts,
@@ -163,14 +163,16 @@ def test_weight_grad_products_match_autograds():
     out = torch._grouped_mm(x, w.bfloat16().transpose(-2, -1), offs=offs)
     g = torch.randn_like(out)
     out.backward(g)
-    dw = expert_grads.GroupedProduct(offs).grad(w, x, g)
+    steps = (("cast", "bfloat16"), ("t", 1, 2))
+    dw = derived_ops.DerivedProduct("grouped", steps, offs).grad(w, x, g)
     assert torch.equal(dw, w.grad) and not dw[1].any()  # expert 1 got no row
     a = torch.randn(4, 3, 8)
     v = torch.randn(4, 8, 5, requires_grad=True)
     out = torch.bmm(a, v)
     g = torch.randn_like(out)
     out.backward(g)
-    assert torch.equal(expert_grads.EinsumProduct("bij,bik->bjk").grad(v, a, g), v.grad)
+    bmm = derived_ops.DerivedProduct("einsum", (), eq="bij,bjk->bik")
+    assert torch.equal(bmm.grad(v, a, g), v.grad)
 
 
 def test_post_accumulate_hooks_fire_once_in_w_after_a_segmented_b():

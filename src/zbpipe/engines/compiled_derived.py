@@ -22,29 +22,57 @@ returns no alias of its input).
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from .compiled_experts import _weight_grad
-from .compiled_routes import route_and_weight
+from .. import _compat as C
+from .compiled_routes import route_and_weight, route_parameter
 from .derived_ops import Derivation, DerivedProduct, Step, _gemm, _input_grad, parse_spec, spec_of
 from .expert_grads import WeightProduct
 
-__all__ = ["DERIVED_OP", "DERIVED_OP_KEPT", "compiled_gemm", "gate"]
+__all__ = [
+    "DERIVED_OP",
+    "DERIVED_OP_KEPT",
+    "compiled_gemm",
+    "gate",
+    "route_compiled_experts",
+]
 
 
 def _derived_weight_grad(
     x: Tensor, grad_out: Tensor, offs: Tensor | None, weight: Tensor, spec: str, kept: bool = False
 ) -> Tensor:
     """The compiled op's kernel: the gradient of ``weight``, or queued for W during a zbpipe B
-    of its stage (:func:`~zbpipe.engines.compiled_experts._weight_grad` routes it)."""
+    of its stage (:func:`_weight_grad` routes it)."""
     kind, eq, first, steps = parse_spec(spec)
     if offs is not None:  # (a few bytes; the kept twin keeps x and grad_out only)
         offs = offs.clone()
     product = _Bound(DerivedProduct(kind, steps, offs, eq, first), weight)
     return _weight_grad(x, grad_out, weight, product, kept)
+
+
+def _weight_grad(
+    x: Tensor, grad_out: Tensor, weight: Tensor, product: WeightProduct, kept: bool
+) -> Tensor:
+    operand = weight
+    route, weight = route_and_weight(weight)
+    store = None if route is None else route.store()
+    if (
+        route is None
+        or store is None
+        or weight.grad_fn is not None
+        or C.has_grad_hooks(weight)
+        or torch.is_grad_enabled()
+    ):
+        return product.compute(x, grad_out).to(operand.dtype)
+    if store.keeps(weight) and not kept:
+        x, grad_out = x.clone(), grad_out.clone()
+    store.put(weight, x, grad_out, product)
+    placeholder: Tensor = route.make_placeholder(operand, store)
+    return placeholder
 
 
 def _derived_weight_gate(summed: Tensor, weight: Tensor) -> Tensor:
@@ -62,13 +90,13 @@ def _derived_weight_gate(summed: Tensor, weight: Tensor) -> Tensor:
 class _Bound(WeightProduct):
     """A :class:`DerivedProduct` with its weight, for callers that ask ``compute(x, g)``."""
 
-    __slots__ = ("inner", "weight")
+    __slots__ = ("inner", "param")
 
     def __init__(self, inner: DerivedProduct, weight: Tensor) -> None:
-        self.inner, self.weight = inner, weight
+        self.inner, self.param = inner, weight
 
     def compute(self, x: Tensor, g: Tensor) -> Tensor:
-        return self.inner.local_grad(self.weight, x, g)
+        return self.inner.local_grad(self.param, x, g)
 
     def grad(self, weight: Tensor, x: Tensor, g: Tensor) -> Tensor:
         return self.inner.grad(weight, x, g)
@@ -208,3 +236,23 @@ def compiled_gemm(
     edge, leaf = (how.source, None) if gated is None else (gated, how.source)
     out: Tensor = _CompiledDerivedGemm.apply(x, edge, derived, offs, spec, parsed, leaf)  # type: ignore[no-untyped-call]
     return out
+
+
+def route_compiled_experts(
+    module: nn.Module, experts: list[nn.Module], names: Callable[[nn.Module], Sequence[str]]
+) -> list[Any]:
+    """Route the weights ``names(expert)`` of those ``experts`` that sit inside a compiled
+    subtree of ``module`` to their stage's store; returns the ``AccumulateGrad`` nodes that
+    carry the pre-hooks (the caller keeps them alive, as for Linears)."""
+    inside = {id(e) for m in module.modules() if C.is_compiled(m) for e in m.modules()}
+    if any(id(e) in inside for e in experts):  # inductor keeps x and grad_out for W
+        C.lower_with_operands_kept(DERIVED_OP, DERIVED_OP_KEPT, kept=2)
+    nodes = []
+    for e in experts:
+        if id(e) not in inside:
+            continue
+        for name in names(e):
+            weight = C.own_parameter(e, name)
+            if weight is not None and weight.requires_grad:
+                nodes.append(route_parameter(e, weight))
+    return nodes

@@ -7,15 +7,15 @@ expert loop's ``F.linear(x, w[e])``, a padded model's ``torch.bmm(x, w)``. zbpip
 the module's code: :mod:`zbpipe.engines.expert_matmuls` watches the ops its forward runs,
 records each tensor derived from one of its 3-D parameters (:class:`Derivation`: the steps,
 casts, transposes and integer selects, from the parameter to the operand) and replaces the GEMM
-that takes such an operand by :class:`_DerivedGemm` (eager) or :class:`_CompiledDerivedGemm`
-(inside ``torch.compile``), whose backward computes the input gradient in B and queues the
-weight's for W.
+that takes such an operand by :class:`_DerivedGemm` (eager; compiled:
+:mod:`zbpipe.engines.compiled_derived`), whose backward computes the input gradient in B and
+queues the weight's for W.
 
 W computes what autograd's fused backward computes, bit for bit: the operand's gradient by the
 same product, then each step undone in reverse order (a transpose back, a cast back, a select
 scattered into zeros), then the add into ``.grad`` (:class:`DerivedProduct`). Two shortcuts give
 the same bits cheaper: a grouped GEMM whose operand ends in a transpose of its last two dims
-computes its product in the parameter's layout (``GroupedProduct``'s GEMM),
+computes its product in the parameter's layout (``g^T @ x`` per group, no transpose to undo),
 and a product of one selected expert is added into that expert's slice of ``.grad`` rather than
 into a zero-padded copy the size of the parameter.
 """
@@ -23,6 +23,7 @@ into a zero-padded copy the size of the parameter.
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any
 
 import torch
@@ -31,10 +32,16 @@ from torch import Tensor
 
 from .. import _compat as C
 from .accumulate import accumulate, as_param_grad
-from .compiled_experts import gradient_equations
 from .expert_grads import WeightProduct, _add_converted
 
-__all__ = ["Derivation", "DerivedProduct", "derived_gemm", "spec_of"]
+__all__ = [
+    "Derivation",
+    "DerivedProduct",
+    "derived_gemm",
+    "gradient_equations",
+    "spec_of",
+    "split_equation",
+]
 
 #: a step from a parameter towards an operand: ("cast", dtype name), ("t", dim0, dim1) with
 #: dims counted from 0, ("select", dim, index)
@@ -58,6 +65,32 @@ class Derivation:
 
     def then(self, step: Step) -> Derivation:
         return Derivation(self.leaf, (*self.steps, step), self.source)
+
+
+def split_equation(eq: str) -> tuple[str, str, str] | None:
+    """``(a, b, out)`` of a two-operand einsum whose gradients are einsums again: explicit
+    output, no ellipsis, no index repeated within an operand, every index of each operand found
+    in the other one or in the output."""
+    m = re.fullmatch(r"([a-zA-Z]+),([a-zA-Z]+)->([a-zA-Z]*)", eq.replace(" ", ""))
+    if m is None:
+        return None
+    a, b, out = m.groups()
+    if any(len(set(s)) != len(s) for s in (a, b, out)):
+        return None
+    if not (set(a) <= set(b) | set(out) and set(b) <= set(a) | set(out)):
+        return None
+    return a, b, out
+
+
+def gradient_equations(eq: str, weight_first: bool) -> tuple[str, str]:
+    """(the input gradient's equation over ``(grad, weight)``, the weight gradient's over
+    ``(x, grad)``) of a two-operand einsum :func:`split_equation` accepts."""
+    parts = split_equation(eq)
+    if parts is None:
+        raise ValueError(f"zbpipe: einsum {eq!r} has no einsum gradients")
+    a, b, out = parts
+    x_sub, w_sub = (b, a) if weight_first else (a, b)
+    return f"{out},{w_sub}->{x_sub}", f"{x_sub},{out}->{w_sub}"
 
 
 def spec_of(kind: str, steps: tuple[Step, ...], eq: str = "", weight_first: bool = False) -> str:

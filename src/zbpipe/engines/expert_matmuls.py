@@ -1,23 +1,22 @@
-"""Experts a model writes as batched matmuls or einsums over a 3-D parameter, deferred.
+"""The mode an expert module's ``forward`` runs in: the GEMMs on its 3-D weights, deferred.
 
-Some models hold their experts as 3-D parameters and multiply them in their own ``forward``:
-``torch.bmm(x, self.gate_up_proj)`` over tokens padded to a capacity per expert (HF's Llama 4
-and GPT-OSS experts), ``x @ self.w``, ``torch.einsum("ecd,edf->ecf", x, self.w)``. zbpipe cannot
-rewrite that code, so it intercepts the calls: a patched module (:func:`patch_batched`, a class
-swap as for Linears) runs its own ``forward`` inside :class:`_ExpertMatmuls`, a
-``TorchFunctionMode`` that sees every torch call the forward makes and replaces those whose
-operand *is* one of the module's own 3-D parameters (a matmul or bmm of two 3-D tensors, a
-two-operand einsum) by :class:`_EinsumWeight`, whose backward computes the input gradient in B
-and queues the weight's for W (:class:`EinsumProduct`). Every other call passes through
-unchanged, so a parameter used another way (transposed first, a three-operand einsum, a
-broadcast) gets its gradient in B, as autograd computes it.
+A module that owns 3-D parameters (and whose children own none: :func:`batched_modules`) is
+patched by :mod:`zbpipe.engines.expert_patch` to run its own ``forward``, whatever it is,
+inside :class:`_ExpertMatmuls`, a ``TorchFunctionMode`` scoped to that one call. The mode
+records every tensor derived from one of those parameters through casts, transposes and
+integer selects (a :class:`~zbpipe.engines.derived_ops.Derivation`; for a DTensor parameter,
+starting at the alias its ``to_local()`` returns, eager) and replaces each ``torch._grouped_mm``,
+``F.linear`` (no bias), bmm, 3-D matmul or two-operand einsum whose weight operand is such a
+tensor by a GEMM whose weight gradient waits for W (:mod:`zbpipe.engines.derived_ops` eager,
+:mod:`zbpipe.engines.compiled_derived` inside ``torch.compile``). Every other call passes
+through unchanged: a parameter used another way (a broadcast, a three-operand einsum, through
+``full_tensor()``) gets its gradient in B, as autograd computes it.
 
-The mode is scoped to that one module's ``forward``, which is why only modules whose children
-own no parameters are patched (a block owning a 3-D parameter would put every op of its
-children through Python): in eager it is entered only during a zbpipe F or B (outside, the
-module runs untouched); under ``torch.compile`` dynamo traces through it (``fullgraph=True``
-holds) into the same ops, the weight gradient one opaque op routed at run time
-(:mod:`zbpipe.engines.compiled_experts`).
+Eager, the mode is entered only during a zbpipe F or B (outside, the module runs untouched);
+under ``torch.compile`` dynamo traces through it (``fullgraph=True`` holds), so compiled code
+has one graph for zbpipe and everyone else, its weight gradients opaque ops routed at run time.
+Scoping the mode to modules without parameter-holding children keeps every other op of the
+stage out of Python.
 """
 
 from __future__ import annotations
@@ -31,8 +30,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import _compat as C
 from .compiled_derived import compiled_gemm, gate
-from .compiled_experts import split_equation
-from .derived_ops import Derivation, derived_gemm
+from .derived_ops import Derivation, derived_gemm, split_equation
 
 #: the grouped GEMM as the mode sees it; dynamo hands it to the mode inside compiled code too
 _GROUPED_MM = C.grouped_mm_function()
@@ -176,7 +174,7 @@ class _ExpertMatmuls(TorchFunctionMode):
 
     def _alias(self, func: Any, args: tuple[Any, ...]) -> Any:
         """``local.view_as(local)`` of a DTensor weight's shard: how ``DTensor.to_local()``
-        makes the alias it returns (``_ToTorchTensor.forward``, torch 2.13 and 2.14; the
+        makes the alias it returns (``_ToTorchTensor.forward``, in the torches zbpipe supports; the
         ``TorchFunctionMode`` sees that call, not ``to_local`` itself, a Python method of the
         subclass). The alias is the weight, its local shape: recorded as derived from it."""
         out = func(*args)

@@ -37,8 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _compat as C
-from .compiled_derived import DERIVED_OP, DERIVED_OP_KEPT
-from .compiled_experts import route_compiled_experts
+from .compiled_derived import route_compiled_experts
 from .expert_matmuls import batched_modules, batched_weights, deferred_matmuls
 from .linear_patch import StoreSlot
 
@@ -177,10 +176,7 @@ class StageExperts:
 
     def route_compiled(self, stage_index: int, submod: nn.Module) -> list[Any]:
         experts = self._experts.get(stage_index, [])
-        nodes = route_compiled_experts(submod, experts, deferred_weight_names)
-        if nodes:  # inductor keeps x and grad_out for W (the op clones the offsets)
-            C.lower_with_operands_kept(DERIVED_OP, DERIVED_OP_KEPT, kept=2)
-        return nodes
+        return route_compiled_experts(submod, experts, deferred_weight_names)
 
     def claim(self, slots: dict[int, StoreSlot]) -> None:
         for idx, experts in self._experts.items():
