@@ -89,6 +89,7 @@ from .autograd import (
     replaying_recompute,
     saved_tensor_hooks,
     selective_checkpoint_cached,
+    swap_recompute,
     tensor_version,
 )
 from .census import (
@@ -268,6 +269,7 @@ __all__ = [
     "checkpoint_recompute_replayable",
     "recording_recompute",
     "replaying_recompute",
+    "swap_recompute",
     "lower_with_operands_kept",
     "route_through_function_modes",
     "all_to_all_single",

@@ -200,6 +200,14 @@ def checkpoint_frame(caller: FrameType | None) -> Any | None:
     return None
 
 
+def swap_recompute(region: Any, recompute: Callable[..., Any]) -> Callable[..., Any]:
+    """Make ``recompute`` what the checkpointed ``region`` (a ``_CheckpointFrame``, from
+    :func:`checkpoint_frame`) runs when a backward call recomputes it; return what it ran."""
+    previous: Callable[..., Any] = region.recompute_fn
+    region.recompute_fn = recompute
+    return previous
+
+
 def recording_recompute(
     recompute: Callable[..., Any], store: list[torch.Tensor]
 ) -> Callable[..., None]:

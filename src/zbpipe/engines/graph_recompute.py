@@ -52,14 +52,15 @@ class RecomputeReplay:
         if id(region) in self._regions:
             return
         store: list[Tensor] = []
-        self._regions[id(region)] = (region, region.recompute_fn, store)
-        region.recompute_fn = C.recording_recompute(region.recompute_fn, store)
+        original = C.swap_recompute(region, lambda *args: None)
+        C.swap_recompute(region, C.recording_recompute(original, store))
+        self._regions[id(region)] = (region, original, store)
 
     def replay(self) -> None:
         """After B: every recorded region's later recomputes replay what B's saved."""
         observer = self._saved.observer if self._saved is not None else None
         for region, _, store in self._regions.values():
-            region.recompute_fn = C.replaying_recompute(store)
+            C.swap_recompute(region, C.replaying_recompute(store))
             if observer is not None:
                 counted = [t for t in store if storage_ptr(t) not in self._skip]
                 self._held += [Holder(t, observer, hold=False) for t in counted]
@@ -72,7 +73,7 @@ class RecomputeReplay:
     def release(self) -> None:
         """After W: the regions run their own recompute again, the recorded tensors go."""
         for region, original, store in self._regions.values():
-            region.recompute_fn = original
+            C.swap_recompute(region, original)
             store.clear()
         self._regions.clear()
         for h in self._held:
