@@ -148,10 +148,10 @@ def moe_v_pipeline(rank: int, world: int, compiled: bool, m: int = 4) -> dict[st
     from torch.distributed.pipelining import PipelineStage
 
     import zbpipe
-    from zbpipe.engines import expert_grads
+    from zbpipe.engines import derived_ops
 
     in_w, added = [False], [0]
-    add, run_w = expert_grads.GroupedProduct.add, DeferredEngine.backward_weight
+    add, run_w = derived_ops.DerivedProduct.add, DeferredEngine.backward_weight
 
     def counted_add(self: Any, *args: Any) -> Any:
         added[0] += in_w[0]
@@ -164,7 +164,7 @@ def moe_v_pipeline(rank: int, world: int, compiled: bool, m: int = 4) -> dict[st
         finally:
             in_w[0] = False
 
-    expert_grads.GroupedProduct.add = counted_add  # type: ignore[method-assign]
+    derived_ops.DerivedProduct.add = counted_add  # type: ignore[method-assign]
     DeferredEngine.backward_weight = flagged_w  # type: ignore[method-assign]
 
     mods = [nn.Sequential(MoEBlock(2 * s), MoEBlock(2 * s + 1)) for s in range(2)]

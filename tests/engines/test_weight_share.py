@@ -64,7 +64,7 @@ def test_converted_experts_stay_in_b_and_auto_takes_the_graph_engine(caplog):
     assert got["converted experts"].in_w == ("graph",)
     with caplog.at_level(logging.INFO, logger="zbpipe.engines"):
         assert choose_engine("auto", _stages(stage), "Test").name == "graph"
-    assert "converted or unmirrored experts" in caplog.text and "split='deferred'" in caplog.text
+    assert "converted experts (" in caplog.text and "split='deferred'" in caplog.text
 
 
 def test_compiled_converted_experts_still_get_the_deferred_engine(caplog):

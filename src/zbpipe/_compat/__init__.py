@@ -74,6 +74,8 @@ from .autograd import (
     any_autocast_enabled,
     asked_by_checkpoint,
     autograd_function_apply,
+    checkpoint_frame,
+    checkpoint_recompute_replayable,
     functorch_transforms_active,
     grad_accumulator,
     grad_hook_dict,
@@ -83,8 +85,11 @@ from .autograd import (
     node_input_metadata,
     on_output_grad,
     post_accumulate_grad_hooks,
+    recording_recompute,
+    replaying_recompute,
     saved_tensor_hooks,
     selective_checkpoint_cached,
+    swap_recompute,
     tensor_version,
 )
 from .census import (
@@ -102,6 +107,7 @@ from .census import (
 from .compiler import (
     dynamo_counters,
     lower_with_operands_kept,
+    route_through_function_modes,
 )
 from .modules import (
     compiled_submodule,
@@ -114,7 +120,7 @@ from .modules import (
     selective_checkpoint_submodule,
     set_own_parameter,
 )
-from .ops import grouped_mm, has_grouped_mm
+from .ops import grouped_mm, grouped_mm_function, has_grouped_mm
 from .overlap import (
     all_to_all_single,
     backward_group,
@@ -259,7 +265,13 @@ __all__ = [
     "compiled_submodule",
     "selective_checkpoint_submodule",
     "asked_by_checkpoint",
+    "checkpoint_frame",
+    "checkpoint_recompute_replayable",
+    "recording_recompute",
+    "replaying_recompute",
+    "swap_recompute",
     "lower_with_operands_kept",
+    "route_through_function_modes",
     "all_to_all_single",
     "backward_group",
     "outside_python_modes",
@@ -267,6 +279,7 @@ __all__ = [
     "dynamo_counters",
     "grouped_mm",
     "has_grouped_mm",
+    "grouped_mm_function",
     "TORCH_HAS_LOSS_KWARGS",
     "TORCH_SENDS_TO_LOCAL_NEIGHBOURS",
     "stage_metas",

@@ -173,3 +173,70 @@ def selective_checkpoint_cached(report: Callable[[torch.Tensor], None]) -> Itera
     finally:
         if cls.__dict__["__init__"] is init:  # a later wrap on top is left alone
             cls.__init__ = original  # type: ignore[method-assign]
+
+
+def checkpoint_recompute_replayable() -> bool:
+    """Whether :func:`checkpoint_frame` can find a recomputing region in this torch (2.13 and
+    2.14: ``_CheckpointFrame.get_inputs`` asks for its inputs; not 2.11)."""
+    frame_type = getattr(torch.utils.checkpoint, "_CheckpointFrame", None)
+    return frame_type is not None and hasattr(frame_type, "get_inputs")
+
+
+def checkpoint_frame(caller: FrameType | None) -> Any | None:
+    """The region whose recompute asked for a saved tensor, or None: ``caller`` as in
+    :func:`asked_by_checkpoint`. torch 2.13 and 2.14 ask from ``_CheckpointFrame.get_inputs``
+    (Python 3.11 through its list comprehension's frame): that method's ``self``, whose
+    ``recompute_fn`` the unpack hook calls right after. torch 2.11 asks from elsewhere: None
+    there, and each backward call recomputes the region as before."""
+    frame_type = getattr(torch.utils.checkpoint, "_CheckpointFrame", None)
+    for _ in range(2):  # get_inputs, or its comprehension then get_inputs
+        if caller is None or caller.f_code.co_filename != _CHECKPOINT_FILE:
+            return None
+        if caller.f_code.co_name == "get_inputs":
+            owner = caller.f_locals.get("self")
+            ok = frame_type is not None and isinstance(owner, frame_type)
+            return owner if ok and hasattr(owner, "recompute_fn") else None
+        caller = caller.f_back
+    return None
+
+
+def swap_recompute(region: Any, recompute: Callable[..., Any]) -> Callable[..., Any]:
+    """Make ``recompute`` what the checkpointed ``region`` (a ``_CheckpointFrame``, from
+    :func:`checkpoint_frame`) runs when a backward call recomputes it; return what it ran."""
+    previous: Callable[..., Any] = region.recompute_fn
+    region.recompute_fn = recompute
+    return previous
+
+
+def recording_recompute(
+    recompute: Callable[..., Any], store: list[torch.Tensor]
+) -> Callable[..., None]:
+    """``recompute`` (a ``_CheckpointFrame.recompute_fn``) that also appends to ``store`` every
+    tensor the recompute hands to checkpoint's recomputation hook, in that hook's order (which
+    is how it matches them to the region's saved slots). The hook is the innermost
+    ``saved_tensors_hooks`` while the recompute runs: this puts one in front of it that records
+    and passes each tensor on (its early stop, an exception, passes through)."""
+
+    def run(*args: Any) -> None:
+        pack, unpack = saved_tensor_hooks()
+
+        def record(x: torch.Tensor) -> Any:
+            store.append(x.detach())
+            return pack(x)
+
+        with torch.autograd.graph.saved_tensors_hooks(record, unpack):
+            recompute(*args)
+
+    return run
+
+
+def replaying_recompute(store: list[torch.Tensor]) -> Callable[..., None]:
+    """A ``recompute_fn`` that hands checkpoint's recomputation hook the tensors ``store``
+    recorded (:func:`recording_recompute`) instead of running the region's forward again."""
+
+    def run(*args: Any) -> None:
+        pack, _ = saved_tensor_hooks()
+        for x in store:
+            pack(x)  # the last one may raise the hook's early stop: it ends the recompute
+
+    return run

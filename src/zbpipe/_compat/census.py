@@ -117,6 +117,10 @@ PRIVATE_AUTOGRAD_NAMES: tuple[tuple[str, str], ...] = (
     ("torch._C._profiler", "_RecordFunctionFast"),
     # the class of selective checkpointing's cache entries (selective_checkpoint_cached)
     ("torch.utils.checkpoint", "_VersionWrapper"),
+    # the region whose recompute the graph engine's W replays (autograd.checkpoint_frame)
+    ("torch.utils.checkpoint", "_CheckpointFrame"),
+    # the set dynamo hands to function modes (compiler.route_through_function_modes)
+    ("torch._dynamo.variables.torch", "get_overridable_functions"),
 )
 #: torch's private names the overlapped pairs use (:mod:`.overlap`; module, name)
 PRIVATE_OVERLAP_NAMES: tuple[tuple[str, str], ...] = (

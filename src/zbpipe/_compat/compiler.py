@@ -44,3 +44,17 @@ def dynamo_counters() -> Any:
     from torch._dynamo.utils import counters
 
     return counters
+
+
+def route_through_function_modes(fn: Any) -> None:
+    """Have dynamo hand calls of the torch function ``fn`` to the active ``TorchFunctionMode``\\ s
+    while it traces, as eager does. dynamo does so only for the functions
+    ``torch.overrides.get_overridable_functions`` lists, which leaves out private ones such as
+    ``torch._grouped_mm`` (eager hands them to modes all the same): its cached set
+    (``torch._dynamo.variables.torch.get_overridable_functions``) gets ``fn``. Nothing changes
+    where no mode is active."""
+    try:
+        from torch._dynamo.variables import torch as dynamo_torch
+    except ImportError:  # pragma: no cover - dynamo ships with every torch zbpipe supports
+        return
+    dynamo_torch.get_overridable_functions().add(fn)

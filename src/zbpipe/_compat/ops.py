@@ -19,3 +19,9 @@ def grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
 def has_grouped_mm() -> bool:
     """Whether this torch has ``torch._grouped_mm`` (every torch zbpipe supports does)."""
     return hasattr(torch, "_grouped_mm")
+
+
+def grouped_mm_function() -> object:
+    """The function object ``torch._grouped_mm`` (what a ``TorchFunctionMode`` receives as
+    ``func`` when a model calls it), or a placeholder nothing equals where torch lacks it."""
+    return getattr(torch, "_grouped_mm", object())

@@ -1,22 +1,17 @@
-"""The weight gradients of MoE experts held as 3-D parameters, computed and accumulated.
+"""How W adds a weight gradient that is not a Linear's ``g.T @ x``: the experts' products.
 
-An expert weight ``w`` of shape ``(E, N, K)`` is ``E`` Linears at once: torchtitan's
-``GroupedExperts`` computes ``out = x @ w[e].T`` for the rows ``x`` routed to expert ``e`` with
-one grouped GEMM (``torch._grouped_mm``, the rows sorted by expert and cut at ``offs``), and a
-model that pads every expert to a capacity writes ``out = torch.bmm(x, w)`` over ``(E, C, K)``
-rows. Either way the weight gradient is one product per expert, the shape of ``w``, whatever
-the number of rows: :class:`GroupedProduct` computes it from the
-``(x, grad_output)`` that B queued, in the weight's own layout, and add it to ``.grad``
-(:class:`EinsumProduct` for a bmm or an einsum).
+An expert weight ``w`` of shape ``(E, N, K)`` is ``E`` Linears at once, multiplied in the
+model's own code (``torch._grouped_mm`` over rows sorted by expert, a per-expert ``F.linear``,
+a ``bmm`` or an einsum): :class:`WeightProduct` is how W turns a queued ``(x, grad_output)``
+into its gradient and adds it (:class:`~zbpipe.engines.derived_ops.DerivedProduct` computes
+each of those products, in the compute dtype, bf16 under torchtitan's casts).
 
 They follow the rule of :mod:`zbpipe.engines.accumulate` (``AccumulateGrad``'s), and compute
-the same bits as autograd's fused backward: the GEMM in the compute dtype (bf16 under
-torchtitan's casts), then the cast to the parameter's dtype, then the add. What differs is how:
-autograd's backward of ``w.bfloat16().transpose(-2, -1)`` casts a transposed product into a
-freshly allocated fp32 tensor and adds that strided tensor into ``.grad``; here the product is
-computed already in the weight's layout and, when ``.grad`` exists, converted and added a slice
-at a time through one small buffer (a mixed-dtype ``add_`` would convert element by element,
-and a whole-size fp32 temporary costs an allocation the size of the weight on every W).
+the same bits as autograd's fused backward: the GEMM in the compute dtype, then the cast to the
+parameter's dtype, then the add. A product in another dtype than ``.grad`` is converted and
+added a slice of experts at a time through one small buffer (:func:`_add_converted`: a
+mixed-dtype ``add_`` would convert element by element, and a whole-size fp32 temporary costs an
+allocation the size of the weight on every W).
 """
 
 from __future__ import annotations
@@ -27,7 +22,7 @@ from torch import Tensor
 from .. import _compat as C
 from .accumulate import accumulate, as_param_grad
 
-__all__ = ["EinsumProduct", "GroupedProduct", "WeightProduct"]
+__all__ = ["WeightProduct"]
 
 #: elements converted and added at once when the product's dtype is not the weight's
 _SLICE_ELEMENTS = 1 << 20
@@ -70,20 +65,6 @@ class WeightProduct:
         return None
 
 
-class GroupedProduct(WeightProduct):
-    """``dw[e] = g[rows_e].T @ x[rows_e]``, rows cut at ``offs``: the gradient of
-    ``torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)`` with respect to ``w`` (an empty
-    group gives zeros, as autograd's)."""
-
-    __slots__ = ("offs",)
-
-    def __init__(self, offs: Tensor) -> None:
-        self.offs = offs
-
-    def compute(self, x: Tensor, g: Tensor) -> Tensor:
-        return C.grouped_mm(g.t(), x, self.offs)
-
-
 def _add_converted(grad: Tensor, dw: Tensor) -> None:
     """``grad += dw.to(grad.dtype)``, a slice of experts at a time through one buffer."""
     per = max(1, _SLICE_ELEMENTS // max(1, dw[0].numel()))
@@ -93,16 +74,3 @@ def _add_converted(grad: Tensor, dw: Tensor) -> None:
         if buf is None or buf.shape != part.shape:
             buf = torch.empty(part.shape, dtype=grad.dtype, device=grad.device)
         grad[start : start + per].add_(buf.copy_(part))
-
-
-class EinsumProduct(WeightProduct):
-    """``dw = torch.einsum(equation, x, g)``: the weight gradient of a two-operand einsum (a
-    bmm is ``"bij,bik->bjk"``, the same product as autograd's ``x.transpose(1, 2).bmm(g)``)."""
-
-    __slots__ = ("equation",)
-
-    def __init__(self, equation: str) -> None:
-        self.equation = equation
-
-    def compute(self, x: Tensor, g: Tensor) -> Tensor:
-        return torch.einsum(self.equation, x, g)

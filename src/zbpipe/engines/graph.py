@@ -15,7 +15,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from torch import Tensor
 
-from .._compat import compiled_submodule, selective_checkpoint_submodule
+from .._compat import (
+    checkpoint_recompute_replayable,
+    compiled_submodule,
+    selective_checkpoint_submodule,
+)
 from ..memory.saved import Observer, SavedTensors
 from .graph_backward import WeightGrad, backward_input
 
@@ -51,11 +55,12 @@ class GraphEngine:
         """Nothing to claim: no module is patched."""
 
     def check_stages(self, owner: type, stages: Sequence[Any]) -> None:
-        """Refuse compiled submodules (a compiled region is one opaque node B cannot split) and
-        selective activation checkpointing (W would backward through its regions a second
-        time)."""
+        """Refuse compiled submodules (a compiled region is one opaque node B cannot split) and,
+        on a torch whose recompute W cannot replay (2.11), selective activation checkpointing
+        (W would backward through its regions a second time)."""
         check_not_compiled(owner, stages)
-        check_no_selective_checkpoint(owner, stages)
+        if not checkpoint_recompute_replayable():
+            check_no_selective_checkpoint(owner, stages)
 
     def forward_scope(
         self, key: Key, meter: Observer | None, *, fused: bool
@@ -149,10 +154,12 @@ def check_no_selective_checkpoint(cls: type, stages: Sequence[Any]) -> None:
     Selective checkpointing caches the outputs of the ops its policy saves and hands each out to
     one backward call only; torch raises on a second ("You are only allowed to backward once on
     any region computed under selective activation checkpoint"). The graph engine's W is a
-    second call through every region it re-enters, so it cannot split such a stage. Full
-    (non-selective) checkpointing recomputes the region in each call and works, at the price of
-    that second recompute. A selective ``torch.utils.checkpoint`` call written in a forward is
-    not visible here; its first W raises the same advice (:meth:`GraphEngine.backward_weight`).
+    second call through every region it re-enters; on torch 2.13 and later it replays B's
+    recompute instead (:mod:`zbpipe.engines.graph_recompute`) and this is not called. On
+    torch 2.11 full (non-selective) checkpointing recomputes the region in each call and works,
+    at the price of that second recompute; a selective ``torch.utils.checkpoint`` call written
+    in a forward is not visible here and its first W raises the same advice
+    (:meth:`GraphEngine.backward_weight`).
     """
     for st in stages:
         name = selective_checkpoint_submodule(st.submod)

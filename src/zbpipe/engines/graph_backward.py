@@ -38,8 +38,17 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-from ..memory.saved import ACTIVATION, KEEP, Holder, SavedTensors, mark_unpacking, storage_ptr
+from ..memory.saved import (
+    ACTIVATION,
+    KEEP,
+    Holder,
+    SavedTensors,
+    mark_unpacking,
+    param_storages,
+    storage_ptr,
+)
 from .fused import valid_outputs
+from .graph_recompute import RecomputeReplay
 from .graph_regions import (
     _Boundary,
     _foldable,
@@ -88,10 +97,11 @@ def backward_input(
         return tuple(None for _ in inputs), empty
 
     split = _find_split(outs, grads, input_edges, param_nodes)
-    res, recorded = _input_pass(split, outs, grads, saved)
+    replay = RecomputeReplay(saved, param_storages(grad_params))
+    res, recorded = _input_pass(split, outs, grads, saved, replay)
     result = _input_grads(split, res, input_pos, input_edges, len(inputs))
     boundaries = _record(split, res, recorded)
-    wg = _pending_w(split, boundaries, grads, res, grad_params, param_nodes, saved)
+    wg = _pending_w(split, boundaries, grads, res, grad_params, param_nodes, saved, replay)
     return result, wg
 
 
@@ -166,11 +176,16 @@ def _find_boundaries(g: _Graph, in_a: set[Node], targets: set[Node]) -> list[_Bo
 
 
 def _input_pass(
-    split: _Split, outs: list[Tensor], grads: list[Tensor], saved: SavedTensors | None
+    split: _Split,
+    outs: list[Tensor],
+    grads: list[Tensor],
+    saved: SavedTensors | None,
+    replay: RecomputeReplay,
 ) -> tuple[tuple[Tensor | None, ...], dict[Node, tuple[Tensor | None, ...]]]:
     """B's one ``autograd.grad`` call: the gradients at the reached inputs, then at every input
     slot of every stage-0 target (in :attr:`_Split.stage0_targets` order), and what arrived at
-    each boundary of A (recorded by prehooks). Frees the activation-only saved tensors after it.
+    each boundary of A (recorded by prehooks). Frees the activation-only saved tensors after it;
+    the checkpointed regions it recomputed replay that recompute to W (``replay``).
     """
     # Prehooks record what reaches each boundary of A (the node's full incoming gradient: all of
     # its parents are in A and the engine runs a node only after all of them).
@@ -195,13 +210,15 @@ def _input_pass(
         # makes the engine stop at n and hand back the sum arriving at slot i.
         target_edges.extend(GradientEdge(n, i) for i in range(_num_slots(n)))
     try:
-        res = torch.autograd.grad(
-            outs, target_edges, grad_outputs=grads, retain_graph=True, allow_unused=True
-        )
+        with replay.recording():
+            res = torch.autograd.grad(
+                outs, target_edges, grad_outputs=grads, retain_graph=True, allow_unused=True
+            )
     finally:
         mark_unpacking(None)
         for h in handles:
             h.remove()
+        replay.replay()
     if release_early and saved is not None:
         saved.release_activation_only()
     return res, recorded
@@ -247,6 +264,7 @@ def _pending_w(
     grad_params: list[Tensor],
     param_nodes: list[Node],
     saved: SavedTensors | None,
+    replay: RecomputeReplay,
 ) -> WeightGrad:
     """W as B leaves it: the conflict boundaries alone, the others in groups (folded where their
     weight region is private), the root seeds, and the storages W must copy rather than steal."""
@@ -259,10 +277,12 @@ def _pending_w(
     for group in groups:
         group.params = _foldable(split.g, group, root_nodes)
     held = _held(boundaries, split.root_seeds, saved)
-    wg = WeightGrad(groups, conflicts, split.root_seeds, grad_params, param_nodes, known, held)
+    wg = WeightGrad(
+        groups, conflicts, split.root_seeds, grad_params, param_nodes, known, held, replay
+    )
     logger.debug(
         "B: %d nodes in A, %d targets, %d boundaries (%d with conflict) in %d groups (%d folded), "
-        "%d root seeds: W makes %d calls",
+        "%d root seeds, %d recomputes kept: W makes %d calls",
         len(split.in_a),
         len(split.targets),
         len(boundaries),
@@ -270,6 +290,7 @@ def _pending_w(
         len(groups),
         sum(gr.params is not None for gr in groups),
         len(split.root_seeds),
+        replay.regions,
         wg.num_calls,
     )
     return wg

@@ -28,6 +28,7 @@ from torch.autograd.graph import GradientEdge, Node
 
 from ..memory.saved import Holder
 from .accumulate import accumulate
+from .graph_recompute import RecomputeReplay
 from .graph_regions import _Boundary, _Group
 
 __all__ = ["WeightGrad"]
@@ -45,6 +46,7 @@ class WeightGrad:
         param_nodes: list[Node],
         known_storages: set[int],
         held: Sequence[Holder] = (),
+        replay: RecomputeReplay | None = None,
     ) -> None:
         self._groups: list[_Group] | None = groups
         self._conflicts = conflicts
@@ -55,6 +57,8 @@ class WeightGrad:
         # A memory meter's count of the recorded gradients this W keeps
         # (zbpipe.memory.saved.Holder).
         self._held = list(held)
+        # B's recomputes of checkpointed regions, replayed by W's calls (graph_recompute)
+        self._replay = replay
 
     @property
     def done(self) -> bool:
@@ -70,15 +74,23 @@ class WeightGrad:
         return len(self._groups) + len(self._conflicts) + final
 
     def run(self) -> None:
-        """Compute the parameter gradients and accumulate them into ``p.grad`` like autograd.
-
-        Long because it is W's one pass over the recorded regions, with its error paths beside it.
-        """
+        """Compute the parameter gradients and accumulate them into ``p.grad`` like autograd."""
         if self._groups is None:
             raise RuntimeError(
                 "WeightGrad.run() was called twice: the weight pass of a microbatch runs once and "
                 "frees its graph; run backward_input again on a new forward to get a new WeightGrad"
             )
+        try:
+            self._run()
+        finally:
+            if self._replay is not None:
+                self._replay.release()
+                self._replay = None
+
+    def _run(self) -> None:
+        """W's calls. Long because it is W's one pass over the recorded regions, with its error
+        paths beside it."""
+        assert self._groups is not None
         groups, conflicts, root_seeds = self._groups, self._conflicts, self._root_seeds
         # Drop our references first, so that an exception midway still leaves no graph alive.
         self._groups, self._conflicts, self._root_seeds = None, [], []

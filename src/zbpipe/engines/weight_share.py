@@ -8,7 +8,9 @@ defers some classes to W and leaves the rest in B:
   weights in its ``bmm`` / ``einsum``: :mod:`zbpipe.engines.expert_patch`) go to W. In B stay:
   norms and other 1-D weights, embeddings (a scatter of rows), Linears that override
   ``forward`` (torchtitan's Float8 / MXFP8 Linears), converted experts (Float8 / MXFP8
-  ``GroupedExperts``), convolutions and any other weight.
+  ``GroupedExperts``), expert weights that are DTensors (expert parallelism) inside compiled
+  code (dynamo does not show the mode their ``to_local()``: :mod:`zbpipe.engines.expert_matmuls`),
+  convolutions and any other weight.
 * **graph**: every weight goes to W; it refuses compiled regions and selective activation
   checkpointing (a stage holding either cannot use it).
 
@@ -38,7 +40,8 @@ class WeightClass:
     """Parameters of one kind on a stage."""
 
     kind: str
-    """"linear", "experts", "embedding", "vector" (1-D), "converted experts", "other\""""
+    """"linear", "experts", "embedding", "vector" (1-D), "converted experts", "compiled EP
+    experts", "other\""""
     elements: int
     flops_per_token: float
     n_modules: int
@@ -74,17 +77,22 @@ def _top_k(expert: nn.Module, parents: dict[int, nn.Module]) -> tuple[int, int]:
 
 def _expert_classes(module: nn.Module) -> tuple[dict[int, tuple[str, float]], int, int]:
     """{id(parameter): (kind, flops per token)} of the experts' weights; (patchable, left)."""
-    grouped, batched, left = expert_modules(module)
+    patchable, left = expert_modules(module)
     parents = {id(c): m for m in module.modules() for c in m.children()}
+    compiled = {id(e) for m in module.modules() if C.is_compiled(m) for e in m.modules()}
     found: dict[int, tuple[str, float]] = {}
-    for kind, mods in (("experts", grouped + batched), ("converted experts", left)):
+    for kind, mods in (("experts", patchable), ("converted experts", left)):
         for m in mods:
             k, n = _top_k(m, parents)
             for name in deferred_weight_names(m):
                 p = C.own_parameter(m, name)
-                if p is not None:
-                    found[id(p)] = (kind, 2.0 * p.numel() * k / n)
-    return found, len(grouped) + len(batched), len(left)
+                if p is None:
+                    continue
+                mine = kind
+                if kind == "experts" and id(m) in compiled and C.is_dtensor(p):
+                    mine = "compiled EP experts"  # its gradient comes in B
+                found[id(p)] = (mine, 2.0 * p.numel() * k / n)
+    return found, len(patchable), len(left)
 
 
 def census(module: nn.Module) -> list[WeightClass]:
@@ -189,6 +197,7 @@ def describe(stage_index: Any, classes: list[WeightClass], shares: dict[str, Eng
 _NAMES = {
     "vector": "1-D weights (norms, biases)",
     "embedding": "embeddings",
-    "converted experts": "converted or unmirrored experts",
+    "converted experts": "converted experts",
+    "compiled EP experts": "DTensor (expert-parallel) experts in compiled code",
     "other": "other weights (convolutions, Linears with their own forward...)",
 }

@@ -12,7 +12,8 @@ nodes (GELU's input, attention probabilities, ...) are released, because W never
 nodes. After W everything is released. What W needs (the inputs of weight matmuls, LayerNorm
 statistics, ...) stays until W: exactly the memory ``Costs.mem_w`` models. So do the inputs of
 a non-reentrant checkpointed region, whichever node's unpack made B recompute it: W's backward
-calls recompute the region again (``zbpipe._compat.asked_by_checkpoint``).
+calls ask for them again (``zbpipe._compat.asked_by_checkpoint``), though they replay B's
+recompute rather than run it (:func:`watch_recomputes`).
 
 Observers (``on_pack`` / ``on_free``) let :mod:`zbpipe.memory` count bytes.
 
@@ -320,6 +321,9 @@ def _together(*scopes: AbstractContextManager[Any]) -> Iterator[None]:
 
 
 def _unpack(packed: Any) -> torch.Tensor:
+    seen = getattr(_state, "recompute", None)
+    if seen is not None and (region := C.checkpoint_frame(sys._getframe(1))) is not None:
+        seen(region)  # a checkpointed region recomputes now: see watch_recomputes
     if not isinstance(packed, Holder):
         return packed
     if packed.tensor is None:
@@ -341,3 +345,17 @@ def _unpack(packed: Any) -> torch.Tensor:
 def mark_unpacking(kind: str | None) -> None:
     """Tag unpacks that follow as ``ACTIVATION`` or ``KEEP`` (B's prehooks call this per node)."""
     _state.kind = kind
+
+
+@contextlib.contextmanager
+def watch_recomputes(seen: Any) -> Iterator[None]:
+    """While open (on this thread), ``seen(region)`` for each non-reentrant checkpointed region
+    that starts a recompute by asking for its inputs, which this microbatch's holders keep
+    (``zbpipe._compat.checkpoint_frame``; once per input: ``seen`` dedups). The graph engine's
+    B records those recomputes for W to replay (:mod:`zbpipe.engines.graph_recompute`)."""
+    previous = getattr(_state, "recompute", None)
+    _state.recompute = seen
+    try:
+        yield
+    finally:
+        _state.recompute = previous
