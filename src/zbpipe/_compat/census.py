@@ -117,6 +117,11 @@ PRIVATE_AUTOGRAD_NAMES: tuple[tuple[str, str], ...] = (
     ("torch._C._profiler", "_RecordFunctionFast"),
     # the class of selective checkpointing's cache entries (selective_checkpoint_cached)
     ("torch.utils.checkpoint", "_VersionWrapper"),
+    # a stage's output shapes without data, for microbatches of different shapes (.fake)
+    ("torch._subclasses.fake_tensor", "FakeTensorMode"),
+    ("torch._subclasses.fake_tensor", "DataDependentOutputException"),
+    ("torch._subclasses.fake_tensor", "DynamicOutputShapeException"),
+    ("torch.utils._pytree", "tree_flatten"),
 )
 #: torch's private names the overlapped pairs use (:mod:`.overlap`; module, name)
 PRIVATE_OVERLAP_NAMES: tuple[tuple[str, str], ...] = (

@@ -51,6 +51,7 @@ from .validation import (
     check_schedule_args,
     check_step_args,
 )
+from .varlen import ShapeExchange
 
 
 def plan_to_torch_actions(plan: Plan) -> dict[int, list[Any]]:
@@ -227,6 +228,8 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         self._batch_keywords = FirstStageKeywords(stages)
         self._step_opts: tuple[bool, dict[str, Any] | None] = (True, None)
         self._warned_ignored_inputs = False  # step(x) on a rank without stage 0: warned once
+        # each step's shapes go down the pipeline before its first send (zbpipe.schedules.varlen)
+        self._shapes = ShapeExchange()
         # NaN/Inf losses of the last step, checked on the device and resolved when read
         self._nonfinite = NonfiniteLosses(self.rank)
         # torch's custom-function table lists zbpipe's handler for its compute and FSDP actions
@@ -436,6 +439,8 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
         first_target = target_mbs[0] if target_mbs is not None else None
         C.initialize_stages(self, arg_mbs[0], kwarg_mbs[0], first_target, loss_kwargs)
+        if self.pp_group_size > 1:  # microbatches may differ in shape (zbpipe.schedules.varlen)
+            self._shapes.before_step(self, arg_mbs, kwarg_mbs)
         C.backward_counter(self).clear()
         ctx = C.pipeline_context(self, arg_mbs, kwarg_mbs, target_mbs, losses)
         if self._measured_start is not None and self._has_backward:

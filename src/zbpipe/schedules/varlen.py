@@ -1,0 +1,253 @@
+"""Microbatches of different shapes: each rank sizes its receive buffers per step.
+
+torch's ``PipelineStage`` sizes its receive buffers once, from microbatch 0 of the first step, so
+a microbatch of another sequence length aborts the receive ("Received data size doesn't match").
+Before each step's first activation moves, :class:`ShapeExchange` sends the shapes down the
+pipeline once:
+
+1. the rank of stage 0 reads every microbatch's input shapes (from ``arg_mbs``);
+2. each stage, in stage order, computes its output shapes for every microbatch from its input
+   shapes (a forward on fake tensors, :func:`zbpipe._compat.output_specs`, cached by input
+   shapes and seeded with what torch inferred, so a shape seen before costs a dict lookup) and
+   sends them to the next stage's rank as one small int64 message (a stage on the same rank gets
+   them without one);
+3. each rank sizes its stages' receive buffers: activations from the input shapes, output
+   gradients from the output shapes. A buffer of the right shape stays; the others are pooled by
+   shape and handed to the step's microbatches that need that shape; only what the pool cannot
+   give is allocated. Nothing is padded;
+4. one all-reduce of a status word: a stage whose output shape is not a function of its input's
+   shape (the fake forward met a data-dependent shape) makes every rank raise the same
+   ``ValueError`` before the step's first send, so no rank waits for a peer that gave up.
+
+The output gradients a stage receives have its outputs' shapes, so step 2 sizes them too: one
+message per stage boundary per step, forward only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import _compat as C
+from .._compat.shims import stage_metas
+
+logger = logging.getLogger(__name__)
+
+Specs = tuple[C.TensorSpec, ...]
+
+
+class ShapeExchange:
+    """Sizes the receive buffers of one schedule's stages for each step's microbatches."""
+
+    def __init__(self) -> None:
+        #: (stage index, input key) -> output specs; seeded from torch's first-step inference
+        self._outputs: dict[tuple[int, Hashable], Specs] = {}
+        self._seeded = False
+        #: buffers allocated (not reused) by the last step, for tests and logs
+        self.allocated = 0
+
+    def before_step(self, sched: Any, arg_mbs: Sequence[Any], kwarg_mbs: Sequence[Any]) -> None:
+        """Send this step's shapes down the pipeline and size every receive buffer (collective:
+        every rank of the pipeline calls it at the same point of the step)."""
+        stages = sorted(sched._stages, key=lambda st: st.stage_index)
+        local = {st.stage_index: st for st in stages}
+        m = len(arg_mbs)
+        kwargs = [dict(k) for k in kwarg_mbs]
+        if not self._seeded:
+            self._seed(sched, stages, arg_mbs, kwargs)
+        self.allocated = 0
+        found: dict[int, list[Specs] | None] = {}
+        failed = 0  # 1 + the index of the first stage whose output shapes could not be found
+        failure = ""
+        for st in stages:
+            s = st.stage_index
+            ins: list[Specs] | None
+            if st.is_first:
+                ins = [_specs(a) for a in arg_mbs]
+            elif s - 1 in local:
+                ins = found.get(s - 1)
+            else:
+                status, ins = self._receive(st, m)
+                failed = failed or status
+                if ins is not None:
+                    self._size(st, ins, forward=True)
+            outs: list[Specs] | None = None
+            if ins is not None and not st.is_last:
+                try:
+                    outs = [
+                        self._stage_outputs(sched, st, arg_mbs[mb], ins[mb], kwargs[mb])
+                        for mb in range(m)
+                    ]
+                except ValueError as e:
+                    failed, failure = failed or s + 1, str(e)
+            found[s] = outs
+            if not st.is_last and s + 1 not in local:
+                if outs is not None:
+                    self._size(st, outs, forward=False)
+                self._send(st, outs, failed, m)
+        self._agree(sched, stages[0], failed, failure)
+        if self.allocated:
+            logger.debug("rank %d: %d receive buffers allocated", sched.rank, self.allocated)
+
+    # ------------------------------------------------------------------ shapes
+    def _seed(
+        self, sched: Any, stages: Sequence[Any], arg_mbs: Sequence[Any], kwargs: list[dict]
+    ) -> None:
+        """What torch inferred from microbatch 0 on the first step: no fake forward for it."""
+        self._seeded = True
+        for st in stages:
+            ins = tuple(_spec_of_meta(x) for x in stage_metas(st, "inputs"))
+            outs = tuple(_spec_of_meta(x) for x in stage_metas(st, "outputs"))
+            if None in ins or None in outs or not arg_mbs:
+                continue
+            key = _input_key(ins, _stage_kwargs(sched, st, kwargs[0]))
+            if key is not None:
+                self._outputs[(st.stage_index, key)] = outs  # type: ignore[assignment]
+
+    def _stage_outputs(
+        self, sched: Any, st: Any, args: tuple, ins: Specs, kwargs: dict[str, Any]
+    ) -> Specs:
+        kw = _stage_kwargs(sched, st, kwargs)
+        key = _input_key(ins, kw)
+        cached = self._outputs.get((st.stage_index, key)) if key is not None else None
+        if cached is not None:
+            return cached
+        fake_args = args if st.is_first else ins
+        try:
+            outs = C.output_specs(st.submod, tuple(fake_args), kw, st.device)
+        except Exception as e:
+            why = (
+                "its output shape depends on the values of its input, not only on its shape"
+                if C.data_dependent_error(e)
+                else "its forward failed on fake tensors of these shapes"
+            )
+            raise ValueError(
+                f"stage {st.stage_index} cannot take microbatches of this shape "
+                f"(inputs {[tuple(x.shape) for x in ins]}): {why} ({type(e).__name__}: {e}). "
+                "zbpipe sizes each receive buffer from the stage's output shape for its input "
+                "shapes before the step; make the stage's output shape a function of its input "
+                "shapes (no .item(), nonzero() or data-dependent slicing on the path to its "
+                "outputs), or give every microbatch the same shape"
+            ) from None
+        expected = stage_metas(st, "outputs")
+        if len(outs) != len(expected) or any(
+            len(o.shape) != len(e.shape) or o.dtype != e.dtype
+            for o, e in zip(outs, expected, strict=False)
+        ):
+            raise ValueError(
+                f"stage {st.stage_index} gives outputs {[(o.shape, o.dtype) for o in outs]} for "
+                f"inputs {[tuple(x.shape) for x in ins]}, but "
+                f"{[(tuple(e.shape), e.dtype) for e in expected]} for the first microbatch: "
+                "microbatches may differ in their sizes, not in the number, rank or dtype of "
+                "a stage's outputs"
+            )
+        if key is not None:
+            self._outputs[(st.stage_index, key)] = outs
+        return outs
+
+    # ------------------------------------------------------------------ buffers
+    def _size(self, st: Any, specs: list[Specs], forward: bool) -> None:
+        """Give each microbatch's receive buffers the shapes ``specs`` say (pooled by shape)."""
+        pool: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = defaultdict(list)
+        todo = []
+        for mb, mb_specs in enumerate(specs):
+            for info, spec in zip(C.receive_infos(st, mb, forward), mb_specs, strict=False):
+                if info is None:
+                    continue
+                buf = info.buffer
+                if tuple(buf.shape) != spec.shape or buf.dtype != spec.dtype:
+                    pool[(tuple(buf.shape), buf.dtype)].append(buf)
+                    todo.append((info, spec))
+        for info, spec in todo:
+            free = pool.get((spec.shape, spec.dtype))
+            if free:
+                C.set_receive_buffer(info, free.pop())
+            else:
+                self.allocated += 1
+                C.set_receive_buffer(
+                    info, torch.empty(spec.shape, dtype=spec.dtype, device=st.device)
+                )
+
+    # ------------------------------------------------------------------ messages
+    def _send(self, st: Any, outs: list[Specs] | None, failed: int, m: int) -> None:
+        ndims = [len(x.shape) for x in stage_metas(st, "outputs")]
+        msg = torch.zeros(1 + m * sum(ndims), dtype=torch.int64)
+        msg[0] = failed
+        if outs is not None and not failed:
+            dims = [d for mb in outs for spec in mb for d in spec.shape]
+            msg[1:] = torch.tensor(dims, dtype=torch.int64)
+        dist.send(msg, dst=_peer(st, st.stage_index + 1), group=st.group)
+
+    def _receive(self, st: Any, m: int) -> tuple[int, list[Specs] | None]:
+        metas = stage_metas(st, "inputs")
+        ndims = [len(x.shape) for x in metas]
+        msg = torch.empty(1 + m * sum(ndims), dtype=torch.int64)
+        dist.recv(msg, src=_peer(st, st.stage_index - 1), group=st.group)
+        status = int(msg[0])
+        if status:
+            return status, None
+        dims, at, ins = msg[1:].tolist(), 0, []
+        for _ in range(m):
+            mb = []
+            for meta, n in zip(metas, ndims, strict=True):
+                mb.append(C.TensorSpec(tuple(dims[at : at + n]), meta.dtype))
+                at += n
+            ins.append(tuple(mb))
+        return 0, ins
+
+    def _agree(self, sched: Any, st: Any, failed: int, failure: str) -> None:
+        """Every rank learns whether a stage failed, and raises the same error if one did."""
+        code = torch.tensor([failed], dtype=torch.int64)
+        dist.all_reduce(code, op=dist.ReduceOp.MAX, group=st.group)
+        bad = int(code)
+        if not bad:
+            return
+        owner = type(sched).__name__
+        if failure:
+            raise ValueError(f"{owner}.step() cannot size its receive buffers: {failure}")
+        raise ValueError(
+            f"{owner}.step(): stage {bad - 1} (on another rank) cannot take microbatches of these "
+            "shapes: its output shape is not a function of its input shapes (that rank's error "
+            "says why); no microbatch of this step was sent"
+        )
+
+
+def _peer(st: Any, stage_index: int) -> int:
+    group_rank = st.stage_index_to_group_rank[stage_index]
+    return dist.get_global_rank(st.group, group_rank) if st.group is not None else group_rank
+
+
+def _specs(args: Any) -> Specs:
+    return tuple(C.TensorSpec(tuple(a.shape), a.dtype) for a in args if isinstance(a, torch.Tensor))
+
+
+def _spec_of_meta(meta: Any) -> C.TensorSpec | None:
+    shape, dtype = getattr(meta, "shape", None), getattr(meta, "dtype", None)
+    return None if shape is None or dtype is None else C.TensorSpec(tuple(shape), dtype)
+
+
+def _stage_kwargs(sched: Any, st: Any, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword inputs the stage's forward gets (dict batches reach stage 0 only)."""
+    if st.is_first:
+        return dict(kwargs)
+    return dict(sched._batch_keywords._drop(dict(kwargs)) or {})
+
+
+def _input_key(ins: Specs, kwargs: Mapping[str, Any]) -> Hashable | None:
+    """What a stage's output shapes may depend on: input shapes, keyword shapes and values.
+    None when a keyword value cannot be a key (then the fake forward runs every step)."""
+    kw = tuple(
+        (k, C.TensorSpec(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v)
+        for k, v in sorted(kwargs.items())
+    )
+    key = (ins, kw)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
