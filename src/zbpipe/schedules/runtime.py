@@ -439,7 +439,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
         first_target = target_mbs[0] if target_mbs is not None else None
         C.initialize_stages(self, arg_mbs[0], kwarg_mbs[0], first_target, loss_kwargs)
-        if self.pp_group_size > 1:  # microbatches may differ in shape (zbpipe.schedules.varlen)
+        if self.pp_group_size > 1 and self._shapes.enabled:  # shapes may differ (varlen.py)
             self._shapes.before_step(self, arg_mbs, kwarg_mbs)
         C.backward_counter(self).clear()
         ctx = C.pipeline_context(self, arg_mbs, kwarg_mbs, target_mbs, losses)

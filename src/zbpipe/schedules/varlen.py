@@ -19,6 +19,12 @@ pipeline once:
    shape (the fake forward met a data-dependent shape) makes every rank raise the same
    ``ValueError`` before the step's first send, so no rank waits for a peer that gave up.
 
+Step 4 is skipped in the steady state: when every microbatch's stage-0 inputs (shapes and
+keywords) were seen in an earlier step whose exchange succeeded, every later stage's inputs were
+seen too (a stage's output shapes are a function of its input shapes, which is what step 2
+requires), so no stage can fail. The rank of stage 0 says so in the header of the message it
+sends anyway ("known"), every message passes the word on, and no rank all-reduces.
+
 The output gradients a stage receives have its outputs' shapes, so step 2 sizes them too: one
 message per stage boundary per step, forward only.
 """
@@ -48,8 +54,14 @@ class ShapeExchange:
         #: (stage index, input key) -> output specs; seeded from torch's first-step inference
         self._outputs: dict[tuple[int, Hashable], Specs] = {}
         self._seeded = False
+        #: stage-0 input keys of the microbatches of every step whose exchange succeeded
+        self._seen_first: set[Hashable] = set()
         #: buffers allocated (not reused) by the last step, for tests and logs
         self.allocated = 0
+        #: whether the last step skipped the all-reduce (its shapes were all seen), for tests
+        self.skipped_agree = False
+        #: off: no exchange at all (torch's buffers from microbatch 0); for benchmarks only
+        self.enabled = True
 
     def before_step(self, sched: Any, arg_mbs: Sequence[Any], kwarg_mbs: Sequence[Any]) -> None:
         """Send this step's shapes down the pipeline and size every receive buffer (collective:
@@ -64,15 +76,20 @@ class ShapeExchange:
         found: dict[int, list[Specs] | None] = {}
         failed = 0  # 1 + the index of the first stage whose output shapes could not be found
         failure = ""
+        first_keys: list[Hashable | None] = []
+        known: bool | None = None  # every microbatch's stage-0 inputs seen in a good step
         for st in stages:
             s = st.stage_index
             ins: list[Specs] | None
             if st.is_first:
                 ins = [_specs(a) for a in arg_mbs]
+                first_keys = [_input_key(i, kw) for i, kw in zip(ins, kwargs, strict=True)]
+                known = all(k is not None and k in self._seen_first for k in first_keys)
             elif s - 1 in local:
                 ins = found.get(s - 1)
             else:
-                status, ins = self._receive(st, m)
+                status, said_known, ins = self._receive(st, m)
+                known = said_known if known is None else known
                 failed = failed or status
                 if ins is not None:
                     self._size(st, ins, forward=True)
@@ -89,8 +106,13 @@ class ShapeExchange:
             if not st.is_last and s + 1 not in local:
                 if outs is not None:
                     self._size(st, outs, forward=False)
-                self._send(st, outs, failed, m)
-        self._agree(sched, stages[0], failed, failure)
+                self._send(st, outs, failed, bool(known), m)
+        # known: no stage can fail on inputs a good step saw, so every rank skips the
+        # all-reduce. known and failed cannot meet while a stage's output shapes are a function
+        # of its input shapes; if a stage broke that, this rank raises without its peers.
+        self.skipped_agree = bool(known)
+        self._agree(sched, stages[0], failed, failure, collective=not known)
+        self._seen_first.update(k for k in first_keys if k is not None)
         if self.allocated:
             logger.debug("rank %d: %d receive buffers allocated", sched.rank, self.allocated)
 
@@ -174,36 +196,44 @@ class ShapeExchange:
                 )
 
     # ------------------------------------------------------------------ messages
-    def _send(self, st: Any, outs: list[Specs] | None, failed: int, m: int) -> None:
+    # A message: [status, known, then every microbatch's output dimensions], int64. status is
+    # 1 + the first failed stage (0: none); known is 1 when stage 0 saw all its inputs before.
+    _HEADER = 2
+
+    def _send(self, st: Any, outs: list[Specs] | None, failed: int, known: bool, m: int) -> None:
         ndims = [len(x.shape) for x in stage_metas(st, "outputs")]
-        msg = torch.zeros(1 + m * sum(ndims), dtype=torch.int64)
-        msg[0] = failed
+        msg = torch.zeros(self._HEADER + m * sum(ndims), dtype=torch.int64)
+        msg[0], msg[1] = failed, int(known)
         if outs is not None and not failed:
             dims = [d for mb in outs for spec in mb for d in spec.shape]
-            msg[1:] = torch.tensor(dims, dtype=torch.int64)
+            msg[self._HEADER :] = torch.tensor(dims, dtype=torch.int64)
         dist.send(msg, dst=_peer(st, st.stage_index + 1), group=st.group)
 
-    def _receive(self, st: Any, m: int) -> tuple[int, list[Specs] | None]:
+    def _receive(self, st: Any, m: int) -> tuple[int, bool, list[Specs] | None]:
         metas = stage_metas(st, "inputs")
         ndims = [len(x.shape) for x in metas]
-        msg = torch.empty(1 + m * sum(ndims), dtype=torch.int64)
+        msg = torch.empty(self._HEADER + m * sum(ndims), dtype=torch.int64)
         dist.recv(msg, src=_peer(st, st.stage_index - 1), group=st.group)
-        status = int(msg[0])
+        status, known = int(msg[0]), bool(msg[1])
         if status:
-            return status, None
-        dims, at, ins = msg[1:].tolist(), 0, []
+            return status, known, None
+        dims, at, ins = msg[self._HEADER :].tolist(), 0, []
         for _ in range(m):
             mb = []
             for meta, n in zip(metas, ndims, strict=True):
                 mb.append(C.TensorSpec(tuple(dims[at : at + n]), meta.dtype))
                 at += n
             ins.append(tuple(mb))
-        return 0, ins
+        return 0, known, ins
 
-    def _agree(self, sched: Any, st: Any, failed: int, failure: str) -> None:
-        """Every rank learns whether a stage failed, and raises the same error if one did."""
+    def _agree(
+        self, sched: Any, st: Any, failed: int, failure: str, collective: bool = True
+    ) -> None:
+        """Every rank learns whether a stage failed, and raises the same error if one did
+        (``collective=False``: only this rank's knowledge, no all-reduce)."""
         code = torch.tensor([failed], dtype=torch.int64)
-        dist.all_reduce(code, op=dist.ReduceOp.MAX, group=st.group)
+        if collective:
+            dist.all_reduce(code, op=dist.ReduceOp.MAX, group=st.group)
         bad = int(code)
         if not bad:
             return
