@@ -9,8 +9,8 @@ pipeline once:
 2. each stage, in stage order, computes its output shapes for every microbatch from its input
    shapes (a forward on fake tensors, :func:`zbpipe._compat.output_specs`, cached by input
    shapes and seeded with what torch inferred, so a shape seen before costs a dict lookup) and
-   sends them to the next stage's rank as one small int64 message (a stage on the same rank gets
-   them without one);
+   sends them to the next stage's rank as one small int64 message, posted without waiting for
+   it (a stage on the same rank gets them without one);
 3. each rank sizes its stages' receive buffers: activations from the input shapes, output
    gradients from the output shapes. A buffer of the right shape stays; the others are pooled by
    shape and handed to the step's microbatches that need that shape; only what the pool cannot
@@ -62,10 +62,21 @@ class ShapeExchange:
         self.skipped_agree = False
         #: off: no exchange at all (torch's buffers from microbatch 0); for benchmarks only
         self.enabled = True
+        #: the last step's shape messages still being sent, with the tensors they read
+        self._in_flight: list[tuple[Any, torch.Tensor]] = []
 
-    def before_step(self, sched: Any, arg_mbs: Sequence[Any], kwarg_mbs: Sequence[Any]) -> None:
+    def before_step(
+        self,
+        sched: Any,
+        arg_mbs: Sequence[Any],
+        kwarg_mbs: Sequence[Any],
+        slots: Sequence[int] | None = None,
+    ) -> tuple[int, ...]:
         """Send this step's shapes down the pipeline and size every receive buffer (collective:
-        every rank of the pipeline calls it at the same point of the step)."""
+        every rank calls it at the same point of the step). ``slots`` (stage 0's rank; its
+        microbatches already in that order, :mod:`.cost_order`) travels in the messages'
+        header: every rank gets it back (data order when not given)."""
+        self._finish_sends()
         stages = sorted(sched._stages, key=lambda st: st.stage_index)
         local = {st.stage_index: st for st in stages}
         m = len(arg_mbs)
@@ -78,6 +89,7 @@ class ShapeExchange:
         failure = ""
         first_keys: list[Hashable | None] = []
         known: bool | None = None  # every microbatch's stage-0 inputs seen in a good step
+        order = tuple(slots) if slots is not None else tuple(range(m))
         for st in stages:
             s = st.stage_index
             ins: list[Specs] | None
@@ -88,25 +100,20 @@ class ShapeExchange:
             elif s - 1 in local:
                 ins = found.get(s - 1)
             else:
-                status, said_known, ins = self._receive(st, m)
-                known = said_known if known is None else known
+                status, said_known, said_order, ins = self._receive(st, m)
+                if known is None:  # the first message a rank without stage 0 gets
+                    known, order = said_known, said_order
                 failed = failed or status
                 if ins is not None:
                     self._size(st, ins, forward=True)
-            outs: list[Specs] | None = None
-            if ins is not None and not st.is_last:
-                try:
-                    outs = [
-                        self._stage_outputs(sched, st, arg_mbs[mb], ins[mb], kwargs[mb])
-                        for mb in range(m)
-                    ]
-                except ValueError as e:
-                    failed, failure = failed or s + 1, str(e)
+            outs, error = self._all_outputs(sched, st, arg_mbs, ins, kwargs)
+            if error:
+                failed, failure = failed or s + 1, error
             found[s] = outs
             if not st.is_last and s + 1 not in local:
                 if outs is not None:
                     self._size(st, outs, forward=False)
-                self._send(st, outs, failed, bool(known), m)
+                self._send(st, outs, failed, bool(known), order)
         # known: no stage can fail on inputs a good step saw, so every rank skips the
         # all-reduce. known and failed cannot meet while a stage's output shapes are a function
         # of its input shapes; if a stage broke that, this rank raises without its peers.
@@ -115,8 +122,30 @@ class ShapeExchange:
         self._seen_first.update(k for k in first_keys if k is not None)
         if self.allocated:
             logger.debug("rank %d: %d receive buffers allocated", sched.rank, self.allocated)
+        return order
+
+    def _finish_sends(self) -> None:
+        """Wait for the last step's shape messages (long delivered: the peers received them)."""
+        for work, _ in self._in_flight:
+            work.wait()
+        self._in_flight.clear()
 
     # ------------------------------------------------------------------ shapes
+    def _all_outputs(
+        self, sched: Any, st: Any, arg_mbs: Sequence[Any], ins: list[Specs] | None, kwargs: list
+    ) -> tuple[list[Specs] | None, str]:
+        """Every microbatch's output specs of ``st`` (None for the last stage or no inputs), or
+        the reason they cannot be found."""
+        if ins is None or st.is_last:
+            return None, ""
+        try:
+            return [
+                self._stage_outputs(sched, st, arg_mbs[mb], ins[mb], kwargs[mb])
+                for mb in range(len(ins))
+            ], ""
+        except ValueError as e:
+            return None, str(e)
+
     def _seed(
         self, sched: Any, stages: Sequence[Any], arg_mbs: Sequence[Any], kwargs: list[dict]
     ) -> None:
@@ -196,35 +225,42 @@ class ShapeExchange:
                 )
 
     # ------------------------------------------------------------------ messages
-    # A message: [status, known, then every microbatch's output dimensions], int64. status is
-    # 1 + the first failed stage (0: none); known is 1 when stage 0 saw all its inputs before.
+    # A message, int64: [status, known, the m slots, then every microbatch's output dimensions].
+    # status is 1 + the first failed stage (0: none); known is 1 when stage 0 saw all its inputs
+    # in an earlier good step; slot k holds the microbatch (in data order) that runs there.
     _HEADER = 2
 
-    def _send(self, st: Any, outs: list[Specs] | None, failed: int, known: bool, m: int) -> None:
+    def _send(
+        self, st: Any, outs: list[Specs] | None, failed: int, known: bool, order: Sequence[int]
+    ) -> None:
         ndims = [len(x.shape) for x in stage_metas(st, "outputs")]
-        msg = torch.zeros(self._HEADER + m * sum(ndims), dtype=torch.int64)
-        msg[0], msg[1] = failed, int(known)
-        if outs is not None and not failed:
-            dims = [d for mb in outs for spec in mb for d in spec.shape]
-            msg[self._HEADER :] = torch.tensor(dims, dtype=torch.int64)
-        dist.send(msg, dst=_peer(st, st.stage_index + 1), group=st.group)
+        m = len(order)
+        header = [failed, int(known), *order]
+        dims = [d for mb in outs for spec in mb for d in spec.shape] if outs and not failed else []
+        msg = torch.tensor(header + dims + [0] * (m * sum(ndims) - len(dims)), dtype=torch.int64)
+        # posted, not waited for: the receiver needs it before its first receive of the step,
+        # the sender does not; its handle (and the tensor it reads) is kept until the next step
+        work = dist.isend(msg, dst=_peer(st, st.stage_index + 1), group=st.group)
+        self._in_flight.append((work, msg))
 
-    def _receive(self, st: Any, m: int) -> tuple[int, bool, list[Specs] | None]:
+    def _receive(self, st: Any, m: int) -> tuple[int, bool, tuple[int, ...], list[Specs] | None]:
         metas = stage_metas(st, "inputs")
         ndims = [len(x.shape) for x in metas]
-        msg = torch.empty(self._HEADER + m * sum(ndims), dtype=torch.int64)
-        dist.recv(msg, src=_peer(st, st.stage_index - 1), group=st.group)
-        status, known = int(msg[0]), bool(msg[1])
+        head = self._HEADER + m
+        words = torch.empty(head + m * sum(ndims), dtype=torch.int64)
+        dist.recv(words, src=_peer(st, st.stage_index - 1), group=st.group)
+        msg = words.tolist()
+        status, known, order = int(msg[0]), bool(msg[1]), tuple(msg[self._HEADER : head])
         if status:
-            return status, known, None
-        dims, at, ins = msg[self._HEADER :].tolist(), 0, []
+            return status, known, order, None
+        dims, at, ins = msg[head:], 0, []
         for _ in range(m):
             mb = []
             for meta, n in zip(metas, ndims, strict=True):
                 mb.append(C.TensorSpec(tuple(dims[at : at + n]), meta.dtype))
                 at += n
             ins.append(tuple(mb))
-        return 0, known, ins
+        return 0, known, order, ins
 
     def _agree(
         self, sched: Any, st: Any, failed: int, failure: str, collective: bool = True
