@@ -104,7 +104,7 @@ from .compiler import (
     dynamo_counters,
     lower_with_operands_kept,
 )
-from .fake import TensorSpec, data_dependent_error, output_specs
+from .fake import ShapeRule, TensorSpec, data_dependent_error, output_specs, shape_rule
 from .modules import (
     compiled_submodule,
     is_compiled,
@@ -222,6 +222,8 @@ __all__ = [
     "TensorSpec",
     "output_specs",
     "data_dependent_error",
+    "ShapeRule",
+    "shape_rule",
     "forward_receives",
     "backward_receives",
     "wait_batch_p2p",

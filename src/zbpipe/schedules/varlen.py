@@ -7,9 +7,11 @@ pipeline once:
 
 1. the rank of stage 0 reads every microbatch's input shapes (from ``arg_mbs``);
 2. each stage, in stage order, computes its output shapes for every microbatch from its input
-   shapes (a forward on fake tensors, :func:`zbpipe._compat.output_specs`, cached by input
-   shapes and seeded with what torch inferred, so a shape seen before costs a dict lookup) and
-   sends them to the next stage's rank as one small int64 message, posted without waiting for
+   shapes (cached by input shapes and seeded with what torch inferred, so a shape seen before
+   costs a dict lookup; a new one is read off the stage's shape rule, expressions of its input
+   sizes from one forward on fake tensors with symbolic sizes, :func:`zbpipe._compat.shape_rule`,
+   and where the rule's guards do not hold, from a concrete fake forward,
+   :func:`zbpipe._compat.output_specs`) and sends them to the next stage's rank as one small int64 message, posted without waiting for
    it (a stage on the same rank gets them without one);
 3. each rank sizes its stages' receive buffers: activations from the input shapes, output
    gradients from the output shapes. A buffer of the right shape stays; the others are pooled by
@@ -54,6 +56,8 @@ class ShapeExchange:
         #: (stage index, input key) -> output specs; seeded from torch's first-step inference
         self._outputs: dict[tuple[int, Hashable], Specs] = {}
         self._seeded = False
+        #: (stage index, inputs' ranks and dtypes) -> the stage's shape rule (None: no rule)
+        self._rules: dict[tuple[int, Hashable], C.ShapeRule | None] = {}
         #: stage-0 input keys of the microbatches of every step whose exchange succeeded
         self._seen_first: set[Hashable] = set()
         #: buffers allocated (not reused) by the last step, for tests and logs
@@ -170,7 +174,9 @@ class ShapeExchange:
             return cached
         fake_args = args if st.is_first else ins
         try:
-            outs = C.output_specs(st.submod, tuple(fake_args), kw, st.device)
+            outs = self._by_rule(st, fake_args, ins, kw) or C.output_specs(
+                st.submod, tuple(fake_args), kw, st.device
+            )
         except Exception as e:
             why = (
                 "its output shape depends on the values of its input, not only on its shape"
@@ -200,6 +206,19 @@ class ShapeExchange:
         if key is not None:
             self._outputs[(st.stage_index, key)] = outs
         return outs
+
+    def _by_rule(self, st: Any, args: Any, ins: Specs, kw: Mapping[str, Any]) -> Specs | None:
+        """The outputs from the stage's :class:`~zbpipe._compat.ShapeRule` (one symbolic fake
+        forward per stage and input ranks/dtypes, then an expression per shape), or None where
+        it does not apply (keyword inputs, a guard that fails, a symbolic forward that failed):
+        then a concrete fake forward decides, and says why a shape cannot be taken."""
+        if kw or len(tuple(args)) != len(ins):
+            return None
+        key = (st.stage_index, tuple((len(x.shape), x.dtype) for x in ins))
+        if key not in self._rules:
+            self._rules[key] = C.shape_rule(st.submod, tuple(ins), st.device)
+        rule = self._rules[key]
+        return rule.apply(tuple(x.shape for x in ins)) if rule is not None else None
 
     # ------------------------------------------------------------------ buffers
     def _size(self, st: Any, specs: list[Specs], forward: bool) -> None:
