@@ -11,8 +11,8 @@ pipeline once:
    costs a dict lookup; a new one is read off the stage's shape rule, expressions of its input
    sizes from one forward on fake tensors with symbolic sizes, :func:`zbpipe._compat.shape_rule`,
    and where the rule's guards do not hold, from a concrete fake forward,
-   :func:`zbpipe._compat.output_specs`) and sends them to the next stage's rank as one small int64 message, posted without waiting for
-   it (a stage on the same rank gets them without one);
+   :func:`zbpipe._compat.output_specs`) and sends them to the next stage's rank as one small
+   int64 message, posted without waiting for it (a stage on the same rank gets them without one);
 3. each rank sizes its stages' receive buffers: activations from the input shapes, output
    gradients from the output shapes. A buffer of the right shape stays; the others are pooled by
    shape and handed to the step's microbatches that need that shape; only what the pool cannot
