@@ -125,7 +125,9 @@ def steps(rank: int, world: int, schedule: str, split: str, draws: list[list[int
     mine = sorted(s for s, r in cls.stage_index_to_rank(world).items() if r == rank)
     stages = [PipelineStage(stage_mods[s], s, num_stages, torch.device("cpu")) for s in mine]
     m = len(draws[0])
-    token_sched = cls(stages, m, loss_fn=token_loss, scale_grads=False, split=split)
+    token_sched = cls(
+        stages, m, loss_fn=token_loss, scale_grads=False, split=split, variable_shapes=True
+    )
     worst = 0.0
     for i, lengths in enumerate(draws):
         tokens = i % 2 == 0
@@ -143,7 +145,7 @@ def steps(rank: int, world: int, schedule: str, split: str, draws: list[list[int
             token_sched.step(**kwargs)
         else:
             if i == 1:  # the same stages under the default contract (mean of means)
-                mean_sched = cls(stages, m, loss_fn=mean_loss, split=split)
+                mean_sched = cls(stages, m, loss_fn=mean_loss, split=split, variable_shapes=True)
             mean_sched.step(**kwargs)
         got = [p.grad for p in nn.Sequential(*mods).parameters()]
         for s in mine:
@@ -180,7 +182,7 @@ def data_dependent_case(rank: int, world: int, schedule: str) -> str:
     stage_mods[0].append(Truncate())
     mine = sorted(s for s, r in cls.stage_index_to_rank(world).items() if r == rank)
     stages = [PipelineStage(stage_mods[s], s, num_stages, torch.device("cpu")) for s in mine]
-    sched = cls(stages, 4, loss_fn=square_loss)
+    sched = cls(stages, 4, loss_fn=square_loss, variable_shapes=True)
     ids, targets = data([7, 29, 13, 50], seed=0)
     try:
         sched.step(

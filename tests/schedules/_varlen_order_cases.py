@@ -31,7 +31,7 @@ def _steps(rank: int, world: int, schedule: str, draws: list[list[int]]) -> list
     stage_mods = [nn.Sequential(*(mods[i] for i in part)) for part in parts]
     mine = sorted(s for s, r in cls.stage_index_to_rank(world).items() if r == rank)
     stages = [PipelineStage(stage_mods[s], s, num_stages, torch.device("cpu")) for s in mine]
-    sched = cls(stages, len(draws[0]), loss_fn=token_loss, scale_grads=False)
+    sched = cls(stages, len(draws[0]), loss_fn=token_loss, scale_grads=False, variable_shapes=True)
     first, last = 0 in mine, num_stages - 1 in mine
     whole = nn.Sequential(*mods)
     seen = []

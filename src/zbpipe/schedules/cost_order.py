@@ -5,8 +5,9 @@ The rank of stage 0 is given one cost factor per microbatch (e.g.
 microbatches over the plan's slots whose simulated makespan is least
 (:func:`zbpipe.planning.by_cost.order_by_cost`; data order on ties) and feeds them in that
 order. The order travels to every other rank in the header of the shape exchange's messages
-(:mod:`.varlen`), so only stage 0's rank needs the costs; the last stage's rank takes its targets
-in the same order and hands the losses (and outputs) back in the caller's order.
+(:mod:`.varlen`; so only with ``variable_shapes=True``), so only stage 0's rank needs the costs;
+the last stage's rank takes its targets in the same order and hands the losses (and outputs)
+back in the caller's order.
 """
 
 from __future__ import annotations
@@ -21,11 +22,20 @@ from ..planning.by_cost import order_by_cost
 T = TypeVar("T")
 
 
-def check_microbatch_costs(sched: Any, costs: Sequence[float] | None) -> tuple[float, ...] | None:
-    """``costs`` as a tuple, or a ``ValueError`` saying what is wrong (before any message)."""
+def check_microbatch_costs(
+    sched: Any, costs: Sequence[float] | None, variable_shapes: bool
+) -> tuple[float, ...] | None:
+    """``costs`` as a tuple, or a ``ValueError`` saying what is wrong (before any message).
+    The order reaches the other ranks in the shape exchange's messages: ``variable_shapes``."""
     if costs is None:
         return None
     owner, m = type(sched).__name__, sched._n_microbatches
+    if not variable_shapes:
+        raise ValueError(
+            f"{owner}.step(): microbatch_costs needs the schedule built with "
+            "variable_shapes=True (the order they choose travels with each step's shapes); "
+            "build it so on every rank, or drop microbatch_costs"
+        )
     try:
         values = tuple(float(c) for c in costs)
     except (TypeError, ValueError):

@@ -38,6 +38,7 @@ from ..planning.fuse import fuse_adjacent_backward
 from . import measured_start, planned_actions
 from .action_loop import ActionProgram, Binder, bind_action, bind_program
 from .cost_order import CostOrder, check_microbatch_costs, in_data_order, in_slots
+from .fixed_shapes import FixedShapes
 from .inputs import FirstStageKeywords, drop_inputs_off_stage0, microbatch_inputs
 from .measured_start import MeasuredStart
 from .memory_promise import first_step_plan
@@ -130,6 +131,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         split: Split = "auto",
         exact: bool = False,
         measure_memory: bool = True,
+        variable_shapes: bool = False,
         **plan_options: Any,
     ) -> None:
         """Check the arguments; build the plan, the engine, the stage seam and the tracer; check
@@ -147,6 +149,14 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
                 f"{type(self).__name__}: measure_memory must be True or False, "
                 f"got {measure_memory!r}"
             )
+        if not isinstance(variable_shapes, bool):
+            raise ValueError(
+                f"{type(self).__name__}: variable_shapes must be True or False, "
+                f"got {variable_shapes!r}"
+            )
+        #: microbatches may differ in shape from step to step and within a step: each step's
+        #: shapes go down the pipeline before its first send (zbpipe.schedules.varlen)
+        self.variable_shapes = variable_shapes
         if profiling:
             costs = None
             if not measure_memory:  # one switch for both ways of measuring bytes
@@ -191,9 +201,12 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
             fingerprint = config_fingerprint(
                 type(self), n_microbatches, self._num_stages, self.plan
             )
+            # ranks that disagree would send shape messages nobody receives
+            fingerprint += "|variable_shapes" if variable_shapes else ""
             summary = (
                 f"{type(self).__name__}(n_microbatches={n_microbatches}, "
-                f"stages={self._num_stages}, plan {fingerprint})"
+                f"stages={self._num_stages}, variable_shapes={variable_shapes}, "
+                f"plan {fingerprint})"
             )
             check_peers_agree(type(self), stages[0].group, self.rank, fingerprint, summary)
         self.seam = StageSeam(stages, engine)
@@ -229,8 +242,16 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         self._batch_keywords = FirstStageKeywords(stages)
         self._step_opts: tuple[bool, dict[str, Any] | None] = (True, None)
         self._warned_ignored_inputs = False  # step(x) on a rank without stage 0: warned once
-        # each step's shapes go down the pipeline before its first send (zbpipe.schedules.varlen)
-        self._shapes = ShapeExchange()
+        # variable_shapes=True: each step's shapes go down the pipeline before its first send
+        # (zbpipe.schedules.varlen). Else nothing is sent: the rank of stage 0 checks that each
+        # microbatch has the first step's shapes (zbpipe.schedules.fixed_shapes). One rank: no
+        # receive buffers, neither is needed.
+        several_ranks = self.pp_group_size > 1
+        self._shapes = ShapeExchange() if variable_shapes and several_ranks else None
+        holds_first = any(st.is_first for st in stages)
+        self._fixed_shapes = (
+            FixedShapes() if not variable_shapes and several_ranks and holds_first else None
+        )
         # microbatches ordered by their costs (zbpipe.schedules.cost_order): this step's factors
         # (stage 0's rank) and the order every rank runs, None for data order
         self._cost_order = CostOrder()
@@ -325,7 +346,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         microbatch's ``loss_fn(output, target, **loss_kwargs)``. See :mod:`zbpipe.schedules.inputs`.
         ``microbatch_costs``: run the microbatches in their fastest order (:mod:`.cost_order`).
         """
-        self._step_costs = check_microbatch_costs(self, microbatch_costs)
+        self._step_costs = check_microbatch_costs(self, microbatch_costs, self.variable_shapes)
         check_step_args(
             self, args, kwargs, target, arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=target_mbs
         )
@@ -361,8 +382,6 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         costs, self._step_costs = self._step_costs, None
         if costs is None or not any(st.is_first for st in self._stages):
             return None
-        if self.pp_group_size > 1 and not self._shapes.enabled:
-            return None  # no message would tell the other ranks
         return self._cost_order.slots(self.plan, self.costs, costs)
 
     def _update_losses(self, stages: Any, losses: list[Any] | None) -> None:
@@ -464,11 +483,15 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         (unshard check, losses), the actions run as bound calls (:mod:`.action_loop`)."""
         arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
         first_target = target_mbs[0] if target_mbs is not None else None
+        if self._fixed_shapes is not None:  # stage 0's rank, before any message (fixed_shapes)
+            self._fixed_shapes.check(type(self).__name__, arg_mbs, kwarg_mbs)
         C.initialize_stages(self, arg_mbs[0], kwarg_mbs[0], first_target, loss_kwargs)
+        if self._fixed_shapes is not None:
+            self._fixed_shapes.set_up(arg_mbs[0], kwarg_mbs[0])
         slots = self._choose_slots()
         if slots is not None:  # stage 0's rank: its microbatches in the order they run
             arg_mbs, kwarg_mbs = in_slots(arg_mbs, slots), in_slots(kwarg_mbs, slots)
-        if self.pp_group_size > 1 and self._shapes.enabled:  # shapes may differ (varlen.py)
+        if self._shapes is not None:  # variable_shapes=True on several ranks (varlen.py)
             slots = self._shapes.before_step(self, arg_mbs, kwarg_mbs, slots)
         self._slots = slots if slots is not None and list(slots) != sorted(slots) else None
         if self._slots is not None and target_mbs is not None:

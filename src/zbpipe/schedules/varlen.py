@@ -1,4 +1,6 @@
-"""Microbatches of different shapes: each rank sizes its receive buffers per step.
+"""Microbatches of different shapes (``variable_shapes=True``): each rank sizes its receive
+buffers per step. Opt-in: it costs a message per rank boundary per step; without it the rank of
+stage 0 only checks that every microbatch has the first step's shapes (:mod:`.fixed_shapes`).
 
 torch's ``PipelineStage`` sizes its receive buffers once, from microbatch 0 of the first step, so
 a microbatch of another sequence length aborts the receive ("Received data size doesn't match").
@@ -64,8 +66,6 @@ class ShapeExchange:
         self.allocated = 0
         #: whether the last step skipped the all-reduce (its shapes were all seen), for tests
         self.skipped_agree = False
-        #: off: no exchange at all (torch's buffers from microbatch 0); for benchmarks only
-        self.enabled = True
         #: the last step's shape messages still being sent, with the tensors they read
         self._in_flight: list[tuple[Any, torch.Tensor]] = []
 
