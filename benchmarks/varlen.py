@@ -11,7 +11,8 @@ rotating order:
 * ``torch:1F1B`` (torch's ``Schedule1F1B``) and ``torch:ZBVZeroBubble``: every sequence padded to
   the longest of the whole run's draws (torch sizes its buffers once, so a step cannot change
   shape), the padding's targets ignored by the loss;
-* ``ZBH1``, ``ZBV``: zbpipe on the unpadded sequences (``arg_mbs``/``target_mbs``);
+* ``ZBH1``, ``ZBV``: zbpipe on the unpadded sequences (``arg_mbs``/``target_mbs``), built with
+  ``variable_shapes=True``;
 * ``ZBH1+order``, ``ZBV+order``: the same, with ``microbatch_costs=token_scales(lengths,
   quadratic_at=6 * hidden)`` (the microbatches in the order the simulator finds fastest).
 
@@ -102,9 +103,9 @@ def _build(name: str, rank: int, cfg: Config, pad_to: int) -> tuple[Any, list]:
     elif base == "torch:ZBVZeroBubble":
         sched = with_local_stage_init(ScheduleZBVZeroBubble)(stages, m, loss_fn=_loss)
     elif base == "ZBH1":
-        sched = ScheduleZBH1(stages, m, loss_fn=_loss)
+        sched = ScheduleZBH1(stages, m, loss_fn=_loss, variable_shapes=True)
     else:
-        sched = ScheduleZBV(stages, m, loss_fn=_loss)
+        sched = ScheduleZBV(stages, m, loss_fn=_loss, variable_shapes=True)
     return sched, stages
 
 
