@@ -106,6 +106,8 @@ def _build(name: str, rank: int, world: int, cfg: Config) -> tuple[Any, list, An
     options: dict[str, Any] = {"split": split} if split else {}
     if variant == "units":  # the plan for equal bytes per stage, as before the first-step probe
         options["measure_memory"] = False
+    if variant == "varshapes":  # each step's shapes sent down the pipeline (issue 44)
+        options["variable_shapes"] = True
     two_chunks = name not in ("torch:1F1B", "ZBH1", "ZB1P")
     n_stages = 2 * world if two_chunks else world
     if cfg.blocks % n_stages:

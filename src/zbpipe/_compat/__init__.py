@@ -12,6 +12,7 @@ which module a helper lives in is this package's business.
 |---|---|
 | :mod:`.action_ir` | pipelining's action IR: computation types, ``_Action``, the paper's letters |
 | :mod:`.stage` | a ``PipelineStage``'s receive buffers, caches and local V hand-offs |
+| :mod:`.fake` | ``FakeTensorMode``: a stage's output shapes for given input shapes |
 | :mod:`.schedule_runtime` | the runtime's receives, FSDP actions, counters, custom functions |
 | :mod:`.torch_orders` | torch's own schedule orders, generated without a process group |
 | :mod:`.autograd` | hooks, views, node metadata, Function.apply, AccumulateGrad, AC's recompute |
@@ -109,6 +110,7 @@ from .compiler import (
     lower_with_operands_kept,
     route_through_function_modes,
 )
+from .fake import ShapeRule, TensorSpec, data_dependent_error, output_specs, shape_rule
 from .modules import (
     compiled_submodule,
     is_compiled,
@@ -163,11 +165,13 @@ from .stage import (
     has_own_weight_pass,
     input_grad_cache,
     num_stage_inputs,
+    receive_infos,
     received_activation_buffers,
     received_activations,
     received_grad_buffers,
     received_grads,
     set_local_bwd_input,
+    set_receive_buffer,
     stage_message_bytes,
     weight_runners,
 )
@@ -219,6 +223,13 @@ __all__ = [
     "num_stage_inputs",
     "drop_local_inputs",
     "set_local_bwd_input",
+    "receive_infos",
+    "set_receive_buffer",
+    "TensorSpec",
+    "output_specs",
+    "data_dependent_error",
+    "ShapeRule",
+    "shape_rule",
     "forward_receives",
     "backward_receives",
     "wait_batch_p2p",

@@ -121,6 +121,15 @@ PRIVATE_AUTOGRAD_NAMES: tuple[tuple[str, str], ...] = (
     ("torch.utils.checkpoint", "_CheckpointFrame"),
     # the set dynamo hands to function modes (compiler.route_through_function_modes)
     ("torch._dynamo.variables.torch", "get_overridable_functions"),
+    # a stage's output shapes without data, for microbatches of different shapes (.fake)
+    ("torch._subclasses.fake_tensor", "FakeTensorMode"),
+    ("torch._subclasses.fake_tensor", "DataDependentOutputException"),
+    ("torch._subclasses.fake_tensor", "DynamicOutputShapeException"),
+    ("torch.utils._pytree", "tree_flatten"),
+    # output shapes as expressions of symbolic input sizes (.fake.shape_rule)
+    ("torch.fx.experimental.symbolic_shapes", "ShapeEnv"),
+    ("torch.fx.experimental.symbolic_shapes", "DimDynamic"),
+    ("torch.fx.experimental.symbolic_shapes", "StatelessSymbolicContext"),
 )
 #: torch's private names the overlapped pairs use (:mod:`.overlap`; module, name)
 PRIVATE_OVERLAP_NAMES: tuple[tuple[str, str], ...] = (

@@ -192,8 +192,25 @@ def run_microbatches(
     )
     for stage in sched._stages:
         if stage.is_last and return_outputs:
+            if _differ_past_dim0(stage.output_chunks):
+                # microbatches of different lengths (zbpipe.schedules.varlen): no one batch
+                # holds them, so the outputs come back as a list, one per microbatch
+                return list(stage.output_chunks)
             return sched._merge_outputs(stage.output_chunks)
     return None
+
+
+def _differ_past_dim0(chunks: list[Any]) -> bool:
+    """Whether the microbatches' outputs differ in a dimension other than the first (so
+    torch's concatenation along dim 0 cannot merge them)."""
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    shapes = set()
+    for chunk in chunks:
+        leaves, _ = tree_flatten(chunk)
+        shapes.add(tuple(tuple(t.shape[1:]) for t in leaves if isinstance(t, torch.Tensor)))
+    return len(shapes) > 1
 
 
 # ---------------------------------------------------------------- end of step() contract

@@ -132,3 +132,22 @@ def set_local_bwd_input(stage: _PipelineStageBase, grads: tuple[Any, ...], mb: i
             if meta is not None:
                 info.buffer = torch.zeros(meta.shape, dtype=meta.dtype, device=stage.device)
     stage.set_local_bwd_input(grads, mb)
+
+
+# --- microbatches of different shapes: receive buffers sized per microbatch ---------------------
+
+
+def receive_infos(stage: _PipelineStageBase, mb: int, forward: bool) -> list[Any]:
+    """The receive infos of ``mb`` whose buffers a point-to-point receive fills, in the order of
+    the stage's inputs (``forward``) or outputs (gradients); None where no gradient is expected."""
+    if forward:
+        return [i for i in stage.args_recv_info.get(mb, ()) if _is_receive(i)]
+    return [
+        i if isinstance(getattr(i, "buffer", None), torch.Tensor) else None
+        for i in stage.grad_recv_info.get(mb, ())
+    ]
+
+
+def set_receive_buffer(info: Any, buffer: torch.Tensor) -> None:
+    """Receive into ``buffer`` from now on (torch reads ``info.buffer`` when it posts a receive)."""
+    info.buffer = buffer

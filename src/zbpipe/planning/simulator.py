@@ -24,9 +24,9 @@ each action is looked at O(1) times, and p=32, m=256 takes a fraction of a secon
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .core import Action, Plan, PlanError
 from .costs import Costs, StageCosts, pair_time
@@ -113,13 +113,19 @@ def _first_numbers(plan: Plan) -> dict[int, int]:
 
 
 def simulate(
-    plan: Plan, costs: Costs | None = None, memory_limit: float | None = None
+    plan: Plan,
+    costs: Costs | None = None,
+    memory_limit: float | None = None,
+    microbatch_scale: Sequence[float] | None = None,
 ) -> SimResult:
     """Run ``plan`` on the cost model; raise ``PlanError`` if it is wrong, deadlocks or overflows.
 
-    ``memory_limit`` is per rank, in the memory units of ``costs``.
+    ``memory_limit`` is per rank, in the memory units of ``costs``. ``microbatch_scale`` (one
+    factor per microbatch, e.g. from :func:`zbpipe.planning.by_cost.token_scales`) multiplies
+    every action time of that microbatch: microbatches of different lengths. Memory is not
+    scaled (the peak is the equal-microbatch one).
     """
-    begin, end, peak = _run(plan, costs, memory_limit)
+    begin, end, peak = _run(plan, costs, memory_limit, microbatch_scale)
     first = _first_numbers(plan)
     if plan.pairs:
         begin, end = _drawn_pairs(plan, costs or Costs(), begin, end)
@@ -153,11 +159,14 @@ class Timing:
 
 
 def simulate_timing(
-    plan: Plan, costs: Costs | None = None, memory_limit: float | None = None
+    plan: Plan,
+    costs: Costs | None = None,
+    memory_limit: float | None = None,
+    microbatch_scale: Sequence[float] | None = None,
 ) -> Timing:
     """:func:`simulate`'s checks, errors and numbers, without making an ``Interval`` per action
     (most of a simulation's time when a generator only compares makespans and spans)."""
-    begin, end, peak = _run(plan, costs, memory_limit)
+    begin, end, peak = _run(plan, costs, memory_limit, microbatch_scale)
     first = _first_numbers(plan)
     spans = [
         (begin[first[r]], end[first[r] + len(actions) - 1])
@@ -172,13 +181,17 @@ def simulate_timing(
 
 
 def _run(
-    plan: Plan, costs: Costs | None, memory_limit: float | None
+    plan: Plan,
+    costs: Costs | None,
+    memory_limit: float | None,
+    microbatch_scale: Sequence[float] | None = None,
 ) -> tuple[list[float], list[float], dict[int, float]]:
     """Check and time ``plan``: each action's start and end (numbered rank by rank, each rank in
     order) and each rank's peak memory."""
     costs = costs or Costs()
     costs.check(plan.num_stages)
     plan.validate()
+    scale = _check_scale(microbatch_scale, plan.n_microbatches)
     sc = [costs.stage(s) for s in range(plan.num_stages)]
 
     # Dependencies resolved once to action numbers: the loop below runs on plain lists.
@@ -186,12 +199,9 @@ def _run(
     peak = _peak_memory(plan, sc, memory_limit)
 
     first = _first_numbers(plan)
-    end: list[float] = []  # when each action ended; -1 while it has not run
-    durations: list[float] = []
-    for actions in plan.order.values():
-        end += [-1.0] * len(actions)
-        durations += [sc[a.stage].time(a.kind) for a in actions]
-    paired = _paired_numbers(plan, sc, first, durations)
+    end = [-1.0] * sum(len(actions) for actions in plan.order.values())  # -1: not run yet
+    durations = _durations(plan, sc, scale)
+    paired = _paired_numbers(plan, sc, first, durations, scale)
     begin = [0.0] * len(end)
     waiting: dict[int, list[int]] = defaultdict(list)  # action number -> ranks waiting for it
     pos = {r: 0 for r in plan.order}
@@ -229,8 +239,40 @@ def _run(
     return begin, end, peak
 
 
+def _durations(plan: Plan, sc: list[StageCosts], scale: list[float] | None) -> list[float]:
+    """Each action's time, numbered rank by rank (times its microbatch's factor, if given)."""
+    out: list[float] = []
+    for actions in plan.order.values():
+        if scale is None:
+            out += [sc[a.stage].time(a.kind) for a in actions]
+        else:
+            out += [sc[a.stage].time(a.kind) * scale[a.microbatch] for a in actions]
+    return out
+
+
+def _check_scale(scale: Sequence[float] | None, m: int) -> list[float] | None:
+    """``microbatch_scale`` as a list, or a ``ValueError`` that says what is wrong with it."""
+    if scale is None:
+        return None
+    out = [float(x) for x in scale]
+    if len(out) != m:
+        raise ValueError(f"microbatch_scale has {len(out)} factors for {m} microbatches; give {m}")
+    if not all(0.0 < x < float("inf") for x in out):
+        raise ValueError(f"microbatch_scale must be finite numbers > 0, got {list(scale)}")
+    return out
+
+
+def _scaled(c: StageCosts, k: float) -> StageCosts:
+    """``c`` for a microbatch ``k`` times as costly (times only)."""
+    return replace(c, f=c.f * k, b=c.b * k, w=c.w * k, a2a=c.a2a * k)
+
+
 def _paired_numbers(
-    plan: Plan, sc: list[StageCosts], first: Mapping[int, int], durations: list[float]
+    plan: Plan,
+    sc: list[StageCosts],
+    first: Mapping[int, int],
+    durations: list[float],
+    scale: list[float] | None = None,
 ) -> set[int]:
     """The numbers of the F actions that start a pair; each one's duration becomes the pair's."""
     out: set[int] = set()
@@ -242,7 +284,10 @@ def _paired_numbers(
             if a in starts:
                 me = first[rank] + step
                 b = actions[step + 1]
-                durations[me] = pair_time(sc[a.stage], sc[b.stage], b.kind)
+                ca, cb = sc[a.stage], sc[b.stage]
+                if scale is not None:
+                    ca, cb = _scaled(ca, scale[a.microbatch]), _scaled(cb, scale[b.microbatch])
+                durations[me] = pair_time(ca, cb, b.kind)
                 out.add(me)
     return out
 

@@ -22,7 +22,7 @@ re-plan share state.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -37,7 +37,9 @@ from ..planning import Costs, Layout, Plan
 from ..planning.fuse import fuse_adjacent_backward
 from . import measured_start, planned_actions
 from .action_loop import ActionProgram, Binder, bind_action, bind_program
+from .cost_order import CostOrder, check_microbatch_costs, in_data_order, in_slots
 from .entry import entry_name
+from .fixed_shapes import FixedShapes
 from .inputs import FirstStageKeywords, drop_inputs_off_stage0, microbatch_inputs
 from .measured_start import MeasuredStart
 from .memory_promise import first_step_plan
@@ -53,6 +55,7 @@ from .validation import (
     check_schedule_args,
     check_step_args,
 )
+from .varlen import ShapeExchange
 
 
 def plan_to_torch_actions(plan: Plan) -> dict[int, list[Any]]:
@@ -130,6 +133,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         split: Split = "auto",
         exact: bool = False,
         measure_memory: bool = True,
+        variable_shapes: bool = False,
         **plan_options: Any,
     ) -> None:
         """Check the arguments; build the plan, the engine, the stage seam and the tracer; check
@@ -147,6 +151,14 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
                 f"{type(self).__name__}: measure_memory must be True or False, "
                 f"got {measure_memory!r}"
             )
+        if not isinstance(variable_shapes, bool):
+            raise ValueError(
+                f"{type(self).__name__}: variable_shapes must be True or False, "
+                f"got {variable_shapes!r}"
+            )
+        #: microbatches may differ in shape from step to step and within a step: each step's
+        #: shapes go down the pipeline before its first send (zbpipe.schedules.varlen)
+        self.variable_shapes = variable_shapes
         if profiling:
             costs = None
             if not measure_memory:  # one switch for both ways of measuring bytes
@@ -198,9 +210,12 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
             fingerprint = config_fingerprint(
                 type(self), n_microbatches, self._num_stages, self.plan
             )
+            # ranks that disagree would send shape messages nobody receives
+            fingerprint += "|variable_shapes" if variable_shapes else ""
             summary = (
                 f"{type(self).__name__}(n_microbatches={n_microbatches}, "
-                f"stages={self._num_stages}, plan {fingerprint})"
+                f"stages={self._num_stages}, variable_shapes={variable_shapes}, "
+                f"plan {fingerprint})"
             )
             check_peers_agree(type(self), stages[0].group, self.rank, fingerprint, summary)
         self.seam = StageSeam(stages, engine)
@@ -236,6 +251,21 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         self._batch_keywords = FirstStageKeywords(stages)
         self._step_opts: tuple[bool, dict[str, Any] | None] = (True, None)
         self._warned_ignored_inputs = False  # step(x) on a rank without stage 0: warned once
+        # variable_shapes=True: each step's shapes go down the pipeline before its first send
+        # (zbpipe.schedules.varlen). Else nothing is sent: the rank of stage 0 checks that each
+        # microbatch has the first step's shapes (zbpipe.schedules.fixed_shapes). One rank: no
+        # receive buffers, neither is needed.
+        several_ranks = self.pp_group_size > 1
+        self._shapes = ShapeExchange() if variable_shapes and several_ranks else None
+        holds_first = any(st.is_first for st in stages)
+        self._fixed_shapes = (
+            FixedShapes() if not variable_shapes and several_ranks and holds_first else None
+        )
+        # microbatches ordered by their costs (zbpipe.schedules.cost_order): this step's factors
+        # (stage 0's rank) and the order every rank runs, None for data order
+        self._cost_order = CostOrder()
+        self._step_costs: tuple[float, ...] | None = None
+        self._slots: tuple[int, ...] | None = None
         # NaN/Inf losses of the last step, checked on the device and resolved when read
         self._nonfinite = NonfiniteLosses(self.rank)
         # torch's custom-function table lists zbpipe's handler for its compute and FSDP actions
@@ -311,6 +341,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         arg_mbs: list[Any] | None = None,
         kwarg_mbs: list[Any] | None = None,
         target_mbs: list[Any] | None = None,
+        microbatch_costs: Sequence[float] | None = None,
         **kwargs: Any,
     ) -> Any:
         """Run one step over ``n_microbatches`` microbatches (torch 2.14's ``step`` contract, on
@@ -322,7 +353,9 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         microbatch). The rank holding the last stage passes ``target`` (or ``target_mbs``) and may
         pass a ``losses`` list to receive the per-microbatch losses; ``loss_kwargs`` go to every
         microbatch's ``loss_fn(output, target, **loss_kwargs)``. See :mod:`zbpipe.schedules.inputs`.
+        ``microbatch_costs``: run the microbatches in their fastest order (:mod:`.cost_order`).
         """
+        self._step_costs = check_microbatch_costs(self, microbatch_costs, self.variable_shapes)
         check_step_args(
             self, args, kwargs, target, arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=target_mbs
         )
@@ -352,7 +385,22 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
             self._memory_replanner.after_step(self)  # collective after the first step
         return out
 
+    def _choose_slots(self) -> tuple[int, ...] | None:
+        """The order of this step's microbatches over the plan's slots (stage 0's rank, given
+        ``microbatch_costs``); None: data order, or another rank (it learns the order)."""
+        costs, self._step_costs = self._step_costs, None
+        if costs is None or not any(st.is_first for st in self._stages):
+            return None
+        return self._cost_order.slots(self.plan, self.costs, costs)
+
     def _update_losses(self, stages: Any, losses: list[Any] | None) -> None:
+        if self._slots is not None:  # back in the caller's order (zbpipe.schedules.cost_order)
+            slots, self._slots = self._slots, None
+            if len(self._internal_losses) == len(slots):
+                self._internal_losses[:] = in_data_order(self._internal_losses, slots)
+            for st in self._stages:
+                if st.is_last and len(st.output_chunks) == len(slots):
+                    st.output_chunks[:] = in_data_order(st.output_chunks, slots)
         # torch hands the losses over (and clears its own list) here: check them first, whether
         # or not the caller asked for them.
         self._report_nonfinite_losses(self._internal_losses)
@@ -444,7 +492,19 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         (unshard check, losses), the actions run as bound calls (:mod:`.action_loop`)."""
         arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
         first_target = target_mbs[0] if target_mbs is not None else None
+        if self._fixed_shapes is not None:  # stage 0's rank, before any message (fixed_shapes)
+            self._fixed_shapes.check(type(self).__name__, arg_mbs, kwarg_mbs)
         C.initialize_stages(self, arg_mbs[0], kwarg_mbs[0], first_target, loss_kwargs)
+        if self._fixed_shapes is not None:
+            self._fixed_shapes.set_up(arg_mbs[0], kwarg_mbs[0])
+        slots = self._choose_slots()
+        if slots is not None:  # stage 0's rank: its microbatches in the order they run
+            arg_mbs, kwarg_mbs = in_slots(arg_mbs, slots), in_slots(kwarg_mbs, slots)
+        if self._shapes is not None:  # variable_shapes=True on several ranks (varlen.py)
+            slots = self._shapes.before_step(self, arg_mbs, kwarg_mbs, slots)
+        self._slots = slots if slots is not None and list(slots) != sorted(slots) else None
+        if self._slots is not None and target_mbs is not None:
+            target_mbs = in_slots(target_mbs, self._slots)
         C.backward_counter(self).clear()
         ctx = C.pipeline_context(self, arg_mbs, kwarg_mbs, target_mbs, losses)
         if self._measured_start is not None and self._has_backward:
