@@ -5,7 +5,7 @@ every call, and less slowed when the real times are not the planned ones."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from zbpipe.planning import Costs, Plan, plan, simulate
@@ -47,13 +47,21 @@ def test_the_gpt_remade_plan_keeps_its_speed_under_the_measured_times() -> None:
     assert chosen.meta["perturbed_ties"] == 4
 
 
-@settings(max_examples=30, deadline=None)
+# 12 random cases (30 before) and the largest size in each mode written out, with unequal bytes
+# and a B that frees memory (-0.3) beside Bs that hold more (0.8)
+_MEM = [(0.5, -0.3), (2.0, 0.8), (1.2, 0.1), (0.7, 0.5), (1.9, -0.2), (1.0, 0.0)]
+
+
+@settings(max_examples=12, deadline=None)
 @given(
     p=st.integers(2, 3),
     k=st.integers(2, 3),
     mem=st.lists(st.tuples(st.floats(0.5, 2.0), st.floats(-0.3, 0.8)), min_size=6, max_size=6),
     mode=st.sampled_from(["zb", "half", "min"]),
 )
+@example(p=3, k=3, mem=_MEM, mode="zb")
+@example(p=3, k=3, mem=_MEM, mode="half")
+@example(p=3, k=3, mem=_MEM, mode="min")
 def test_never_slower_than_the_generators_choice_and_within_its_budget(p, k, mem, mode) -> None:
     mem = mem[: 2 * p]
     costs = Costs(

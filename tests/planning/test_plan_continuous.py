@@ -1,7 +1,7 @@
 """Continuous (flush-free) plans: sync rule, weight-version bounds, periods, the bubble saved."""
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from zbpipe.planning.continuous.periods import (
@@ -162,8 +162,13 @@ def _stash_versions(acts, m):
     return worst
 
 
-@settings(max_examples=25, deadline=None)
+# 12 drawn cases (25 before) and the corners written out: one rank; the largest p and m over
+# the most mini-batches; m < p
+@settings(max_examples=12, deadline=None)
 @given(p=st.integers(1, 8), m=st.integers(1, 16), n=st.integers(1, 4), costs=costs_st)
+@example(p=1, m=1, n=4, costs=Costs(f=0.5, b=2.0, w=0.2, comm=0.5))
+@example(p=8, m=16, n=4, costs=Costs(f=1.0, b=1.5, w=0.5, comm=0.1))
+@example(p=8, m=3, n=3, costs=Costs(f=2.0, b=0.5, w=2.0, comm=0.0))
 def test_2bw_and_stash_property(p, m, n, costs):
     base = simulate(plan_1f1b(p, m), costs)
     for mode in ("2bw", "stash"):
@@ -247,8 +252,12 @@ def test_bad_arguments():
         plan_continuous(2, 2, n_minibatches=0)
 
 
-@settings(max_examples=25, deadline=None)
+# 12 drawn cases (25 before) and the corners written out
+@settings(max_examples=12, deadline=None)
 @given(p=st.integers(1, 6), m=st.integers(1, 10), costs=costs_st)
+@example(p=1, m=1, costs=Costs(f=0.5, b=2.0, w=0.2, comm=0.5))
+@example(p=6, m=10, costs=Costs(f=1.0, b=1.5, w=0.5, comm=0.1))
+@example(p=6, m=2, costs=Costs(f=2.0, b=0.5, w=2.0, comm=0.0))
 def test_stale_plans_are_never_behind_sync_on_four_minibatches(p, m, costs):
     """Every sync order is a valid 2bw / stash order and is among their candidates, so over the
     4 joined mini-batches the planner compares on, a stale plan is never slower than sync's."""

@@ -6,16 +6,21 @@ Plan layer only: no torch.
 
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from tests.planning._plans import made
 from zbpipe.planning import Action, Costs, PlanError, make_plan, simulate, v_placement
 from zbpipe.planning.costs import pair_time
 from zbpipe.planning.csv_format import plan_from_csv, plan_to_csv
 from zbpipe.planning.fuse import fuse_adjacent_backward
 from zbpipe.planning.loop.onef1b import plan_1f1b
 from zbpipe.planning.registry import plan
+from zbpipe.planning.v import dualpipev as dualpipev_module
 from zbpipe.planning.v.dualpipev import dualpipev_units, plan_dualpipev, skeleton_budget
 from zbpipe.planning.v.pairing import pair_neighbours
 from zbpipe.planning.v.weight_fill import fill_weight_passes
@@ -217,11 +222,63 @@ costs_st = st.builds(
 )
 
 
-@settings(max_examples=60, deadline=None)
-@given(p=st.integers(1, 5), m=st.integers(1, 20), costs=costs_st)
+@contextlib.contextmanager
+def zbv_planned_once():
+    """Within the block, ZB-V's plan for the same arguments is made once: the ``plan_zbv`` that
+    ``plan_dualpipev`` calls (ZB-V's plan is one of its candidates, and its budget) is memoized,
+    and the block gets the same memoized function to compare with that plan. ``plan_zbv`` is
+    deterministic (DESIGN.md: every rank computes the same plan) and a Plan is frozen, so the
+    plans are the ones fresh calls give; only the repeated search (most of the time) is saved."""
+    memo = {}
+
+    def once(p, m, costs=None, memory_limit=None, memory="zb"):
+        key = (p, m, repr(costs), memory_limit, memory)
+        if key not in memo:
+            memo[key] = plan_zbv(p, m, costs, memory_limit=memory_limit, memory=memory)
+        return memo[key]
+
+    with mock.patch.object(dualpipev_module, "plan_zbv", once):
+        yield once
+
+
+def test_zbv_planned_once_gives_the_plans_fresh_calls_give():
+    costs = Costs(f=1, b=1.5, w=0.5, comm=0.1, a2a=0.5)
+    fresh = plan_dualpipev(3, 7, costs)
+    with zbv_planned_once() as zbv:
+        assert zbv(3, 7, costs) is zbv(3, 7, costs, memory_limit=None, memory="zb")
+        assert zbv(3, 7, costs) == plan_zbv(3, 7, costs)
+        assert zbv(3, 7, costs, memory="min") == plan_zbv(3, 7, costs, memory="min")
+        shared = plan_dualpipev(3, 7, costs)
+        assert shared == fresh and shared.meta == fresh.meta
+    assert dualpipev_module.plan_zbv is plan_zbv  # put back after the block
+
+
+# 25 random cases (60 before) and the branches' edges written out: corners of the ranges, m = 2p
+# at the largest p (the least m with the whole DualPipeV order) and m = 2p - 1 (none of it), each
+# with and without collectives (hedged and paying pairs). The far corner p=5, m=20 is left to the
+# draws: it alone costs as much as five drawn cases. From m = 2 on, as ZB-V's promise: with one
+# microbatch the plan is ZB-V's, which can lose to 1F1B (the strict xfail below); two m = 1
+# cases where it holds are written out, so that m = 1 plans are still checked complete,
+# deadlock-free and within the budget.
+@settings(max_examples=25, deadline=None)
+@given(p=st.integers(1, 5), m=st.integers(2, 20), costs=costs_st)
+@example(p=1, m=1, costs=Costs(f=0.2, b=2, w=0.1, comm=0.3))
+@example(p=5, m=1, costs=Costs(f=2, b=0.2, w=2, comm=0.0, a2a=0.2))
+@example(p=1, m=2, costs=Costs(f=0.2, b=2, w=0.1, comm=0.3))
+@example(p=1, m=20, costs=Costs(f=1, b=1.5, w=0.5, comm=0.3, a2a=1.5))
+@example(p=5, m=2, costs=Costs(f=2, b=0.2, w=2, comm=0.0, a2a=0.2))
+@example(p=5, m=10, costs=Costs(f=1, b=1.2, w=0.6, comm=0.05))
+@example(p=5, m=10, costs=Costs(f=1, b=1.2, w=0.6, comm=0.05, a2a=0.5))
+@example(p=4, m=7, costs=Costs(f=1, b=2, w=0.5, comm=0.1))
+@example(p=4, m=7, costs=Costs(f=1, b=2, w=0.5, comm=0.1, a2a=1.0))
 def test_dualpipev_is_complete_correct_deadlock_free_within_budget_and_not_slower_than_1f1b(
     p, m, costs
 ):
+    with zbv_planned_once() as plan_zbv_once:
+        _check_dualpipev_promises(p, m, costs, plan_zbv_once)
+
+
+def _check_dualpipev_promises(p, m, costs, plan_zbv_once):
     pl = plan_dualpipev(p, m, costs)
     # 1F1B's peak on the same model (p stages of two chunks: stage 0 holds p microbatches of two
     # chunks) and one chunk microbatch: what a pair's F holds before its B and W free anything
@@ -229,7 +286,7 @@ def test_dualpipev_is_complete_correct_deadlock_free_within_budget_and_not_slowe
     r = simulate(pl, costs, memory_limit=budget)  # raises on a missing, misordered or stuck action
     whole = costs.joined(2)
     assert r.makespan <= simulate(plan_1f1b(p, m, whole), whole).makespan + EPS
-    zbv = plan_zbv(p, m, costs)
+    zbv = plan_zbv_once(p, m, costs)  # the plan plan_dualpipev had as a candidate
     if m >= 2 * p:  # equal bytes: the DualPipeV order fits its budget with every pair
         assert pl.meta["skeleton_fits"]
     if costs.a2a == 0:  # nothing said of the collectives: hedged between free and a2a = f
@@ -247,12 +304,29 @@ def test_dualpipev_is_complete_correct_deadlock_free_within_budget_and_not_slowe
         assert r.makespan <= simulate(most, costs).makespan + EPS
 
 
-@settings(max_examples=15, deadline=None)
+@pytest.mark.xfail(strict=True, reason="known: one microbatch, costly comm, light W")
+def test_dualpipev_with_one_microbatch_can_lose_to_1f1b():
+    """The case hypothesis drew from the property above while m started at 1 (found while slimming
+    the suite, issue 45): with m = 1 < 2p the plan is ZB-V's, 9.125 against 1F1B's 9.0 (the same
+    case as test_plan_zbv.py's xfail)."""
+    costs = Costs(f=1, b=1, w=0.125, comm=0.25)
+    whole = costs.joined(2)
+    ours = simulate(plan_dualpipev(2, 1, costs), costs).makespan
+    assert ours <= simulate(plan_1f1b(2, 1, whole), whole).makespan + EPS
+
+
+# 6 random cases per mode (15 before) and edges written out: the smallest, the largest p at
+# m = 2p (the whole DualPipeV order), the largest m at the smallest p
+@settings(max_examples=6, deadline=None)
 @given(p=st.integers(2, 5), m=st.integers(1, 14), costs=costs_st)
+@example(p=2, m=1, costs=Costs(f=0.2, b=2, w=0.1, comm=0.3, a2a=1.5))
+@example(p=5, m=10, costs=Costs(f=1, b=1.2, w=0.6, comm=0.05))
+@example(p=2, m=14, costs=Costs(f=1, b=1.5, w=0.5, comm=0.3, a2a=0.5))
 @pytest.mark.parametrize("mode", ["half", "min"])
 def test_dualpipev_memory_modes_keep_zbvs_budget(mode, p, m, costs):
-    pl = plan_dualpipev(p, m, costs, memory=mode)
-    budget = plan_zbv(p, m, costs, memory=mode).meta["memory_budget"]
+    with zbv_planned_once() as plan_zbv_once:
+        pl = plan_dualpipev(p, m, costs, memory=mode)
+        budget = plan_zbv_once(p, m, costs, memory=mode).meta["memory_budget"]
     simulate(pl, costs, memory_limit=budget)  # raises if a rank holds more
 
 
@@ -279,7 +353,7 @@ UNEQUAL = Costs(
 def test_a_pair_that_does_not_fit_is_split_not_the_whole_order():
     p, m = 2, 8
     sc = UNEQUAL.per_stage(2 * p)
-    budget = plan_dualpipev(p, m, UNEQUAL).meta["memory_budget"]
+    budget = made(plan_dualpipev, p, m, UNEQUAL).meta["memory_budget"]
     units = dualpipev_units(p, m)
     whole = sum(isinstance(u, tuple) for us in units.values() for u in us)
     assert fill_weight_passes(units, sc, v_placement(p), budget) is None  # not with every pair
@@ -292,7 +366,7 @@ def test_a_pair_that_does_not_fit_is_split_not_the_whole_order():
 def test_the_budget_that_keeps_every_pair_is_the_least_that_does():
     p, m = 2, 8
     need = skeleton_budget(p, m, UNEQUAL)
-    assert need > plan_dualpipev(p, m, UNEQUAL).meta["memory_budget"]
+    assert need > made(plan_dualpipev, p, m, UNEQUAL).meta["memory_budget"]
     full = plan_dualpipev(p, m, UNEQUAL, memory_limit=need, pairs="most")
     assert full.meta["skeleton_fits"] and len(full.pairs) >= full.meta["skeleton_pairs"]
     less = plan_dualpipev(p, m, UNEQUAL, memory_limit=need * 0.99)
@@ -305,7 +379,7 @@ def test_not_knowing_the_collectives_the_plan_is_near_the_best_either_way():
     with every pair the budget allows is far slower with free collectives (why no mode takes a
     plan slower than 1F1B's, and the default does not count pairs)."""
     p, m = 2, 8
-    hedged = plan_dualpipev(p, m, UNEQUAL)
+    hedged = made(plan_dualpipev, p, m, UNEQUAL)
     most = plan_dualpipev(p, m, UNEQUAL, pairs="most")
     assert hedged.meta["pairs_mode"] == "hedged" and hedged.pairs
     assert len(most.pairs) >= len(hedged.pairs)

@@ -2,7 +2,7 @@
 
 from collections import Counter
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from zbpipe.planning import Costs, plan_1f1b, plan_zbh1, simulate
@@ -35,8 +35,29 @@ def assert_complete(pl, split: bool):
     assert counts == expected
 
 
-@settings(max_examples=300, deadline=None)
+def _edge(p, m):
+    """A case at the edge of the drawn ranges, with unequal per-stage costs and some comm."""
+    costs = Costs(
+        f=[0.1 + (3 * s) % 29 / 10 for s in range(p)],
+        b=[3.0 - (7 * s) % 29 / 10 for s in range(p)],
+        w=[0.1 + (11 * s) % 29 / 10 for s in range(p)],
+        comm=0.5,
+    )
+    return p, m, costs
+
+
+# 100 random cases (300 before: the properties hold by construction, and 100 draws over these
+# ranges hit m < p, m = p and m > p many times each), plus the ranges' corners and the largest p
+# around m = p, written out so that no run can miss them.
+@settings(max_examples=100, deadline=None)
 @given(cases())
+@example(_edge(1, 1))
+@example(_edge(1, 64))
+@example(_edge(16, 1))
+@example(_edge(16, 15))
+@example(_edge(16, 16))
+@example(_edge(16, 17))
+@example(_edge(16, 64))
 def test_1f1b_and_zbh1_are_complete_correct_and_zbh1_is_never_slower(case):
     p, m, costs = case
     base_plan = plan_1f1b(p, m, costs)
