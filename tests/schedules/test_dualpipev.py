@@ -73,22 +73,32 @@ def _hidden(log, collective_backward: bool) -> list[tuple[str, str]]:
     return found
 
 
-def test_a_pair_overlaps_each_halfs_collective_with_the_other_halfs_compute():
-    on = run_ranks(cases.overlap_log, 2, 4, True, timeout=300)
-    off = run_ranks(cases.overlap_log, 2, 4, False, timeout=300)
-    for log in on:
+@pytest.fixture(scope="module")
+def pair_order():
+    """Per rank, per ``overlap``: the model's log of one step and the trace of another (one
+    launch of 2 ranks for both tests below)."""
+    return run_ranks(cases.pair_order, 2, 4, timeout=300)
+
+
+def test_a_pair_overlaps_each_halfs_collective_with_the_other_halfs_compute(pair_order):
+    for per_overlap in pair_order:
+        log = per_overlap[True][0]
         assert _hidden(log, collective_backward=False), "no forward all-to-all hid a backward"
         assert _hidden(log, collective_backward=True), "no backward all-to-all hid a forward"
-    for log in off:  # the same plan with each pair's halves in turn: nothing hidden
+        log = per_overlap[False][0]  # the same plan with each pair's halves in turn: nothing hidden
         assert not _hidden(log, False) and not _hidden(log, True)
 
 
-def test_a_traced_pair_shows_its_two_halves_inside_its_span():
+def test_a_traced_pair_shows_its_two_halves_inside_its_span(pair_order):
     """The tracer keeps one F+B event per pair (the rank's busy time) and, inside it, each half
     piece by piece: the plan's F and B of that pair, alternating where the halves interleave
-    (F cut by B at the points), B then F where they ran in turn."""
+    (F cut by B at the points), B then F where they ran in turn.
+
+    The ranks' tracer reads a counter clock (``_dualpipev_cases.pair_trace``): "inside" and "in
+    turn" are the order the tracer read its clock in, never measured times."""
     for overlap in (True, False):
-        for events, pieces, pairs, chrome in run_ranks(cases.pair_trace, 2, 4, overlap):
+        for events, pieces, pairs, chrome in (r[overlap][1] for r in pair_order):
+            assert all(float(e.start).is_integer() for e in (*events, *pieces))  # the counter
             spans = [e for e in events if e.kind == "F+B"]
             assert len(spans) == len(pairs) > 0
             planned = {(f_stage, f_mb): tuple(b) for f_stage, f_mb, *b in pairs}
