@@ -4,7 +4,7 @@ After a counted step (and ``gc.collect()``) two independent counts, both of dist
 
 * ``saved``: storages autograd saved during any step so far and still alive
   (``_saved_census.SavedCensus``, one census across all steps: a tensor saved in step 3 and
-  alive after step 20 counts);
+  alive after step 9 counts);
 * ``tensors``: storages of every tensor the garbage collector can reach.
 
 Left out of both: module state (parameters, buffers, their ``.grad``), which lives on by design.

@@ -350,3 +350,11 @@ def tp_cases(
     rank: int, world: int, cases: list[tuple[str, int, dict, bool]]
 ) -> list[dict[str, Any]]:
     return [pp_tp_case(rank, world, s, m, o, d) for s, m, o, d in cases]
+
+
+def fsdp_and_tp_cases(
+    rank: int, world: int, fsdp: list[tuple[str, int, dict, bool]], tp: list[tuple]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """:func:`fsdp_cases`, then :func:`tp_cases`, in one process group (starting 4 ranks is
+    the slow part on 2 cores)."""
+    return fsdp_cases(rank, world, fsdp), tp_cases(rank, world, tp)

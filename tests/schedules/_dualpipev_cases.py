@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
+import time
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -140,8 +143,21 @@ def overlap_log(rank, world, m, overlap):
 
 
 def pair_trace(rank, world, m, overlap):
-    """One step of the overlap test's model (no log); the rank's traced events and pieces, the
-    plan's pairs of this rank as (F's stage, mb, B's kind, stage, mb), and the Chrome JSON."""
+    """One step of the overlap test's model (no log) traced on a counter clock (every clock
+    read the next integer: a span or piece's ends are the order the tracer read them in, not
+    measured times); the rank's traced events and pieces, the plan's pairs of this rank as
+    (F's stage, mb, B's kind, stage, mb), and the Chrome JSON."""
+    from zbpipe.observe import trace as tracing
+
+    ticks = itertools.count()
+    tracing.time = SimpleNamespace(perf_counter=lambda: float(next(ticks)))  # type: ignore[attr-defined]
+    try:
+        return _pair_trace(rank, world, m, overlap)
+    finally:
+        tracing.time = time  # type: ignore[attr-defined]
+
+
+def _pair_trace(rank, world, m, overlap):
     pp_group, ep_group, pp_rank, ep_rank = groups(rank, world, 1)
     mods = build_moe_stages(CFG, 2 * world, ep_group, ep_rank, seed=5)
     mine = sorted(s for s, r in ScheduleDualPipeV.stage_index_to_rank(world).items() if r == rank)
@@ -165,6 +181,15 @@ def pair_trace(rank, world, m, overlap):
     ]
     trace = sched.tracer.gather()
     return list(sched.tracer.events), list(sched.tracer.pieces), pairs, trace.to_chrome()
+
+
+def pair_order(rank, world, m):
+    """Both settings of ``overlap``, in one process group: the model's log of a step
+    (:func:`overlap_log`) and the traced pair pieces of another (:func:`pair_trace`)."""
+    return {
+        overlap: (overlap_log(rank, world, m, overlap), pair_trace(rank, world, m, overlap))
+        for overlap in (True, False)
+    }
 
 
 def saved_peak(rank, world, m, modes):

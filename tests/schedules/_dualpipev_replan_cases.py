@@ -10,7 +10,10 @@ budget.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
+import time
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
@@ -85,11 +88,39 @@ def default_arguments(rank, world, m, memory_limit=None, seed=7):
     }
 
 
+class VirtualLatency:
+    """A clock for the schedule's timings: the real ``perf_counter`` plus every ``sleep`` so
+    far, where ``sleep`` sleeps nothing but moves the clock on. Installed in the model
+    (:mod:`zbpipe.testing.moe`), the pair runner and the tracer, a collective's latency is then
+    an exact injected amount of clock time, which lands in ``Costs.a2a`` and never in F or B
+    if the waits are accounted right, whatever the machine's load."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def perf_counter(self) -> float:
+        return time.perf_counter() + self.offset
+
+    def sleep(self, seconds: float) -> None:
+        self.offset += max(seconds, 0.0)
+
+
 def profiled(rank, world, m, latency, seed=11):
-    """costs="profile" on the MoE model whose every all-to-all waits ``latency`` seconds: four
-    steps (the profile re-plans after the third); the measured costs, the pairs' halves of the
-    profiled steps, the plan's pairs and mode, and the largest gradient difference of the
-    fourth step (run by the re-made plan) from an unpipelined reference."""
+    """costs="profile" on the MoE model whose every all-to-all waits ``latency`` seconds of a
+    :class:`VirtualLatency` clock: three steps (a warm-up, one profiled step that re-plans at
+    its end, one of the re-made plan); the measured costs, the pairs' halves of the profiled
+    step, the plan's pairs and mode, the plan the schedule makes for fixed times (collectives
+    twice the compute), and the largest gradient difference of the third step
+    from an unpipelined reference."""
+    from zbpipe.observe import trace
+    from zbpipe.observe.profile import ProfileConfig
+    from zbpipe.schedules import pairs as pair_runner
+    from zbpipe.testing import moe
+
+    clock = VirtualLatency()
+    fake = SimpleNamespace(perf_counter=clock.perf_counter, sleep=clock.sleep)
+    for module in (moe, trace, pair_runner):
+        module.time = fake  # type: ignore[attr-defined]
     pp_group, ep_group, _, _ = groups(rank, world, 1)
     mods = build_moe_stages(CFG, 4, ep_group, 0, latency=latency, seed=seed)
     ref = copy.deepcopy(nn.Sequential(*mods))
@@ -99,12 +130,24 @@ def profiled(rank, world, m, latency, seed=11):
     mine = (rank, 3 - rank)
     stages = [PipelineStage(mods[s], s, 4, torch.device("cpu"), group=pp_group) for s in mine]
     sched = ScheduleDualPipeV(
-        stages, m, loss_fn=lm_loss, comm_points=points(mods[s] for s in mine), costs="profile"
+        stages,
+        m,
+        loss_fn=lm_loss,
+        comm_points=points(mods[s] for s in mine),
+        costs="profile",
+        profile=ProfileConfig(profile_steps=1),
     )
-    for _ in range(4):
-        for mod in mods:
-            mod.zero_grad(set_to_none=True)
-        sched.step(*((ids,) if rank == 0 else ()), target=tgt if rank == 0 else None)
+    ran = 0  # the pairs with a B (whose halves are measured) of the plan the profiled step runs
+    try:
+        for step in range(3):
+            if step == 1:
+                ran = sum(1 for f, b in sched.plan.pairs if f.stage in mine and b.kind == "B")
+            for mod in mods:
+                mod.zero_grad(set_to_none=True)
+            sched.step(*((ids,) if rank == 0 else ()), target=tgt if rank == 0 else None)
+    finally:
+        for module in (moe, trace, pair_runner):
+            module.time = time  # type: ignore[attr-defined]
     worst = 0.0
     for s in mine:
         ref_params = dict(ref[s].named_parameters())
@@ -115,10 +158,17 @@ def profiled(rank, world, m, latency, seed=11):
         (e.kind, e.stage, e.end - e.start - e.waited, overlapped)
         for e, overlapped in sched._profiler.halves
     ]
+    # the schedule's own re-plan (pairs="paying" once profiled) for the measured bytes with fixed
+    # times: each chunk's collectives twice its compute
+    fixed = dataclasses.replace(
+        sched.measured_costs, f=(1.0,) * 4, b=(1.0,) * 4, w=(1.0,) * 4, a2a=(2.0,) * 4
+    )
     return {
         "costs": sched.measured_costs,
         "plan": sched.plan,
+        "fixed": (fixed, sched.build_plan(world, m, fixed)),
         "halves": halves,
+        "profiled_pairs": ran,
         "worst": worst,
         "overlaps": sched.overlaps,
     }

@@ -55,12 +55,12 @@ def torch_1f1b_peak(rank: int, world: int, m: int, steps: int = 2) -> int:
 
 
 def default_peak_and_grads(
-    rank: int, world: int, name: str, split: str, m: int, steps: int = 3, **options
+    rank: int, world: int, name: str, split: str, m: int, steps: int = 2, **options
 ) -> dict:
     """One zbpipe schedule built with default arguments (plus ``options``): this rank's peak
     held for backward in the last of ``steps`` steps (the first re-planned for the measured
-    bytes), the largest gradient difference from the unpipelined reference in that step, the
-    rank-0 log lines, and the plan's name."""
+    bytes; the second and any later run the re-made plan), the largest gradient difference
+    from the unpipelined reference in that step, the rank-0 log lines, and the plan's name."""
     cls = zbpipe.get_schedule_class(name)
     v = cls.layout == "v"
     mods = _modules(world, v)
@@ -105,13 +105,15 @@ def default_peak_and_grads(
 
 
 def heavy_head_rows(rank: int, world: int, m: int, runs: list[tuple[str, str]]) -> dict:
-    """torch 1F1B's peak, then every ``(schedule name, engine)`` of ``runs`` with defaults."""
+    """torch 1F1B's peak, then every ``(schedule name, engine)`` of ``runs`` with defaults,
+    then :func:`opted_out`."""
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     out: dict = {"torch": torch_1f1b_peak(rank, world, m)}
     for name, split in runs:
         out[(name, split)] = default_peak_and_grads(rank, world, name, split, m)
+    out["opted_out"] = opted_out(rank, world, m)
     return out
 
 
@@ -125,14 +127,6 @@ def opted_out(rank: int, world: int, m: int) -> dict:
         ids, tgt = _batch(m, step)
         sched.step(*((ids,) if rank == 0 else ()), target=tgt if rank == world - 1 else None)
     return {"replanned": sched.memory_costs is not None, "same_plan": sched.plan is before}
-
-
-def four_rank_grads(rank: int, world: int, m: int) -> dict:
-    """Largest gradient difference from the reference after the re-plan (correctness only)."""
-    return {
-        name: default_peak_and_grads(rank, world, name, "deferred", m, steps=2)["grad_diff"]
-        for name in ("ZBH1", "ZBV", "ZBVMin")
-    }
 
 
 def chooser_rows(rank: int, world: int, m: int, budgets: list[str]) -> dict:

@@ -6,6 +6,7 @@ shares nothing with zbpipe's probe, meter or plans.
 
 from __future__ import annotations
 
+import copy
 import gc
 from functools import partial
 from typing import Any
@@ -91,7 +92,10 @@ def build(n_stages: int, world: int, ac: str = "", moe: bool = False, vocab: int
     return out
 
 
-def _steps(sched: Any, stages: list, mine: list, m: int, steps: int, box: list, vocab: int) -> list:
+def _steps(
+    sched: Any, stages: list, mine: list, m: int, steps: int, box: list, vocab: int, last_only: bool
+) -> list:
+    """The held peak of each step (``last_only``: of the last; the others run unmetered)."""
     cfg = TinyGPTConfig(**{**SHAPE, "vocab": vocab})
     last = max(st.stage_index for st in stages) == _num_stages(stages) - 1
     peaks = []
@@ -99,6 +103,9 @@ def _steps(sched: Any, stages: list, mine: list, m: int, steps: int, box: list, 
         ids, tgt = synthetic_batch(cfg, m * ROWS, step)
         for st in stages:
             st.submod.zero_grad(set_to_none=True)
+        if last_only and step < steps - 1:
+            sched.step(*((ids,) if 0 in mine else ()), target=tgt if last else None)
+            continue
         gc.collect()
         box[0] = meter = LiveStorageMeter()
         with meter:
@@ -109,11 +116,24 @@ def _steps(sched: Any, stages: list, mine: list, m: int, steps: int, box: list, 
     return peaks
 
 
-def run(rank: int, world: int, name: str, m: int, steps: int, build_kw: dict, **options: Any):
-    """This rank's held peak per step (and the schedule, for its predictions)."""
+def run(
+    rank: int,
+    world: int,
+    name: str,
+    m: int,
+    steps: int,
+    build_kw: dict,
+    last_only: bool = False,
+    grads: bool = False,
+    **options: Any,
+):
+    """This rank's held peak per step (``last_only``: of the last step only), the schedule,
+    for its predictions, and (``grads``) the largest difference of the last step's gradients
+    from the unpipelined model's on the same batch (else None)."""
     v = name != "torch" and zbpipe.get_schedule_class(name).layout == "v"
     n = 2 * world if v else world
     mods = build(n, world, **build_kw)
+    ref = copy.deepcopy(nn.Sequential(*mods)) if grads else None
     placement = v_placement(world) if v else loop_placement(world, n)
     mine = sorted(s for s, r in placement.items() if r == rank)
     stages = [PipelineStage(mods[s], s, n, torch.device("cpu")) for s in mine]
@@ -125,7 +145,18 @@ def run(rank: int, world: int, name: str, m: int, steps: int, build_kw: dict, **
         sched = zbpipe.get_schedule_class(name)(stages, m, loss_fn=lm_loss, trace=False, **options)
         mark_after(sched.seam, SEAM_ACTIONS, box)
     vocab = build_kw.get("vocab") or SHAPE["vocab"]
-    return _steps(sched, stages, mine, m, steps, box, vocab), sched
+    peaks = _steps(sched, stages, mine, m, steps, box, vocab, last_only)
+    if ref is None:
+        return peaks, sched, None
+    ids, tgt = synthetic_batch(TinyGPTConfig(**{**SHAPE, "vocab": vocab}), m * ROWS, steps - 1)
+    losses = [lm_loss(ref(x), y) for x, y in zip(ids.chunk(m), tgt.chunk(m))]
+    (torch.stack(losses).sum() / m).backward()
+    diff = max(
+        (p.grad - q.grad).abs().max().item()
+        for s in mine
+        for p, q in zip(mods[s].parameters(), ref[s].parameters(), strict=True)
+    )
+    return peaks, sched, diff
 
 
 def _num_stages(stages: list) -> int:
@@ -133,16 +164,23 @@ def _num_stages(stages: list) -> int:
 
 
 def promise_rows(rank: int, world: int, m: int, runs: list) -> dict:
-    """torch 1F1B's held peak per step, then each ``(name, split, mode)`` of ``runs``."""
+    """torch 1F1B's held peak per step, then each ``(name, split, mode)`` of ``runs`` (and,
+    under ``"grads"``, its last step's largest gradient difference from the reference).
+
+    Two steps with defaults: the first runs the plan made before any byte is known (a V
+    schedule's measured start), the second the plan re-made for the measured bytes. With
+    ``costs="profile"`` three: a warm-up, one profiled step, then the plan re-made from the
+    profile (a second profiled step would run the same plan as the first)."""
     torch.set_num_threads(1)
-    out: dict = {"torch": run(rank, world, "torch", m, 2, {})[0]}
+    out: dict = {"torch": run(rank, world, "torch", m, 2, {})[0], "grads": {}}
     for name, split, mode in runs:
         options: dict = {"split": split}
-        steps = 3
+        steps = 2
         if mode == "profile":
-            options.update(costs="profile", profile=zbpipe.ProfileConfig(comm=0.0))
-            steps = 4  # one warm-up, two profiled steps, then the re-made plan
-        out[(name, split, mode)] = run(rank, world, name, m, steps, {}, **options)[0]
+            options.update(costs="profile", profile=zbpipe.ProfileConfig(comm=0.0, profile_steps=1))
+            steps = 3
+        peaks, _, diff = run(rank, world, name, m, steps, {}, grads=True, **options)
+        out[(name, split, mode)], out["grads"][(name, split, mode)] = peaks, diff
     return out
 
 
@@ -152,10 +190,20 @@ def checkpointed_rows(rank: int, world: int, m: int, build_kw: dict, names: list
     torch.set_num_threads(1)
     out: dict = {}
     for name in names:
-        peaks, sched = run(rank, world, name, m, 2, build_kw, split="deferred")
+        peaks, sched, _ = run(rank, world, name, m, 2, build_kw, last_only=True, split="deferred")
         r = simulate(sched.plan, sched.memory_costs)
         out[name] = {
             "measured": peaks[-1],
             "predicted": max(r.peak_memory.values()) * sched.memory_unit_bytes,
         }
+    return out
+
+
+def all_rows(rank: int, world: int, m: int, runs: list, checkpointed: dict, names: list) -> dict:
+    """:func:`promise_rows` of ``runs``, then :func:`checkpointed_rows` of ``names`` for each
+    ``{key: build_kw}`` of ``checkpointed``: every 4-rank run of the promise tests in one
+    process group (starting 4 ranks is slow on 2 cores)."""
+    out = {"promise": promise_rows(rank, world, m, runs)}
+    for key, build_kw in checkpointed.items():
+        out[key] = checkpointed_rows(rank, world, m, build_kw, names)
     return out

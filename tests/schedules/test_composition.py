@@ -5,7 +5,8 @@ Four gloo processes on CPU, one thread each, mesh ``(pp=2, dp=2)`` or ``(pp=2, t
 from the same seed in the same process (tests/schedules/_composition_cases.py). For FSDP2 the test
 also checks *when* gradients are reduced: a stage's reduce-scatters come from its single REDUCE_GRAD
 action, after its last W, once per FSDP parameter group: never early from FSDP's own hooks
-inside a B or W, never twice. One process group per test: spawning 4 processes is the slow part.
+inside a B or W, never twice. One process group for both meshes: spawning 4 processes is the
+slow part.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 from tests.schedules import _composition_cases as cases
 from zbpipe.testing import run_ranks
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]  # the launch: the first test's setup
 
 WORLD = 4
 
@@ -79,19 +80,35 @@ def _per_split(case_list: list[tuple]) -> list[tuple]:
     return [(s, m, {**o, "split": split}, x) for split in SPLITS for s, m, o, x in case_list]
 
 
-def test_pp_x_fsdp2_grads_and_reduce_scatter_after_last_w():
-    # (schedule, n_microbatches, options, reshard_after_forward of the blocks)
-    case_list = _per_split(
-        [
-            ("ScheduleZBH1", 4, {}, False),  # torchtitan's default under PP: blocks unsharded
-            ("ScheduleZBV", 4, {}, False),
-            ("ScheduleZBH1", 4, {}, True),  # ZeRO-3 style: blocks resharded after every forward
-            ("ScheduleZBV", 5, {"memory": "half"}, True),
-        ]
-    )
-    results = run_ranks(cases.fsdp_cases, WORLD, case_list, timeout=300)
-    for rank, per_case in enumerate(results):
-        for (schedule, m, options, raf), r in zip(case_list, per_case):
+#: (schedule, n_microbatches, options, reshard_after_forward of the blocks)
+FSDP_CASES = _per_split(
+    [
+        ("ScheduleZBH1", 4, {}, False),  # torchtitan's default under PP: blocks unsharded
+        ("ScheduleZBV", 4, {}, False),
+        ("ScheduleZBH1", 4, {}, True),  # ZeRO-3 style: blocks resharded after every forward
+        ("ScheduleZBV", 5, {"memory": "half"}, True),
+    ]
+)
+#: (schedule, n_microbatches, options, DTensor activations between stages)
+TP_CASES = _per_split(
+    [
+        ("ScheduleZBH1", 4, {}, False),
+        ("ScheduleZBV", 4, {}, False),
+        ("ScheduleZBH1", 4, {}, True),
+        ("ScheduleZBV", 4, {}, True),
+    ]
+)
+
+
+@pytest.fixture(scope="module")
+def results():
+    """Both meshes' cases in one launch of 4 ranks (each test had its own)."""
+    return run_ranks(cases.fsdp_and_tp_cases, WORLD, FSDP_CASES, TP_CASES, timeout=600)
+
+
+def test_pp_x_fsdp2_grads_and_reduce_scatter_after_last_w(results):
+    for rank, (per_case, _) in enumerate(results):
+        for (schedule, m, options, raf), r in zip(FSDP_CASES, per_case, strict=True):
             where = f"rank {rank} {schedule}{options} m={m} reshard_after_forward={raf}"
             assert r["mismatches"] == [], (
                 f"{where}: gradients differ from the reference: {r['mismatches']}"
@@ -100,19 +117,9 @@ def test_pp_x_fsdp2_grads_and_reduce_scatter_after_last_w():
             assert r["split"] == options["split"], where
 
 
-def test_pp_x_tp_grads_equal_reference():
-    # (schedule, n_microbatches, options, DTensor activations between stages)
-    case_list = _per_split(
-        [
-            ("ScheduleZBH1", 4, {}, False),
-            ("ScheduleZBV", 4, {}, False),
-            ("ScheduleZBH1", 4, {}, True),
-            ("ScheduleZBV", 4, {}, True),
-        ]
-    )
-    results = run_ranks(cases.tp_cases, WORLD, case_list, timeout=300)
-    for rank, per_case in enumerate(results):
-        for (schedule, m, options, dtensor_boundary), r in zip(case_list, per_case):
+def test_pp_x_tp_grads_equal_reference(results):
+    for rank, (_, per_case) in enumerate(results):
+        for (schedule, m, options, dtensor_boundary), r in zip(TP_CASES, per_case, strict=True):
             where = f"rank {rank} {schedule}{options} m={m} dtensor_boundary={dtensor_boundary}"
             assert r["split"] == options["split"], where
             # fc and out of every block are sharded over tp: 4 DTensor params per block.

@@ -2,7 +2,8 @@
 
 Real processes, gloo, one thread each. The model has an embedding, LayerNorms, a Linear used
 twice per block, a custom autograd.Function and a buffer (zbpipe.testing.models, tricky=True).
-Each test runs several cases in one process group: starting processes is the slow part.
+Every gradient case of one world size runs in one process group (the ``launched`` fixture: 2
+launches for the file, where each test had its own): starting processes is the slow part.
 The default engine for this model is the deferred one (split="auto"); cases with
 split="graph" keep the graph engine covered on every schedule family.
 """
@@ -12,7 +13,8 @@ import pytest
 from tests.schedules import _dist_cases as cases
 from zbpipe.testing import run_ranks
 
-pytestmark = pytest.mark.dist
+#: the module's launches run in the setup of the first test that reads them
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]
 
 
 GRAPH = {"split": "graph"}
@@ -22,54 +24,107 @@ def _cases(schedule, microbatches, options=None):
     return [(schedule, m, options or {}) for m in microbatches]
 
 
-def _run(world, case_list, timeout=240):
-    worst = run_ranks(cases.grads_cases, world, case_list, timeout=timeout)
-    assert len(worst) == world and all(len(w) == len(case_list) for w in worst)
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_zbh1_grads_equal_unpipelined_reference(world):
-    ms = (world, 2 * world, 3 * world + 1)
-    _run(
-        world,
+def _zbh1(world):
+    ms = (world, 2 * world, 2 * world + 1)  # m = p, 2p, and one more: not a multiple of p
+    return (
         _cases("ScheduleZBH1", ms)
         + _cases("ScheduleZBH1", ms, {"exact": True})
-        + _cases("ScheduleZBH1", (3 * world + 1,), GRAPH)
-        + _cases("ScheduleZBH1", (2 * world,), {"exact": True, **GRAPH}),
+        + _cases("ScheduleZBH1", (2 * world + 1,), GRAPH)
+        + _cases("ScheduleZBH1", (2 * world,), {"exact": True, **GRAPH})
     )
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_zbh2_and_auto_grads_equal_unpipelined_reference(world):
+def _zbh2_and_auto(world):
     ms = (world, 2 * world + 1)
-    _run(
-        world,
+    return (
         _cases("ScheduleZBH2", ms)
         + _cases("ScheduleZBAuto", ms, {"memory_limit": "1p"})
         + _cases("ScheduleZBAuto", ms, {"memory_limit": "2p"})
-        + _cases("ScheduleZBAuto", (2 * world + 1,), {"memory_limit": "1p", **GRAPH}),
+        + _cases("ScheduleZBAuto", (2 * world + 1,), {"memory_limit": "1p", **GRAPH})
     )
 
 
-def test_zbv_all_memory_modes_grads_equal_reference_on_2_ranks():
+def _zbv_all_modes():
     ms = (1, 3, 4, 8)
-    _run(
-        2,
+    return (
         [c for mode in ("zb", "half", "min") for c in _cases("ScheduleZBV", ms, {"memory": mode})]
         + _cases("ScheduleZBV", (3, 8), {"memory": "zb", **GRAPH})
         + _cases("ScheduleZBV", (4,), {"memory": "min", **GRAPH})
         # post-accumulate hooks of Linear weights fire once per W (deferred engine)
-        + _cases("ScheduleZBV", (4,), {"memory": "zb", "split": "deferred", "hooks": True}),
+        + _cases("ScheduleZBV", (4,), {"memory": "zb", "split": "deferred", "hooks": True})
     )
 
 
-def test_zbv_grads_equal_reference_on_4_ranks():
-    _run(4, _cases("ScheduleZBV", (4, 8, 9)) + _cases("ScheduleZBV", (9,), GRAPH))
+def _checkpointed():
+    return [
+        (schedule, 4, {"checkpoint": "non-reentrant", "split": split})
+        for schedule in ("ScheduleZBH1", "ScheduleZBV")
+        for split in ("deferred", "graph")
+    ]
 
 
-def test_v_half_and_v_min_grads_equal_reference_on_4_ranks():
-    # At p = 4 the budgets differ (ZB-V 4, V-Half 3, V-Min 8/3 units), so these are other plans.
-    _run(4, [c for mode in ("half", "min") for c in _cases("ScheduleZBV", (8,), {"memory": mode})])
+#: every gradient case of this file, by world size and test: one launch per world size
+GROUPS = {
+    2: {
+        "zbh1": _zbh1(2),
+        "zbh2_auto": _zbh2_and_auto(2),
+        "zbv_modes": _zbv_all_modes(),
+        "1f1b_multi": _cases("Schedule1F1BMulti", (2, 5)),
+        "checkpointed": _checkpointed(),
+    },
+    4: {
+        "zbh1": _zbh1(4),
+        "zbh2_auto": _zbh2_and_auto(4),
+        "zbv": _cases("ScheduleZBV", (4, 8, 9)) + _cases("ScheduleZBV", (9,), GRAPH),
+        # At p = 4 the budgets differ (ZB-V 4, V-Half 3, V-Min 8/3 units): other plans.
+        "v_half_min": [
+            c for mode in ("half", "min") for c in _cases("ScheduleZBV", (8,), {"memory": mode})
+        ],
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def launched():
+    """Per world size, one launch of every case of that size; ``{world: {group: worsts}}``
+    (each case raises in its rank if a gradient differs from the reference)."""
+    out = {}
+    for world, groups in GROUPS.items():
+        flat = [c for cs in groups.values() for c in cs]
+        per_rank = run_ranks(cases.grads_cases, world, flat, timeout=600)
+        assert len(per_rank) == world and all(len(w) == len(flat) for w in per_rank)
+        at, out[world] = 0, {}
+        for name, cs in groups.items():
+            out[world][name] = [w[at : at + len(cs)] for w in per_rank]
+            at += len(cs)
+    return out
+
+
+def _ran(launched, world, group):
+    per_rank = launched[world][group]
+    assert len(per_rank) == world and all(len(w) == len(GROUPS[world][group]) for w in per_rank)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_zbh1_grads_equal_unpipelined_reference(launched, world):
+    _ran(launched, world, "zbh1")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_zbh2_and_auto_grads_equal_unpipelined_reference(launched, world):
+    _ran(launched, world, "zbh2_auto")
+
+
+def test_zbv_all_memory_modes_grads_equal_reference_on_2_ranks(launched):
+    _ran(launched, 2, "zbv_modes")
+
+
+def test_zbv_grads_equal_reference_on_4_ranks(launched):
+    _ran(launched, 4, "zbv")
+
+
+def test_v_half_and_v_min_grads_equal_reference_on_4_ranks(launched):
+    _ran(launched, 4, "v_half_min")
 
 
 def _v_promise(mode: str, p: int, mem_f: list) -> float:
@@ -116,25 +171,18 @@ def test_v_peak_memory_within_the_stated_promise_on_4_ranks_under_both_engines()
         assert rank0["half"] < rank0["zb"], (split, rank0)
 
 
-def test_1f1b_multi_grads_equal_unpipelined_reference():
-    _run(2, _cases("Schedule1F1BMulti", (2, 5)))
+def test_1f1b_multi_grads_equal_unpipelined_reference(launched):
+    _ran(launched, 2, "1f1b_multi")
 
 
-def test_activation_checkpointed_stages_grads_equal_reference_under_both_engines():
+def test_activation_checkpointed_stages_grads_equal_reference_under_both_engines(launched):
     """torch.utils.checkpoint around every block: the recompute runs inside B (the deferred
     engine's Linears queue their GEMMs from it); the reference runs without checkpointing.
 
     Non-reentrant only: torch's PipelineStage infers gradient shapes with autograd.grad, which
     reentrant checkpointing refuses (tests/engines/test_deferred.py covers reentrant on one
     stage)."""
-    _run(
-        2,
-        [
-            (schedule, 4, {"checkpoint": "non-reentrant", "split": split})
-            for schedule in ("ScheduleZBH1", "ScheduleZBV")
-            for split in ("deferred", "graph")
-        ],
-    )
+    _ran(launched, 2, "checkpointed")
 
 
 def test_zbh1_exact_is_bitwise_identical_to_1f1b():
