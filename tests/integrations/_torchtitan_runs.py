@@ -1,72 +1,51 @@
-"""torchrun entry point: several ``python -m torchtitan.train`` runs, one after another, per rank.
+"""A server that runs torchtitan's own ``python -m torchtitan.train``, each run in fresh processes
+forked from one that imported torch and torchtitan's stack once.
 
-    torchrun --nproc_per_node N tests/integrations/_torchtitan_runs.py RUNS_JSON LOG_DIR RECIPE_DIR
+    python tests/integrations/_torchtitan_runs.py [MODULE ...]
 
-RUNS_JSON holds ``[[name, [arg, ...]], ...]``. Each rank runs, for every entry in order, the
-module ``torchtitan.train`` exactly as ``python -m torchtitan.train ARG...`` would (``runpy``
-with ``run_name="__main__"``, which is what ``-m`` does): torchtitan's own entry parses the
-arguments, builds its Trainer, trains, closes it and destroys the process group, and the next
-run initializes a new one.
+It imports the MODULEs (torch, torchtitan's trainer and data stack: about 13 s of CPU a process,
+several times what a 3-step run of a debug model takes), prints ``ready``, then reads one JSON
+request per line from stdin, ``{"ranks": N, "runs": [[name, [arg, ...]], ...], "log_dir": DIR,
+"timeout": S}``, and answers each with one JSON line, ``{"ok": bool, "error": text}``. For every
+run, in order, it forks N rank processes with what torchrun gives a rank (``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``: a port free at that moment, one
+per run); each runs the module ``torchtitan.train`` exactly as ``python -m torchtitan.train
+ARG...`` would (``runpy`` with ``run_name="__main__"``, which is what ``-m`` does): torchtitan's
+entry parses the arguments, builds its Trainer, trains, closes it and destroys the process group.
+A run that fails or outlives the request's timeout (its ranks are killed) ends the request.
 
-Each run rendezvous through a store of its own, hosted by rank 0 (``MASTER_PORT``, with
-torchrun's agent store turned off). A second process group on torchrun's store would find the
-first one's keys there (torch names a new default group as it named the destroyed one): seen
-here as a rank stuck in its second run's first collective. Rank 0 picks the run's port once
-the run's modules are imported, just before the run, and tells the others through torchrun's
-store: ports picked for every run at the start were taken by other processes' connections
-before the later runs bound them (seen in CI: ``EADDRINUSE``).
+Why forks and not one torchrun launch per group of runs (before issue 45): every launch paid the
+imports again in each rank and in torchrun's agent, and a process could hold one compiled
+Trainer only (the next one's first recompile failed building a dynamo guard on torchtitan's SPMD
+mesh stack: two copies of ``torchtitan.distributed.spmd_types``, the one a module alias of
+dynamo pointed at and the one the run read). A fork starts each run from the same clean state,
+compiled or not. The server never initializes a process group and runs nothing of torchtitan's.
+torchtitan 0.2's configuration reads ``sys.argv`` when its config module is imported: for it
+the caller preloads torch and the data stack only.
 
-Before each run the process forgets every module of torchtitan, zbpipe and the recipes in
-RECIPE_DIR (``_forget_imports``), so a run shares only torch and third-party libraries with the
-one before.
-
-Why one process for many runs: importing torch, torchtitan and its data stack costs each rank
-about 9 s of CPU, several times what 3 steps of the debug model take, and the tests need four
-to six runs. Measured (torchtitan 0.3.0, torch 2.14.1, an idle 2-core machine): five
-runs in one launch took 26 s against 16 s per launch, with the same losses to the last printed
-digit.
-
-Every rank writes its stdout and stderr, in order, to ``LOG_DIR/rank{RANK}.log``, and a line
-``zbpipe-test-run: NAME`` before each run, so the caller can split a rank's log by run (ranks
-interleave in any shared stream; one rank's file does not).
+Every rank appends its stdout and stderr to ``DIR/rank{RANK}.log``, a line ``zbpipe-test-run:
+NAME`` before each run, so the caller can split a rank's log by run.
 
 On MoE models each rank also logs the load-balancing state of the MoE layers it holds
 (:func:`_log_moe_state`): before every optimizer step, each layer's tokens per expert (what
 torchtitan's step pre-hook turns into the expert-bias update), and after training each layer's
 expert bias, as ``zbpipe-test-moe:`` lines. Nothing is logged for a model without MoE layers.
+And every rank logs what zbpipe's W computed (:func:`_count_w_gemms`, ``zbpipe-test-w:``).
 """
 
 import importlib
 import json
 import os
 import runpy
+import signal
 import socket
 import sys
-from datetime import timedelta
+import time
+import traceback
 
 MARKER = "zbpipe-test-run: "
 MOE_MARKER = "zbpipe-test-moe: "
 W_MARKER = "zbpipe-test-w: "
-
-
-def _forget_imports(recipe_dir: str) -> None:
-    """Make the next run import torchtitan, zbpipe and the recipes afresh, as a new process
-    would: module-level state stays with its run (torchtitan 0.2's ``parse_args`` takes the
-    ``sys.argv`` of its module's import as its default, for one). zbpipe's integration first
-    gives torch and torchtitan their original functions back. Imports after the first cost
-    about 0.1 s: torch and the data stack stay loaded. Compiled code is forgotten too: dynamo's
-    caches hold the previous run's blocks, guarded on the previous torchtitan's globals."""
-    import torch
-
-    torch.compiler.reset()
-    integration = sys.modules.get("zbpipe.torchtitan")
-    if integration is not None:
-        integration.uninstall()
-    recipes = os.path.abspath(recipe_dir) + os.sep
-    for name, module in list(sys.modules.items()):
-        file = getattr(module, "__file__", None) or ""
-        if name.split(".")[0] in ("torchtitan", "zbpipe") or file.startswith(recipes):
-            del sys.modules[name]
 
 
 def _moe_layers(model_parts: list) -> list:
@@ -130,8 +109,8 @@ def _count_w_gemms() -> dict[str, object]:
     its stores ran (``gemms``, the native capture's included) and the distinct weights of the
     GEMMs queued on the Python side (``weights``: compiled Linears queue there; eager ones may go
     to the native capture). Read by the Trainer tests as a behaviour (the split reached W), not
-    as a time. Installed after :func:`_forget_imports`, so the run's own zbpipe import finds the
-    patched class (a no-op where zbpipe is not importable)."""
+    as a time. Installed before the run, so the run's own zbpipe import finds the patched class
+    (a no-op where zbpipe is not importable)."""
     counts: dict[str, object] = {"gemms": 0, "weights": set()}
     try:
         from zbpipe.engines.weight_store import WeightGradStore
@@ -154,36 +133,82 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def main() -> None:
-    import torch.distributed as dist
-
-    runs_json, log_dir, recipe_dir = sys.argv[1:]
-    with open(runs_json) as f:
-        runs = json.load(f)
-    rank = int(os.environ["RANK"])
-    log = open(os.path.join(log_dir, f"rank{rank}.log"), "w")
-    os.dup2(log.fileno(), 1)
-    os.dup2(log.fileno(), 2)
-    agent = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        is_master=False,
-        timeout=timedelta(seconds=300),
-    )
-    for i, (name, args) in enumerate(runs):
+def _rank(rank: int, world: int, port: int, name: str, args: list[str], log_dir: str) -> None:
+    """The body of one forked rank: what torchrun's rank would run, then ``os._exit``."""
+    code = 1
+    try:
+        log = open(os.path.join(log_dir, f"rank{rank}.log"), "a")
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        os.environ.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(world),
+            GROUP_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
         print(f"\n{MARKER}{name}", flush=True)  # on a line of its own, whatever came before
-        _forget_imports(recipe_dir)
-        sys.argv = ["torchtitan.train", *args]  # before the import: torchtitan 0.2 reads it then
-        importlib.import_module("torchtitan.train")  # the run's imports, before its port
         _log_moe_state()
         w = _count_w_gemms()
-        key = f"zbpipe-test-run/{i}/port"
-        if rank == 0:
-            agent.set(key, str(free_port()))
-        os.environ["MASTER_PORT"] = agent.get(key).decode()
-        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
+        sys.argv = ["torchtitan.train", *args]
         runpy.run_module("torchtitan.train", run_name="__main__", alter_sys=True)
         print(f"{W_MARKER}gemms={w['gemms']} weights={len(w['weights'])}", flush=True)
+        code = 0
+    except SystemExit as exit_:  # torchtitan's entry may exit; 0 or None is success
+        code = 0 if exit_.code in (0, None) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _serve(request: dict) -> dict:
+    """Run the request's runs in order, each in fresh forked ranks; the first failure ends it."""
+    world, log_dir, timeout = request["ranks"], request["log_dir"], request["timeout"]
+    for name, args in request["runs"]:
+        port = free_port()
+        pids = []
+        for rank in range(world):
+            pid = os.fork()
+            if pid == 0:
+                os.setsid()  # a group of its own: a kill reaches what it starts
+                _rank(rank, world, port, name, args, log_dir)
+            pids.append(pid)
+        deadline = time.monotonic() + timeout
+        codes: dict[int, int] = {}
+        while len(codes) < len(pids) and time.monotonic() < deadline:
+            for pid in pids:
+                if pid not in codes:
+                    done, status = os.waitpid(pid, os.WNOHANG)
+                    if done:
+                        codes[pid] = os.waitstatus_to_exitcode(status)
+            if any(codes.values()):
+                break  # a rank failed: its peers would wait on it
+            time.sleep(0.05)
+        for pid in pids:  # the survivors of a failure or of the deadline
+            if pid not in codes:
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                os.waitpid(pid, 0)
+        if len(codes) < len(pids) and not any(codes.values()):
+            return {"ok": False, "error": f"run {name!r}: over {timeout} s"}
+        if any(codes.values()):
+            return {"ok": False, "error": f"run {name!r}: exit codes {list(codes.values())}"}
+    return {"ok": True, "error": ""}
+
+
+def main() -> None:
+    for module in sys.argv[1:]:
+        importlib.import_module(module)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        print(json.dumps(_serve(json.loads(line))), flush=True)
 
 
 if __name__ == "__main__":

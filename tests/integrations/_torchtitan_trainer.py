@@ -1,19 +1,23 @@
-"""Launch torchtitan's own Trainer on CPU ranks and read its losses (the Trainer tests' helpers).
+"""Run torchtitan's own Trainer on CPU ranks and read its losses (the Trainer tests' helpers).
 
-Shared by tests/integrations/test_torchtitan_trainer.py (torchtitan 0.3.x) and
-tests/integrations/test_torchtitan02_trainer.py (torchtitan 0.2.x): both run ``torchrun -m
-torchtitan.train`` (the seed checkpoint) and one torchrun launch of several such runs
-(``torchrun_runs``), with recipes/torchtitan/ on PYTHONPATH, offline, one thread per rank, every
+Shared by tests/integrations/test_torchtitan_trainer.py and test_torchtitan_moe_trainer.py
+(torchtitan 0.3.x) and tests/integrations/test_torchtitan02_trainer.py (torchtitan 0.2.x): each
+run is ``python -m torchtitan.train ARGS`` on N ranks, forked from one server process per test
+session that imported torch and torchtitan's stack once (tests/integrations/_torchtitan_runs.py
+says how and why), with recipes/torchtitan/ on PYTHONPATH, offline, one thread per rank, every
 rank logging.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
+import select
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -29,72 +33,66 @@ _RUNS_ENTRY = Path(_torchtitan_runs.__file__)
 RTOL = 1e-4
 _LOSS_LINE = re.compile(r"step:\s+(\d+)\s+loss:\s+(-?[0-9.]+)")
 _COLOR = re.compile(r"\x1b\[[0-9;]*m")
+#: what the server imports before it forks a run: torchtitan 0.3's trainer and its stack; for
+#: 0.2, whose config module reads ``sys.argv`` at import, torch and the data stack only
+_PRELOAD = {
+    "0.3": ("torch.distributed", "datasets", "torchtitan.trainer"),
+    "0.2": ("torch.distributed", "datasets"),
+}
+_server: subprocess.Popen | None = None
 
 
-def _launch(nproc: int, target: list[str], timeout: float) -> str:
-    """``torchrun --nproc_per_node nproc TARGET...`` offline, one thread per rank, every rank
-    logging; its output (fails on rc != 0)."""
+def _the_server() -> subprocess.Popen:
+    """The session's run server (started on first use, stopped at exit)."""
+    global _server
+    if _server is not None and _server.poll() is None:
+        return _server
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(RECIPE), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(RECIPE), str(ROOT), os.environ.get("PYTHONPATH", "")]),
         "HF_DATASETS_OFFLINE": "1",
         "HF_HUB_OFFLINE": "1",
         "OMP_NUM_THREADS": "1",
-        "LOG_RANK": ",".join(str(r) for r in range(nproc)),
+        "LOG_RANK": "0,1,2,3",
     }
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        f"--master_port={_torchtitan_runs.free_port()}",
-        *target,
-    ]
+    preload = _PRELOAD["0.2" if version("torchtitan").startswith("0.2") else "0.3"]
     pipe = subprocess.PIPE
-    proc = subprocess.Popen(cmd, env=env, stdout=pipe, stderr=pipe, text=True)
-    out, err, timed_out = "", "", False
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-    finally:  # also when pytest-timeout interrupts the wait
-        if proc.poll() is None:
-            # SIGTERM: torchrun's agent then stops its ranks (each in a session of its own, out
-            # of reach of a kill of the agent's group) before it exits.
-            proc.terminate()
-            try:
-                more_out, more_err = proc.communicate(timeout=60)
-                out, err = out + more_out, err + more_err
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-    log = out + err
-    assert not timed_out, f"{' '.join(cmd)}: over {timeout} s\n{log[-6000:]}"
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n{log[-6000:]}"
-    return log
+    _server = subprocess.Popen(
+        [sys.executable, str(_RUNS_ENTRY), *preload], env=env, stdin=pipe, stdout=pipe, text=True
+    )
+    atexit.register(_server.kill)
+    assert _reply(_server, 300) == "ready", "the Trainer run server did not start"
+    return _server
 
 
-def torchrun(nproc: int, args: list[str], timeout: float = 480) -> str:
-    """``torchrun --nproc_per_node nproc -m torchtitan.train *args``; its log (fails on rc != 0)."""
-    return _launch(nproc, ["-m", "torchtitan.train", *args], timeout)
+def _reply(server: subprocess.Popen, timeout: float) -> str:
+    """The server's next line, or fail (killing it) after ``timeout`` seconds."""
+    assert server.stdout is not None
+    ready, _, _ = select.select([server.stdout], [], [], timeout)
+    line = server.stdout.readline() if ready else ""
+    if not line:
+        server.kill()
+        pytest.fail(f"the Trainer run server gave no answer in {timeout} s (rc {server.poll()})")
+    return line.strip()
 
 
-def torchrun_runs(
+def train_runs(
     nproc: int, runs: dict[str, list[str]], log_dir: Path, timeout: float = 480
 ) -> dict[str, str]:
-    """One torchrun launch whose ranks run ``python -m torchtitan.train ARGS`` for each of
-    ``runs`` ({name: ARGS}) in order (tests/integrations/_torchtitan_runs.py says how and why);
-    each run's log, every rank's lines of it. Fails, with every rank's log tail, if any run
-    fails."""
+    """Run ``python -m torchtitan.train ARGS`` on ``nproc`` ranks for each of ``runs`` ({name:
+    ARGS}) in order, each in fresh ranks forked by the server; each run's log, every rank's
+    lines of it. Fails, with every rank's log tail, if any run fails."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    runs_json = log_dir / "runs.json"
-    runs_json.write_text(json.dumps(list(runs.items())))
     rank_logs = [log_dir / f"rank{r}.log" for r in range(nproc)]
-    try:
-        _launch(nproc, [str(_RUNS_ENTRY), str(runs_json), str(log_dir), str(RECIPE)], timeout)
-    except AssertionError as failed:
+    server = _the_server()
+    assert server.stdin is not None
+    request = {"ranks": nproc, "runs": list(runs.items()), "log_dir": str(log_dir)}
+    server.stdin.write(json.dumps({**request, "timeout": timeout}) + "\n")
+    server.stdin.flush()
+    answer = json.loads(_reply(server, timeout * len(runs) + 60))
+    if not answer["ok"]:
         tails = "\n".join(f"--- {f.name} ---\n{_read(f)[-4000:]}" for f in rank_logs)
-        raise AssertionError(f"{failed}\n{tails}") from None
+        raise AssertionError(f"{answer['error']}\n{tails}")
     by_run: dict[str, list[str]] = {name: [] for name in runs}
     for f in rank_logs:
         name, seen = None, []
@@ -107,6 +105,11 @@ def torchrun_runs(
         # every run's section, once and in order: no run's lines can be filed under another's
         assert seen == list(runs), f"{f.name}: runs {seen}, expected {list(runs)}"
     return {name: "\n".join(lines) for name, lines in by_run.items()}
+
+
+def train(nproc: int, args: list[str], log_dir: Path, timeout: float = 480) -> str:
+    """``python -m torchtitan.train *args`` on ``nproc`` ranks; its log (fails if it fails)."""
+    return train_runs(nproc, {"run": args}, log_dir, timeout)["run"]
 
 
 def _read(path: Path) -> str:

@@ -11,9 +11,9 @@ sequences of 32 tokens. Every run loads one seed checkpoint
 The references are the same files with torch's ``Interleaved1F1B`` (for ZBV) and ``1F1B`` (for
 ZBH1) named on the command line. With torchtitan's compile on (``--compile.enable``: each
 TransformerBlock and the loss), ZBV with full activation checkpointing and ZBH1 with the file's
-selective one, each against the same torchtitan run with torch's schedule. The eight 2-rank runs
-share one torchrun launch, one after another in each rank's process
-(tests/integrations/_torchtitan_runs.py: each is what ``python -m torchtitan.train`` runs).
+selective one, each against the same torchtitan run with torch's schedule. Each run is what
+``python -m torchtitan.train`` runs, in ranks forked from a server that imported torch and the
+data stack once (tests/integrations/_torchtitan_runs.py).
 
 Needs torchtitan 0.2.x and its training dependencies (CI: the torch 2.11.0 venv,
 ``bash .ci/torchtitan-trainer .venv-2.11.0 0.2``). Deselected by default (marker
@@ -35,12 +35,12 @@ from tests.integrations._torchtitan_trainer import (
     RECIPE,
     assert_same_losses,
     losses,
-    torchrun,
-    torchrun_runs,
+    train,
+    train_runs,
     write_losses,
 )
 
-# Two torchrun launches (seed, runs), each allowed 480 s by the launcher, within 1200 s.
+# The seed and eight runs, each allowed 480 s by the run server, within 1200 s.
 pytestmark = [pytest.mark.torchtitan02_trainer, pytest.mark.timeout(1200)]
 
 STEPS = 3
@@ -70,8 +70,7 @@ RUNS = {
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> dict[str, dict[int, float]]:
     """{run name: {step: loss}} of torchtitan's Trainer on 2 ranks for every run in RUNS, from
-    one seed checkpoint; the 2-rank runs share one torchrun launch
-    (tests/integrations/_torchtitan_runs.py)."""
+    one seed checkpoint (tests/integrations/_torchtitan_runs.py runs them)."""
     tmp = tmp_path_factory.mktemp("torchtitan02")
     common = [
         "--model.hf_assets_path",
@@ -87,7 +86,7 @@ def trained(tmp_path_factory) -> dict[str, dict[int, float]]:
         config = ["--job.config_file", str(toml), "--job.dump_folder", str(tmp / dump)]
         return [*config, *common, *extra]
 
-    torchrun(
+    train(
         1,
         _args(
             ZBV_TOML,
@@ -95,15 +94,13 @@ def trained(tmp_path_factory) -> dict[str, dict[int, float]]:
             "--parallelism.pipeline_parallel_degree=1",
             "--checkpoint.create_seed_checkpoint",
         ),
+        tmp / "logs-seed",
     )
     from_seed = [
         f"--checkpoint.initial_load_path={tmp / 'seed' / 'checkpoint' / 'step-0'}",
         "--checkpoint.interval=1000",
     ]
-    # Compiled runs share the launch too: unlike torchtitan 0.3.0's (whose second compiled
-    # Trainer in a process fails building a dynamo guard), 0.2.2's Trainers compile again after
-    # torch.compiler.reset() (tests/integrations/_torchtitan_runs.py).
-    logs = torchrun_runs(
+    logs = train_runs(
         2,
         {
             name: _args(

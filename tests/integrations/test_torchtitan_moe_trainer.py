@@ -31,10 +31,8 @@ than 1F1B's, and in bf16 that rounding moves enough logits to send a few tokens 
 expert by step 2 (seen: two experts' counts off by 2 in one layer). In fp32 the losses agree to
 6 digits and the counts exactly.
 
-Cost: the eager runs of a model share one torchrun launch with its first compiled run (a
-compiled Trainer run must be its process's only one: tests/integrations/test_torchtitan_trainer.py
-says why); each further compiled run gets a launch, the EP runs one of 4 ranks; both seed
-checkpoints come from one launch.
+Cost: every run forks its ranks from one server that imported torch and torchtitan once
+(tests/integrations/_torchtitan_runs.py); the seed checkpoints run on 1 rank, the EP runs on 4.
 Deselected by default; CI runs it in its torch 2.14.1 line (``pytest -m torchtitan_trainer``).
 """
 
@@ -50,7 +48,7 @@ from tests.integrations._torchtitan_runs import MOE_MARKER
 from tests.integrations._torchtitan_trainer import (
     assert_same_losses,
     losses,
-    torchrun_runs,
+    train_runs,
     write_losses,
 )
 
@@ -116,22 +114,6 @@ _MOE_LINE = re.compile(
 )
 
 
-def _launches(
-    args: dict[tuple[str, str], list[str]],
-) -> list[tuple[int, dict[tuple[str, str], list[str]]]]:
-    """``(ranks, runs)`` per torchrun launch: each model's eager runs, then its first compiled
-    run, in one launch of 2 ranks; every further compiled run alone; the EP runs on 4."""
-    out = []
-    for model in MODELS:
-        mine = [key for key in args if key[0] == model and key not in EP_RUNS]
-        eager = [key for key in mine if not RUNS[key][2]]
-        compiled = [key for key in mine if RUNS[key][2]]
-        out.append((2, {key: args[key] for key in eager + compiled[:1]}))
-        out += [(2, {key: args[key]}) for key in compiled[1:]]
-    ep = sorted(EP_RUNS, key=lambda key: key[1] != "1F1B, EP 2")
-    return out + [(4, {key: args[key] for key in ep})]
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> dict[tuple[str, str], str]:
     """{(model, run): that run's log, every rank's lines}, for every run in RUNS."""
@@ -165,7 +147,7 @@ def trained(tmp_path_factory) -> dict[tuple[str, str], str]:
         ]
         for model, (config, _) in MODELS.items()
     }
-    torchrun_runs(1, _named(seeds), tmp / "logs-seed")
+    train_runs(1, _named(seeds), tmp / "logs-seed")
     args = {}
     for (model, name), (schedule, ac, compiled) in RUNS.items():
         seed = tmp / model / "seed" / "checkpoint" / "step-0"
@@ -186,10 +168,10 @@ def trained(tmp_path_factory) -> dict[tuple[str, str], str]:
             *(EXPERT_PARALLEL if (model, name) in EP_RUNS else ()),
             f"activation-checkpoint:{ac}",
         ]
-    logs: dict[tuple[str, str], str] = {}
-    for i, (ranks, launch) in enumerate(_launches(args)):
-        found = torchrun_runs(ranks, _named(launch), tmp / f"logs-{i}")
-        logs |= {key: found[_name(key)] for key in launch}
+    pp = {key: a for key, a in args.items() if key not in EP_RUNS}
+    ep = {key: args[key] for key in sorted(EP_RUNS, key=lambda key: key[1] != "1F1B, EP 2")}
+    found = train_runs(2, _named(pp), tmp / "logs") | train_runs(4, _named(ep), tmp / "logs-ep")
+    logs = {key: found[_name(key)] for key in args}
     write_losses(
         "torchtitan_moe_trainer_losses",
         {_name(key): losses(log, STEPS) for key, log in logs.items()},

@@ -7,12 +7,10 @@ schedule and dataloader), a local dataset and tokenizer (tests/integrations/_tor
 profile re-plans at the end of step 3). Every run starts from one seed checkpoint (torchtitan's
 ``--checkpoint.create_seed_checkpoint``, its own 1-rank launch), so a V placement and a loop
 placement start from the same weights. The references are torchtitan's runs with torch's 1F1B
-(full and selective activation checkpointing) and Interleaved1F1B, eager. The six eager runs
-share one torchrun launch, one after another in each rank's process
-(tests/integrations/_torchtitan_runs.py: each is what ``python -m torchtitan.train`` runs; the
-launch saves five rounds of imports); the two compiled zbpipe runs (torch.compile, ``aot_eager``,
-with selective and with full AC) get a launch each (a second compiled Trainer in one process
-fails in dynamo's guards).
+(full and selective activation checkpointing) and Interleaved1F1B, eager; two zbpipe runs are
+compiled (torch.compile, ``aot_eager``, with selective and with full AC). Each run is what
+``python -m torchtitan.train`` runs, in ranks forked from a server that imported torch and
+torchtitan once (tests/integrations/_torchtitan_runs.py).
 
 The compiled runs are checked against the eager references: torchtitan's compiled and eager
 runs of this model gave the same losses to the 6 printed digits (stored with every run of
@@ -41,13 +39,13 @@ from tests.integrations import _torchtitan_assets as assets
 from tests.integrations._torchtitan_trainer import (
     assert_same_losses,
     losses,
-    torchrun,
-    torchrun_runs,
+    train,
+    train_runs,
     write_losses,
 )
 
-# Four torchrun launches (the seed checkpoint, the eager runs, each compiled run), each allowed
-# 480 s by the launcher, within the test's 1500 s: CI runs them beside the main suite on 2 cores.
+# Nine runs, each allowed 480 s by the run server, within the test's 1500 s: CI runs them beside
+# the main suite on 2 cores.
 pytestmark = [pytest.mark.torchtitan_trainer, pytest.mark.timeout(1500)]
 
 STEPS = 3
@@ -99,7 +97,7 @@ def trained(tmp_path_factory) -> dict[str, dict[int, float]]:
         "--debug.seed=0",
         "--checkpoint.enable",
     ]
-    torchrun(
+    train(
         1,
         [
             *common,
@@ -109,6 +107,7 @@ def trained(tmp_path_factory) -> dict[str, dict[int, float]]:
             f"--training.steps={STEPS}",
             "--checkpoint.create_seed_checkpoint",
         ],
+        tmp / "logs-seed",
     )
     seed = tmp / "seed" / "checkpoint" / "step-0"
     args = {
@@ -126,14 +125,7 @@ def trained(tmp_path_factory) -> dict[str, dict[int, float]]:
         ]
         for name, (schedule, ac, compiled) in RUNS.items()
     }
-    # The eager runs share one launch. A compiled run gets a launch of its own: in a process
-    # that already ran one compiled Trainer (torchtitan's or zbpipe's alike), the next one's
-    # first recompile fails building a dynamo guard on torchtitan's SPMD mesh stack
-    # (IndexError), even after torch.compiler.reset().
-    eager = {name: a for name, a in args.items() if not RUNS[name][2]}
-    logs = torchrun_runs(2, eager, tmp / "logs")
-    for i, name in enumerate(n for n in args if RUNS[n][2]):
-        logs |= torchrun_runs(2, {name: args[name]}, tmp / f"logs-compiled-{i}")
+    logs = train_runs(2, args, tmp / "logs")
     found = {name: losses(log, PROFILED.get(name, STEPS)) for name, log in logs.items()}
     # the profile measured and re-planned at the end of step 3 (rank 0 logs it at INFO)
     replan = "zbpipe profile: ScheduleZBV:profile measured costs"
