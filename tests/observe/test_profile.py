@@ -109,11 +109,10 @@ def test_every_rank_holds_the_same_costs_and_plan(two_ranks, case):
 @pytest.mark.dist
 @pytest.mark.parametrize("case", ["auto", "zbv"])
 def test_the_measured_costs_are_the_medians_of_the_traced_passes(two_ranks, case):
-    # The ranks' clock is a fake that moves only as a traced pass ends, by that pass's fixed
-    # cost (cases.FixedClock; comm: the round trips take no time on it): what is measured is
-    # what it gave, exactly, the last stage 7 times as heavy. (A measurement of a model whose
-    # last stage is heavier would assert an ordering of measured times, which a loaded CI
-    # machine does not keep.)
+    """Replaces test_heavier_last_stage_is_measured_heavier (an ordering of measured times,
+    which a loaded CI machine does not keep). The ranks' clock is a fake that moves only as a
+    traced pass ends, by that pass's fixed cost (cases.FixedClock; comm: the round trips take no
+    time on it): what is measured is what it gave, exactly, the last stage 7 times as heavy."""
     c = two_ranks[0][case]["measured"]
     fixed = cases.FIXED[case]
     assert (c.f, c.b, c.w) == tuple(tuple(fixed[kind]) for kind in ("F", "B", "W")), c
