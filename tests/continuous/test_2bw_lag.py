@@ -30,7 +30,8 @@ from tests.engines._compile_every_cases import (
 from zbpipe.engines import compiled_routes
 from zbpipe.testing import run_ranks
 
-pytestmark = pytest.mark.dist
+# the module fixture runs every case in one launch: more than one test's default timeout
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
 
 def _held_weight_sets(rank: int, world: int, split: str) -> dict:
