@@ -14,11 +14,30 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.timeout(900)
-def test_gpu_benchmark_runs_on_cpu_quick(tmp_path):
-    out = tmp_path / "gpu.json"
+# Both smoke runs in one interpreter (importing torch is seconds of a core), each as
+# ``python benchmarks/gpu.py ARGS`` runs it: the script as __main__, with its own sys.argv.
+_TWO_RUNS = """
+import runpy, sys
+sys.path.insert(0, "benchmarks")
+for args in sys.argv[1:]:
+    sys.argv = ["benchmarks/gpu.py", *args.split()]
+    try:
+        runpy.run_path("benchmarks/gpu.py", run_name="__main__")
+    except SystemExit as e:
+        if e.code:
+            raise
+"""
+
+
+@pytest.fixture(scope="module")
+def quick_runs(tmp_path_factory):
+    """``benchmarks/gpu.py --device cpu --quick`` and, after it, the same with ``--overlap``:
+    their stdout and JSON outputs."""
+    tmp = tmp_path_factory.mktemp("gpu")
+    out, overlap = tmp / "gpu.json", tmp / "gpu_overlap.json"
     proc = subprocess.run(
-        [sys.executable, "benchmarks/gpu.py", "--device", "cpu", "--quick", "--out", str(out)],
+        [sys.executable, "-c", _TWO_RUNS]
+        + [f"--device cpu --quick --out {out}", f"--device cpu --quick --overlap --out {overlap}"],
         check=False,
         cwd=ROOT,
         capture_output=True,
@@ -26,8 +45,13 @@ def test_gpu_benchmark_runs_on_cpu_quick(tmp_path):
         timeout=850,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "(a) split backward" in proc.stdout and "(b) one-rank pipelines" in proc.stdout
-    res = json.loads(out.read_text())
+    return proc.stdout, json.loads(out.read_text()), json.loads(overlap.read_text())
+
+
+@pytest.mark.timeout(900)
+def test_gpu_benchmark_runs_on_cpu_quick(quick_runs):
+    stdout, res, _ = quick_runs
+    assert "(a) split backward" in stdout and "(b) one-rank pipelines" in stdout
     (row,) = res["split_backward"].values()
     assert {"deferred", "graph"} <= set(row["ratio"])  # each engine against the fused backward
     # fp32 on the CPU: the deferred engine runs autograd's own GEMMs (bitwise), the graph engine
@@ -69,20 +93,9 @@ def test_split_option_is_found_through_kwargs_of_subclasses():
     assert not gpu.accepts(Closed, "split")
 
 
-@pytest.mark.timeout(600)
-def test_gpu_benchmark_overlap_case_runs_on_cpu_quick(tmp_path):
+@pytest.mark.timeout(900)
+def test_gpu_benchmark_overlap_case_runs_on_cpu_quick(quick_runs):
     """Table (c), DualPipeV's overlapped pairs: on the CPU its side stream is a host sleep."""
-    out = tmp_path / "gpu_overlap.json"
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/gpu.py", "--device", "cpu", "--quick", "--overlap"]
-        + ["--out", str(out)],
-        check=False,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=550,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "(c) overlapped pairs" in proc.stdout
-    res = json.loads(out.read_text())
+    stdout, _, res = quick_runs
+    assert "(c) overlapped pairs" in stdout
     assert set(res["times"]) == {"DualPipeV overlap", "DualPipeV no overlap", "ZBV"}

@@ -30,7 +30,8 @@ from tests.engines._compile_every_cases import (
 from zbpipe.engines import compiled_routes
 from zbpipe.testing import run_ranks
 
-pytestmark = pytest.mark.dist
+# the module fixture runs every case in one launch: more than one test's default timeout
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
 
 def _held_weight_sets(rank: int, world: int, split: str) -> dict:
@@ -60,8 +61,8 @@ def _held_weight_sets(rank: int, world: int, split: str) -> dict:
 
 
 @pytest.mark.parametrize("split", ["deferred", "graph"])
-def test_a_lagged_stage_holds_no_weight_copy_after_a_streams_first_minibatch(split):
-    last = run_ranks(_held_weight_sets, 2, split, timeout=240)[-1]
+def test_a_lagged_stage_holds_no_weight_copy_after_a_streams_first_minibatch(found, split):
+    last = found[-1][split]
     assert last["lag"] == 1
     assert last["copies"] == 2  # one per flush
     assert last["held"] and set(last["held"]) == {0}, last["held"]
@@ -93,8 +94,22 @@ def _compiled_under_hooks(rank: int, world: int) -> dict:
     }
 
 
-def test_compiled_2bw_under_saved_tensor_hooks_defers_every_gemm():
-    for rank, got in enumerate(run_ranks(_compiled_under_hooks, 2, timeout=240)):
+def _every_case(rank: int, world: int) -> dict:
+    """Every test's case in one process group (starting ranks costs more than a case); the
+    compiled one last, after which no other case looks at the routes it leaves."""
+    out = {split: _held_weight_sets(rank, world, split) for split in ("deferred", "graph")}
+    out["compiled"] = _compiled_under_hooks(rank, world)
+    return out
+
+
+@pytest.fixture(scope="module")
+def found() -> list[dict]:
+    """Per rank, {case: what it found}."""
+    return run_ranks(_every_case, 2, timeout=300)
+
+
+def test_compiled_2bw_under_saved_tensor_hooks_defers_every_gemm(found):
+    for rank, got in enumerate(case["compiled"] for case in found):
         assert got["gemms"] == [got["linears"]] * (M * got["n"]), rank
         assert got["worst"] < 1e-5, rank
         assert got["routes"] == got["linears"], rank

@@ -212,9 +212,25 @@ def test_sends_are_let_go_of_within_the_stream_not_at_flush(runs):
             assert len(pending) == N and max(pending) <= m, (case, rank, pending)
 
 
+MAX_NORM = 0.3  # below the gradient norms of this model: every step clips
+
+
+def _resume_and_clipping(rank: int, world: int) -> dict:
+    """The checkpoint-resume runs (sync, 2bw) and the clipped run in one process group."""
+    out = {mode: cc.checkpoint_resume(rank, world, 2, mode, "adamw") for mode in ("sync", "2bw")}
+    out["clipped"] = cc.train_clipped(rank, world, 2, N, MAX_NORM)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    """Per rank, {"sync" / "2bw": checkpoint_resume's, "clipped": train_clipped's}."""
+    return run_ranks(_resume_and_clipping, 2, timeout=240)
+
+
 @pytest.mark.parametrize("mode", ["sync", "2bw"])
-def test_checkpoint_resume_equals_uninterrupted_run(mode):
-    out = run_ranks(cc.checkpoint_resume, 2, 2, mode, "adamw", timeout=120)
+def test_checkpoint_resume_equals_uninterrupted_run(two_ranks, mode):
+    out = [per_rank[mode] for per_rank in two_ranks]
     for r, o in enumerate(out):
         assert "call flush() first" in o["refused"]
         assert o["done"] == N
@@ -224,12 +240,11 @@ def test_checkpoint_resume_equals_uninterrupted_run(mode):
             )
 
 
-def test_sync_post_validated_clipping_equals_clip_grad_norm():
+def test_sync_post_validated_clipping_equals_clip_grad_norm(two_ranks):
     """Global-norm clipping with no barrier: each stage clips by its partial norm, the wrong
     guesses are rolled back and redone; the result is the whole model's clip_grad_norm_."""
-    max_norm = 0.3  # below the gradient norms of this model: every step clips
-    out = run_ranks(cc.train_clipped, 2, 2, N, max_norm, timeout=120)
-    ref = cc.plain_loop_clipped(2, 2, N, max_norm)
+    out = [per_rank["clipped"] for per_rank in two_ranks]
+    ref = cc.plain_loop_clipped(2, 2, N, MAX_NORM)
     _assert_params(2, out, ref, "sgd", TOL["sgd"], "sync + post-validated clipping")
     assert len(out[0]["statuses"]) == N and len(out[1]["statuses"]) == N
     assert "redone" in out[1]["statuses"], (

@@ -174,6 +174,12 @@ def compiled_cases(rank: int, world: int, cases: list[tuple[str, str, str]]) -> 
     return [compiled_step_grads(rank, world, s, h, b) for s, h, b in cases]
 
 
+def several(rank: int, world: int, calls: list[tuple[Any, ...]]) -> list[Any]:
+    """Several ``(name, *args)`` calls of this module's per-rank bodies in one process group:
+    starting ranks and warming up dynamo in each is the slow part of a compiled test."""
+    return [globals()[name](rank, world, *args) for name, *args in calls]
+
+
 class Counted(nn.Module):
     """A block under non-reentrant ``torch.utils.checkpoint`` that counts its forward runs
     (the step's forwards and B's recomputes alike)."""

@@ -172,3 +172,12 @@ def run_cases(rank: int, world: int, cases: list[tuple[Any, ...]]) -> list[dict[
         body = planned_case if kind == "planned" else continuous_case
         out.append(body(rank, world, *args))
     return out
+
+
+def run_groups(
+    rank: int, world: int, groups: list[list[tuple[Any, ...]]]
+) -> list[list[dict[str, Any]]]:
+    """:func:`run_cases` for each group in turn, in one process group: each group starts from an
+    empty compile cache as it would in a process of its own (its first case compiles the graphs
+    its others reuse; dynamo's recompile limit counts per group), and the ranks start once."""
+    return [run_cases(rank, world, cases) for cases in groups]

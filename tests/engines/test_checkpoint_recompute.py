@@ -11,17 +11,29 @@ reference.
 
 from __future__ import annotations
 
+import pytest
+
 from tests.engines import _compile_cases as cases
 from zbpipe.testing import run_ranks
 
 
-def test_deferred_engine_recomputes_each_checkpointed_block_once_per_microbatch():
-    (got,) = run_ranks(cases.checkpointed_v_forwards, 1, "deferred", timeout=120)
+@pytest.fixture(scope="module")
+def found() -> dict[str, dict]:
+    """Both engines' runs in one process."""
+    splits = ("deferred", "graph")
+    (got,) = run_ranks(
+        cases.several, 1, [("checkpointed_v_forwards", s) for s in splits], timeout=120
+    )
+    return dict(zip(splits, got, strict=True))
+
+
+def test_deferred_engine_recomputes_each_checkpointed_block_once_per_microbatch(found):
+    got = found["deferred"]
     assert got["forwards"] == 16 + 16, got
     assert got["worst"] < 1e-5
 
 
-def test_graph_engine_recomputes_each_checkpointed_block_once_per_microbatch_too():
-    (got,) = run_ranks(cases.checkpointed_v_forwards, 1, "graph", timeout=120)
+def test_graph_engine_recomputes_each_checkpointed_block_once_per_microbatch_too(found):
+    got = found["graph"]
     assert got["forwards"] == 16 + 16, got
     assert got["worst"] < 1e-5

@@ -11,7 +11,9 @@ rounding; the second step compiles nothing; nothing breaks the graph (most cases
 aot_eager; inductor runs ZBH1 and ZBV). ``ScheduleContinuous`` (sync, 2bw, stash) ends with the
 parameters its version rule gives on the unpipelined model, its W running deferred GEMMs.
 
-One process group per module fixture: starting ranks and importing torch is the slow part.
+One process group for the whole file (a module fixture; dynamo reset before each placement's
+cases and before the inductor cases): starting ranks, importing torch and warming dynamo up is
+the slow part.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from tests.engines import _compile_every_cases as cases
 from zbpipe.integrations.names import SCHEDULE_CLASSES
 from zbpipe.testing import run_ranks
 
-pytestmark = pytest.mark.dist
+# one launch of every case (the module fixture) takes minutes on a loaded 2-core machine
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]
 
 PLANNED = [name for name in SCHEDULE_CLASSES if name != "Continuous"]
 MODES = ["sync", "2bw", "stash"]
@@ -35,12 +38,38 @@ def _all_cases(how: str) -> list[tuple]:
     ]
 
 
-@pytest.fixture(scope="module", params=["in-place", "ac-in-place"], ids=["compile", "compile+ac"])
-def runs(request):
-    how = request.param
+HOWS = {"compile": "in-place", "compile+ac": "ac-in-place"}
+# inductor: ZBH1 (loop) and ZBV (V) compiled in place (ZBV reuses ZBH1's graphs; AC is checked
+# under aot_eager: an inductor compile of it costs this file's budget); the graph engine runs
+# 1F1BMulti's fused backward over compiled blocks (a plan that splits refuses them under
+# split="graph": the last test); ZBV eager, for its W's GEMMs.
+INDUCTOR = [
+    ("planned", "ZBH1", "in-place", "inductor", {}),
+    ("planned", "ZBV", "in-place", "inductor", {}),
+    ("planned", "1F1BMulti", "in-place", "aot_eager", {"split": "graph"}),
+    ("planned", "ZBV", "eager", "", {}),
+]
+
+
+@pytest.fixture(scope="module")
+def launch() -> dict[str, list[list[dict]]]:
+    """Every case of the file in one launch of two ranks, in three groups, each from an empty
+    compile cache (its first case compiles the blocks' graphs, the others reuse them):
+    {"compile" / "compile+ac" / "inductor": per case, per rank, its result}."""
+    groups = {key: _all_cases(how) for key, how in HOWS.items()}
+    groups["inductor"] = INDUCTOR
+    per_rank = run_ranks(cases.run_groups, 2, list(groups.values()), timeout=900)
+    return {
+        key: [[rank[g][j] for rank in per_rank] for j in range(len(group))]
+        for g, (key, group) in enumerate(groups.items())
+    }
+
+
+@pytest.fixture(scope="module", params=list(HOWS), ids=list(HOWS))
+def runs(request, launch):
+    how = HOWS[request.param]
     todo = _all_cases(how)
-    per_rank = run_ranks(cases.run_cases, 2, todo, timeout=500)
-    return how, {case[1]: [rank[i] for rank in per_rank] for i, case in enumerate(todo)}
+    return how, {case[1]: results for case, results in zip(todo, launch[request.param])}
 
 
 def test_the_cases_share_the_compiled_graphs(runs):
@@ -97,26 +126,15 @@ def test_continuous_over_compiled_blocks_follows_its_version_rule(runs, mode):
 
 # inductor compiles C++ kernels: about 10 s with its on-disk caches warm (the default), 125 s
 # with them cold (TORCHINDUCTOR_FORCE_DISABLE_CACHES=1, 2-core machine at load 4)
-@pytest.mark.timeout(400)
-def test_inductor_in_both_placements_and_graph_engine_under_compile():
-    # inductor: ZBH1 (loop) and ZBV (V) compiled in place (ZBV reuses ZBH1's graphs; AC is
-    # checked under aot_eager above: an inductor compile of it costs this file's budget); the
-    # graph engine runs 1F1BMulti's fused backward over compiled blocks (a plan that splits
-    # refuses them under split="graph": the test below).
-    todo = [
-        ("planned", "ZBH1", "in-place", "inductor", {}),
-        ("planned", "ZBV", "in-place", "inductor", {}),
-        ("planned", "1F1BMulti", "in-place", "aot_eager", {"split": "graph"}),
-        ("planned", "ZBV", "eager", "", {}),
-    ]
-    per_rank = run_ranks(cases.run_cases, 2, todo, timeout=500)
-    for i in range(len(todo) - 1):
-        _check_planned([rank[i] for rank in per_rank])
-    assert all(rank[2]["split"] == "graph" for rank in per_rank)
-    assert sum(rank[0]["w_gemms"] for rank in per_rank) > 0  # ZBH1 splits somewhere
+def test_inductor_in_both_placements_and_graph_engine_under_compile(launch):
+    results = launch["inductor"]  # per case, per rank
+    for per_rank in results[:-1]:
+        _check_planned(per_rank)
+    assert all(got["split"] == "graph" for got in results[2])
+    assert sum(got["w_gemms"] for got in results[0]) > 0  # ZBH1 splits somewhere
     # ZBV splits on both ranks; compiled by inductor, its W runs the GEMMs the eager one runs
-    assert all(rank[1]["w_gemms"] > 0 for rank in per_rank)
-    assert [rank[1]["w_gemms"] for rank in per_rank] == [rank[3]["w_gemms"] for rank in per_rank]
+    assert all(got["w_gemms"] > 0 for got in results[1])
+    assert [got["w_gemms"] for got in results[1]] == [got["w_gemms"] for got in results[3]]
 
 
 def test_graph_engine_refuses_compiled_blocks_in_a_split_plan():

@@ -393,6 +393,31 @@ def _dtensor_weights_case(rank: int, world: int, plan: str) -> dict[str, object]
     }
 
 
+def _dtensor_weights_cases(rank: int, world: int, plans: list[str]) -> list[dict[str, object]]:
+    """Several :func:`_dtensor_weights_case` in one process group (starting ranks and warming
+    dynamo up in each is most of a case's cost)."""
+    return [_dtensor_weights_case(rank, world, plan) for plan in plans]
+
+
+#: the plans run on one rank (a one-rank mesh) and on two
+PLANS = {1: ["replicate", "replicate-exact", "replicate-inductor"],
+         2: ["replicate", "tp", "fsdp-tp", "rows"]}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def dtensor_runs() -> dict[tuple[str, int], list[dict[str, object]]]:
+    """{(plan, world): per rank, what the case found}: one launch per world size."""
+    from zbpipe.testing import run_ranks
+
+    out = {}
+    for world, plans in PLANS.items():
+        per_rank = run_ranks(_dtensor_weights_cases, world, plans, timeout=600)
+        for i, plan in enumerate(plans):
+            out[plan, world] = [rank[i] for rank in per_rank]
+    return out
+
+
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     "plan, world",
     [
@@ -404,13 +429,11 @@ def _dtensor_weights_case(rank: int, world: int, plan: str) -> dict[str, object]
         ("fsdp-tp", 2),
     ],
 )
-def test_compiled_linears_with_dtensor_weights_defer_their_gemms_to_w(plan, world):
+def test_compiled_linears_with_dtensor_weights_defer_their_gemms_to_w(dtensor_runs, plan, world):
     # A DTensor weight (torchtitan 0.3's, tensor parallelism's) reaches the op as its local
     # shard (AOTAutograd flattens DTensors); the op's sharding rule places the result as the
     # weight, W adds the local product into the local shard of a DTensor .grad.
-    from zbpipe.testing import run_ranks
-
-    for found in run_ranks(_dtensor_weights_case, world, plan, timeout=300):
+    for found in dtensor_runs[plan, world]:
         assert found["queued"] == [2, 2, 2], found  # B queued both weight GEMMs, every microbatch
         # the first B left both weights without a gradient (W adds it); later ones accumulate
         assert found["none_after_b"][0] == [True, True], found
@@ -420,12 +443,13 @@ def test_compiled_linears_with_dtensor_weights_defer_their_gemms_to_w(plan, worl
         assert worst < 1e-5, found
 
 
-def test_compiled_linears_with_rows_split_over_ranks_compute_their_weight_gradients_in_b():
+@pytest.mark.timeout(900)
+def test_compiled_linears_with_rows_split_over_ranks_compute_their_weight_gradients_in_b(
+    dtensor_runs,
+):
     # Replicated weights, each rank half of each microbatch's rows: a rank's product is a
     # partial sum (the weight gradient is their reduction), which W cannot add on its own.
-    from zbpipe.testing import run_ranks
-
-    for found in run_ranks(_dtensor_weights_case, 2, "rows", timeout=300):
+    for found in dtensor_runs["rows", 2]:
         assert found["queued"] == [0, 0, 0], found
         assert found["none_after_b"][0] == [False, False], found
         assert found["graphs"] == 1 and found["breaks"] == 0, found

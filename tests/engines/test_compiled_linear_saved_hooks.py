@@ -140,23 +140,42 @@ def _dtensor_case(rank: int, world: int, hooks: str | None, leaf: bool) -> dict[
     }
 
 
-@pytest.mark.parametrize("hooks", list(_HOOKS))
-def test_dtensor_weights_defer_their_gemms_under_saved_tensor_hooks(hooks: str):
-    # A DTensor's local shard needs no gradient: autograd hands the compiled backward the saved
-    # shard itself under hooks too, and the route is found by its identity.
+#: the one-rank DTensor cases: (hooks, leaf)
+_DTENSOR_CASES = [("identity", False), ("save_on_cpu", False), (None, True)]
+
+
+def _dtensor_cases(rank: int, world: int, todo: list[tuple[str | None, bool]]) -> list[dict]:
+    """Each of ``todo`` as :func:`_dtensor_case`, in one process (starting it and warming dynamo
+    up is most of a case's cost); dynamo reset before each, so each compiles its own graph as
+    in a process of its own."""
+    out = []
+    for hooks, leaf in todo:
+        torch.compiler.reset()
+        out.append(_dtensor_case(rank, world, hooks, leaf))
+    return out
+
+
+@pytest.fixture(scope="module")
+def dtensor_found() -> dict[tuple[str | None, bool], dict[str, Any]]:
     from zbpipe.testing import run_ranks
 
-    (found,) = run_ranks(_dtensor_case, 1, hooks, False, timeout=300)
+    (found,) = run_ranks(_dtensor_cases, 1, _DTENSOR_CASES, timeout=300)
+    return dict(zip(_DTENSOR_CASES, found, strict=True))
+
+
+@pytest.mark.parametrize("hooks", list(_HOOKS))
+def test_dtensor_weights_defer_their_gemms_under_saved_tensor_hooks(dtensor_found, hooks: str):
+    # A DTensor's local shard needs no gradient: autograd hands the compiled backward the saved
+    # shard itself under hooks too, and the route is found by its identity.
+    found = dtensor_found[hooks, False]
     assert found["queued"] == 2 and found["down_none_after_b"], found
     assert found["diff"] < 1e-5, found
 
 
-def test_a_dtensor_leaf_on_a_parameters_local_memory_keeps_its_own_gradient():
+def test_a_dtensor_leaf_on_a_parameters_local_memory_keeps_its_own_gradient(dtensor_found):
     # As above for plain parameters: the version's local shard shares the parameter's memory
     # but is another object; its gradient is computed in B and reaches the version only.
-    from zbpipe.testing import run_ranks
-
-    (found,) = run_ranks(_dtensor_case, 1, None, True, timeout=300)
+    found = dtensor_found[None, True]
     assert found["queued"] == 1, found  # down's GEMM waits; the version's ran in B
     assert not found["up_param_grad"], found
     assert found["diff"] < 1e-5, found

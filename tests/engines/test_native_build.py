@@ -170,8 +170,14 @@ def test_a_background_build_waits_its_turn_and_is_taken_up_when_done(fresh, monk
     assert "built in the background" in caplog.records[-1].getMessage()
 
 
-def test_a_killed_builder_leaves_no_lock_behind(fresh):
-    """The flock goes with its holder, however it ends (torch's lock file would not)."""
+def test_a_killed_builder_leaves_no_lock_behind(fresh, monkeypatch):
+    """The flock goes with its holder, however it ends (torch's lock file would not). The
+    builder's flock is made non-blocking here: a lock still held raises at once, where the
+    builder would wait (no clock: a held lock is seen held, a released one is free)."""
+    import fcntl
+
+    flock = fcntl.flock
+    monkeypatch.setattr(fcntl, "flock", lambda f, op: flock(f, op | fcntl.LOCK_NB))
     fresh.directory.parent.mkdir(parents=True, exist_ok=True)
     holder = subprocess.Popen(
         [
@@ -183,13 +189,15 @@ def test_a_killed_builder_leaves_no_lock_behind(fresh):
         ],
         stdout=subprocess.PIPE,
     )
-    assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
-    holder.kill()
-    holder.wait()
-    t0 = time.monotonic()
-    with B._locked(fresh):
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+        with pytest.raises(BlockingIOError), B._locked(fresh):  # held while its holder lives
+            pass
+    finally:
+        holder.kill()
+        holder.wait()
+    with B._locked(fresh):  # then free: taken without waiting
         pass
-    assert time.monotonic() - t0 < 10
 
 
 def test_a_stale_torch_lock_is_removed_and_a_build_stamped(fresh, monkeypatch):

@@ -1,7 +1,8 @@
 """Per-rank body of the torchtitan DualPipeV test (module level: spawned ranks import it).
 
-torchtitan 0.3.0's Qwen3 MoE debug model (``debugmodel_moe``: dim 256, 64 experts, top 8,
-vocab 2048), its first 4 of 8 layers, one per pipeline stage, 4 stages in V placement on 2 CPU
+torchtitan 0.3.0's Qwen3 MoE debug model (``debugmodel_moe``: dim 256, vocab 2048), 4 MoE layers
+built by torchtitan's builder for it but smaller (8 experts, top 2: ``EXPERTS`` below), one per
+pipeline stage, 4 stages in V placement on 2 CPU
 ranks (pipeline parallelism only). Its MoE layers keep torchtitan's ``AllToAllTokenDispatcher``
 (the "standard" backend); each rank wires it an expert-parallel mesh of its own (size 1:
 the all-to-all is a copy), so the dispatch and combine exchanges run and zbpipe's
@@ -20,12 +21,33 @@ import torch.distributed as dist
 SEQ, VOCAB, N_LAYERS = 32, 2048, 4
 
 
+#: the MoE layers' size here (the debug model's: 64 experts of hidden 768, top 8, 16 heads of
+#: 128). What is checked (the dispatchers found, the pairs overlapping at their exchanges, the
+#: gradients) does not depend on it; the debug model's size made each rank build, copy and
+#: run 150 M parameters four times over (the model, its reference, its two stages' copies).
+EXPERTS, TOP_K, MOE_HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64, 4, 2, 32
+
+
 def qwen3_moe(seed: int) -> torch.nn.Module:
+    from torchtitan.models.common import CosSinRoPE
     from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.qwen3 import _debugmodel_moe
+    from torchtitan.models.qwen3 import _build_qwen3_moe_layers, _debugmodel_moe
 
     cfg = _debugmodel_moe("flex")
-    cfg.layers = cfg.layers[:N_LAYERS]
+    # its layers rebuilt by torchtitan's own builder, as the debug model builds them, smaller
+    cfg.layers = _build_qwen3_moe_layers(
+        n_layers=N_LAYERS,
+        dim=cfg.dim,
+        n_heads=HEADS,
+        n_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        moe_hidden_dim=MOE_HIDDEN,
+        num_experts=EXPERTS,
+        top_k=TOP_K,
+        attn_backend="flex",
+        moe_comm_backend="standard",
+        rope=CosSinRoPE.Config(dim=HEAD_DIM, max_seq_len=SEQ, theta=1000000.0),
+    )
     for layer in cfg.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     torch.manual_seed(seed)

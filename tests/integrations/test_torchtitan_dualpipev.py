@@ -6,7 +6,8 @@ all-to-alls, and the gradients equal the unpipelined model's.
 Skipped only where torchtitan is not installed, or is not 0.3 (the 0.2 line has no Qwen3 MoE
 debug model): where torchtitan 0.3 is (CI's main suite, recipes/torchtitan/requirements-ci.txt),
 a module the ranks need that fails to import fails it, as a broken integration must. Its cost:
-torchtitan's import (about 6 s a process) and the 64-expert model, built on each rank."""
+torchtitan's import (about 6 s a process); the model's MoE layers are built smaller than the
+debug model's (8 experts, not 64: _torchtitan_dualpipev_cases.EXPERTS)."""
 
 from __future__ import annotations
 

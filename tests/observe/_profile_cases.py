@@ -5,7 +5,11 @@ Module level so spawned processes can import them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
+from typing import Any
+from unittest import mock
 
 import torch
 import torch.nn as nn
@@ -45,9 +49,62 @@ class _Collect(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def profiled_training(rank, world, schedule, m, steps, extra_last_blocks=0, options=None, seed=5):
+class FixedClock:
+    """The clock of the tracer and of the comm measurement in a rank (``perf_counter``): it
+    stands still, except at the end of a traced span, which moves it on by that span's fixed
+    cost, ``costs[kind][stage]`` milliseconds (BW: B + W). Measured costs are then known
+    exactly (comm: 0, its round trips take no time), whatever the machine's load."""
+
+    def __init__(self, costs: dict[str, list[float]]) -> None:
+        self.costs, self.now = costs, 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def cost(self, kind: str, stage: int) -> float:
+        if kind == "BW":
+            return self.cost("B", stage) + self.cost("W", stage)
+        return self.costs[kind][stage] * 1e-3
+
+    @contextlib.contextmanager
+    def installed(self, tracer: Any) -> Iterator[None]:
+        """The clock in place of the host clock of zbpipe.observe.trace and .profile, and
+        ``tracer``'s spans moving it on as they end."""
+        from zbpipe.observe import profile, trace
+
+        def span(kind: str, stage: int, microbatch: int) -> Any:
+            return _Advancing(self, inner(kind, stage, microbatch), self.cost(kind, stage))
+
+        inner = tracer.span
+        with mock.patch.object(trace, "time", self), mock.patch.object(profile, "time", self):
+            tracer.span = span
+            try:
+                yield
+            finally:
+                del tracer.span
+
+
+class _Advancing:
+    """A traced span whose end is ``seconds`` after its start on a :class:`FixedClock`."""
+
+    def __init__(self, clock: FixedClock, inner: Any, seconds: float) -> None:
+        self.clock, self.inner, self.seconds = clock, inner, seconds
+
+    def __enter__(self) -> None:
+        self.inner.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self.clock.now += self.seconds
+        self.inner.__exit__(*exc)
+
+
+def profiled_training(
+    rank, world, schedule, m, steps, extra_last_blocks=0, options=None, seed=5, fixed=None
+):
     """Run ``steps`` steps with costs="profile"; after every step compare grads with the reference.
 
+    ``fixed``: the passes' costs in ms (``{"F": per stage, "B": ..., "W": ...}``), taken by a
+    :class:`FixedClock` in place of the host clock; None: the host clock.
     Returns what the test checks across ranks: fingerprint of the final plan, measured costs,
     whether the plan changed from the equal-cost one, the info log lines and the worst grad diff.
     """
@@ -64,7 +121,27 @@ def profiled_training(rank, world, schedule, m, steps, extra_last_blocks=0, opti
     cfg = ProfileConfig(warmup_steps=1, profile_steps=2)
     sched = cls(stages, m, loss_fn=lm_loss, costs="profile", profile=cfg, **options)
     equal_cost_plan = sched.equal_bytes_plan  # the first steps run first_step_plan (loop)
-    worst, plans_per_step = 0.0, []
+    plans_per_step: list = []
+    clock = contextlib.nullcontext() if fixed is None else FixedClock(fixed).installed(sched.tracer)
+    with clock:
+        worst = _steps(sched, cls, schedule, mods, mine, m, steps, plans_per_step)
+    log.removeHandler(handler)
+    return {
+        "fingerprint": config_fingerprint(cls, m, num_stages, sched.plan),
+        "plans_per_step": plans_per_step,
+        "measured": sched.measured_costs,
+        "changed": sched.plan.order != equal_cost_plan.order,
+        "equal_cost_order": dict(equal_cost_plan.order),
+        "order": dict(sched.plan.order),
+        "log": handler.messages,
+        "worst": worst,
+    }
+
+
+def _steps(sched, cls, schedule, mods, mine, m, steps, plans_per_step) -> float:
+    """``steps`` steps, each checked against the reference; returns the worst difference."""
+    num_stages = len(mods)
+    worst = 0.0
     for step in range(steps):
         for s in mine:
             mods[s].zero_grad(set_to_none=True)
@@ -94,17 +171,7 @@ def profiled_training(rank, world, schedule, m, steps, extra_last_blocks=0, opti
                 torch.stack(losses), torch.stack(ref_losses), rtol=1e-6, atol=1e-6
             )
         plans_per_step.append(config_fingerprint(cls, m, num_stages, sched.plan))
-    log.removeHandler(handler)
-    return {
-        "fingerprint": config_fingerprint(cls, m, num_stages, sched.plan),
-        "plans_per_step": plans_per_step,
-        "measured": sched.measured_costs,
-        "changed": sched.plan.order != equal_cost_plan.order,
-        "equal_cost_order": dict(equal_cost_plan.order),
-        "order": dict(sched.plan.order),
-        "log": handler.messages,
-        "worst": worst,
-    }
+    return worst
 
 
 def disagreeing_plans(rank, world):
@@ -121,11 +188,19 @@ def disagreeing_plans(rank, world):
     raise AssertionError(f"rank {rank}: disagreeing plans were accepted")
 
 
+#: the passes' costs (ms) the 2-rank cases' clock gives: the last stage 7 times as heavy (as if
+#: it ran 7 blocks against 1), a backward half B and half W
+FIXED = {
+    "auto": {"F": [1.0, 7.0], "B": [2.0, 14.0], "W": [2.0, 14.0]},
+    "zbv": {"F": [1.0, 1.0, 1.0, 7.0], "B": [2.0, 2.0, 2.0, 14.0], "W": [2.0, 2.0, 2.0, 14.0]},
+}
+
+
 def two_rank_cases(rank, world):
     """All 2-rank cases in one process group (starting processes is the slow part)."""
     return {
-        "auto": profiled_training(rank, world, "ScheduleZBAuto", 4, 5, extra_last_blocks=6),
-        "zbv": profiled_training(rank, world, "ScheduleZBV", 4, 5, extra_last_blocks=6),
+        "auto": profiled_training(rank, world, "ScheduleZBAuto", 4, 5, fixed=FIXED["auto"]),
+        "zbv": profiled_training(rank, world, "ScheduleZBV", 4, 5, fixed=FIXED["zbv"]),
         # memory_limit=2 units: enough for equal stages, not for the measured heavy last chunk
         "zbv_limit": profiled_training(
             rank, world, "ScheduleZBV", 4, 4, extra_last_blocks=6, options={"memory_limit": 2.0}

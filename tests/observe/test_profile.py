@@ -2,9 +2,10 @@
 
 The unit tests check ``measure_stage_costs`` against hand-made events (medians worked out by
 hand). The process tests run real gloo ranks for several steps: gradients after every step,
-before and after the re-plan, equal an unpipelined reference; ranks end on the same plan; a
-deliberately unbalanced model (six extra blocks on the last stage) is measured as such and
-gets a different plan than the equal-cost one. No absolute timing thresholds: only ratios.
+before and after the re-plan, equal an unpipelined reference; ranks end on the same plan; with
+passes whose costs a fake clock fixes (the last stage 7 times as heavy), the measured costs are
+exactly those and the plan is the generator's for them, not the equal-cost one. No test reads
+a duration off a real clock against a threshold or another duration.
 """
 
 from __future__ import annotations
@@ -107,20 +108,15 @@ def test_every_rank_holds_the_same_costs_and_plan(two_ranks, case):
 
 @pytest.mark.dist
 @pytest.mark.parametrize("case", ["auto", "zbv"])
-def test_heavier_last_stage_is_measured_heavier(two_ranks, case):
+def test_the_measured_costs_are_the_medians_of_the_traced_passes(two_ranks, case):
+    """Replaces test_heavier_last_stage_is_measured_heavier (an ordering of measured times,
+    which a loaded CI machine does not keep). The ranks' clock is a fake that moves only as a
+    traced pass ends, by that pass's fixed cost (cases.FixedClock; comm: the round trips take no
+    time on it): what is measured is what it gave, exactly, the last stage 7 times as heavy."""
     c = two_ranks[0][case]["measured"]
-    # The last stage runs 7 blocks and the head against 1 block (+ embedding) elsewhere.
-    # Forward: heavier; the whole microbatch (F + B + W): more than twice. A 2x bound on F alone
-    # failed once in CI, where the compat lines starved both ranks alike during the profiled
-    # steps (F measured 20.4 / 38.7 ms against about 1.7 / 8.9 on a quiet machine): contention
-    # adds the same time to every pass and squeezes one kind's ratio, less so the sum's.
-    assert c.f[-1] > max(c.f[:-1]), c
-    total = [f + b + w for f, b, w in zip(c.f, c.b, c.w)]
-    assert total[-1] > 2 * max(total[:-1]), c
-    # Backward: only "heavier", not 2x. Under the deferred engine stage 0's B also accumulates
-    # the embedding's dense (vocab x hidden) gradient, which the graph engine left to W, and the
-    # passes of these tiny blocks are mostly per-op overhead.
-    assert c.b[-1] + c.w[-1] > max(b + w for b, w in zip(c.b[:-1], c.w[:-1])), c
+    fixed = cases.FIXED[case]
+    assert (c.f, c.b, c.w) == tuple(tuple(fixed[kind]) for kind in ("F", "B", "W")), c
+    assert c.comm == (0.0,) * len(fixed["F"]) and c.a2a == (0.0,) * len(fixed["F"]), c
 
 
 @pytest.mark.dist

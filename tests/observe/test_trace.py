@@ -1,25 +1,38 @@
 """The tracer records one event per action on the host clock.
 
-A Trace's bubble rate is the paper's.
+The clock is a fake here (``clock``: each read returns the next whole second), so every start
+and end is known exactly: no test reads a real clock. A Trace's bubble rate is the paper's.
 """
 
-import time
+import itertools
+import types
 
 import pytest
 
+from zbpipe.observe import trace
 from zbpipe.observe.timeline import Event
 from zbpipe.observe.trace import Trace, Tracer
 
 
-def test_spans_become_ordered_events_and_clear_empties_them():
+@pytest.fixture
+def clock(monkeypatch):
+    """The tracer's host clock replaced: its reads return 1.0, 2.0, 3.0, ... in turn."""
+    reads = itertools.count(1)
+    fake = types.SimpleNamespace(perf_counter=lambda: float(next(reads)))
+    monkeypatch.setattr(trace, "time", fake)
+    return fake
+
+
+def test_spans_become_ordered_events_and_clear_empties_them(clock):
     tr = Tracer(rank=3)
     with tr.span("F", 1, 0):
-        time.sleep(0.001)
+        pass
     with tr.span("B", 1, 0):
         pass
     (f, b) = tr.events
     assert (f.rank, f.kind, f.stage, f.microbatch) == (3, "F", 1, 0) and b.kind == "B"
-    assert f.start < f.end <= b.start <= b.end and f.end - f.start >= 0.001
+    # the clock read on entering and on leaving each span, in that order
+    assert (f.start, f.end, b.start, b.end) == (1.0, 2.0, 3.0, 4.0)
     tr.clear()
     assert tr.events == []
 
@@ -44,25 +57,25 @@ def test_bubble_rate_of_a_hand_worked_trace():
     assert t.busy() == {0: 2.0, 1: 2.0} and t.busy("F") == {0: 1.0, 1: 1.0}
 
 
-def test_a_span_whose_body_raises_is_recorded_and_the_error_propagates():
+def test_a_span_whose_body_raises_is_recorded_and_the_error_propagates(clock):
     tr = Tracer(rank=0)
     with pytest.raises(ZeroDivisionError), tr.span("BW", 2, 5):
         1 / 0  # noqa: B018
     (e,) = tr.events
-    assert (e.kind, e.stage, e.microbatch) == ("BW", 2, 5) and e.start <= e.end
+    assert (e.kind, e.stage, e.microbatch, e.start, e.end) == ("BW", 2, 5, 1.0, 2.0)
 
 
-def test_nested_spans_each_record_their_own_interval():
+def test_nested_spans_each_record_their_own_interval(clock):
     tr = Tracer(rank=0)
     with tr.span("F", 0, 0):
         with tr.span("B", 0, 1):
             pass
     inner, outer = tr.events  # the inner span ends first
     assert (inner.kind, outer.kind) == ("B", "F")
-    assert outer.start <= inner.start <= inner.end <= outer.end
+    assert (outer.start, inner.start, inner.end, outer.end) == (1.0, 2.0, 3.0, 4.0)
 
 
-def test_events_read_between_spans_keep_their_order_and_waits():
+def test_events_read_between_spans_keep_their_order_and_waits(clock):
     # the spans store plain tuples; reading ``events`` builds the Events, as often as it is read
     tr = Tracer(rank=1)
     with tr.span("F", 0, 0):
@@ -73,7 +86,7 @@ def test_events_read_between_spans_keep_their_order_and_waits():
     f, bw = tr.events
     assert first == [f] and isinstance(f, Event) and isinstance(bw, Event)
     assert (f.kind, f.waited, bw.kind, bw.waited) == ("F", 0.25, "BW", 0.0)
-    assert f.end <= bw.start
+    assert (f.start, f.end, bw.start, bw.end) == (1.0, 2.0, 3.0, 4.0)
     assert tr.gather().events == {1: [f, bw]}  # one process, no process group
     tr.clear()
     with tr.span("W", 0, 0):
