@@ -14,6 +14,13 @@ from typing import Any
 
 import pytest
 
+# torch on one intra-op thread in the pytest process too, as in every rank
+# (zbpipe.testing.launch): the references computed here are tiny ops, for which a second thread
+# only spins, and on the 2-core CI machine the ranks hold the cores (issue 45: test_continuous.py
+# took 44 s of CPU on two threads, 15 s on one, ranks included). Read when torch is first
+# imported, which no fixture here does before the tests that need it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # The suite never builds zbpipe's native weight capture behind its own back (a build is half a
 # minute of a core CI does not have): a process of it, and every rank it starts, loads a build
 # made before or runs the Python capture. Only the native_capture fixture builds.
