@@ -150,9 +150,10 @@ def _rank(rank: int, world: int, port: int, name: str, args: list[str], log_dir:
             MASTER_PORT=str(port),
         )
         print(f"\n{MARKER}{name}", flush=True)  # on a line of its own, whatever came before
+        # before any torchtitan import: 0.2's configuration takes the argv of its import
+        sys.argv = ["torchtitan.train", *args]
         _log_moe_state()
         w = _count_w_gemms()
-        sys.argv = ["torchtitan.train", *args]
         runpy.run_module("torchtitan.train", run_name="__main__", alter_sys=True)
         print(f"{W_MARKER}gemms={w['gemms']} weights={len(w['weights'])}", flush=True)
         code = 0
@@ -204,7 +205,8 @@ def _serve(request: dict) -> dict:
 
 
 def main() -> None:
-    for module in sys.argv[1:]:
+    preload, sys.argv[1:] = sys.argv[1:], []  # no module imported here sees them as options
+    for module in preload:
         importlib.import_module(module)
     print("ready", flush=True)
     for line in sys.stdin:
