@@ -36,6 +36,21 @@ def machine() -> str:
     return words
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``lscpu``'s "Model name"; "unknown" where there is none): results
+    from machines with and without AVX-512 or bf16 differ by tens of times."""
+    import subprocess
+
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    except OSError:
+        return "unknown"
+    return next(
+        (ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("Model name")),
+        "unknown",
+    )
+
+
 def meta() -> dict[str, str]:
     try:
         import torch

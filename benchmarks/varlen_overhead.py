@@ -115,16 +115,6 @@ def _rank_main(rank: int, world: int, cfg: Config) -> dict | None:
     return out
 
 
-def _cpu_model() -> str:
-    import subprocess
-
-    text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    return next(
-        (ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("Model name")),
-        "unknown",
-    )
-
-
 def main() -> None:
     from zbpipe.testing import run_ranks
 
@@ -151,7 +141,9 @@ def main() -> None:
     t0 = time.perf_counter()
     res = run_ranks(_rank_main, 2, cfg, timeout=900)[0]
     took = time.perf_counter() - t0
-    cpu = _cpu_model()
+    from results_io import cpu_model
+
+    cpu = cpu_model()
     print(f"2 ranks, {cpu}, m={cfg.microbatches}, {cfg.reps} interleaved reps ({took:.0f} s)")
     for name in cfg.schedules:
         on, off = res[f"{name}+varshapes"], res[name]

@@ -12,9 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from torch.distributed.pipelining import PipelineStage
 
-from tests.schedules._varlen_cases import chunks, data, layers, reference, token_loss
+from tests.schedules._varlen_cases import data, my_stages, reference, token_loss
 from zbpipe.schedules import classes
 
 EQUAL = [16, 16, 16, 16]
@@ -76,12 +75,7 @@ def fixed_shape_steps(rank: int, world: int, schedules: list[str]) -> None:
 
 def _build(rank: int, world: int, name: str) -> tuple:
     cls = getattr(classes, name)
-    num_stages = world * cls.stages_per_rank
-    mods = layers(seed=0)
-    parts = chunks(mods, num_stages)
-    stage_mods = [nn.Sequential(*(mods[i] for i in part)) for part in parts]
-    mine = sorted(s for s, r in cls.stage_index_to_rank(world).items() if r == rank)
-    stages = [PipelineStage(stage_mods[s], s, num_stages, torch.device("cpu")) for s in mine]
+    stages, mine, mods, parts, num_stages = my_stages(rank, world, cls)
     sched = cls(stages, len(EQUAL), loss_fn=token_loss, scale_grads=False)
     return sched, mine, mods, parts
 

@@ -114,16 +114,23 @@ def reference(
     return [p.grad for p in ref.parameters()]
 
 
-def steps(rank: int, world: int, schedule: str, split: str, draws: list[list[int]]) -> float:
-    """One schedule, one process group: a step per draw of lengths, each against the unpipelined
-    model. Draws alternate the two loss contracts. Returns the largest gradient difference."""
-    cls = getattr(classes, schedule)
+def my_stages(rank: int, world: int, cls: type) -> tuple[list, list[int], list, list, int]:
+    """This rank's ``PipelineStage``s of the model (:func:`layers`, seed 0) split into ``cls``'s
+    stages under its placement: ``(stages, stage indices, layers, parts, num_stages)``."""
     num_stages = world * cls.stages_per_rank
     mods = layers(seed=0)
     parts = chunks(mods, num_stages)
     stage_mods = [nn.Sequential(*(mods[i] for i in part)) for part in parts]
     mine = sorted(s for s, r in cls.stage_index_to_rank(world).items() if r == rank)
     stages = [PipelineStage(stage_mods[s], s, num_stages, torch.device("cpu")) for s in mine]
+    return stages, mine, mods, parts, num_stages
+
+
+def steps(rank: int, world: int, schedule: str, split: str, draws: list[list[int]]) -> float:
+    """One schedule, one process group: a step per draw of lengths, each against the unpipelined
+    model. Draws alternate the two loss contracts. Returns the largest gradient difference."""
+    cls = getattr(classes, schedule)
+    stages, mine, mods, parts, num_stages = my_stages(rank, world, cls)
     m = len(draws[0])
     token_sched = cls(
         stages, m, loss_fn=token_loss, scale_grads=False, split=split, variable_shapes=True

@@ -8,9 +8,8 @@ import copy
 
 import torch
 import torch.nn as nn
-from torch.distributed.pipelining import PipelineStage
 
-from tests.schedules._varlen_cases import chunks, data, layers, reference, token_loss
+from tests.schedules._varlen_cases import data, my_stages, reference, token_loss
 from zbpipe.planning.by_cost import order_by_cost, token_scales
 from zbpipe.schedules import classes
 
@@ -25,12 +24,7 @@ def ordered_steps(
 
 def _steps(rank: int, world: int, schedule: str, draws: list[list[int]]) -> list[tuple]:
     cls = getattr(classes, schedule)
-    num_stages = world * cls.stages_per_rank
-    mods = layers(seed=0)
-    parts = chunks(mods, num_stages)
-    stage_mods = [nn.Sequential(*(mods[i] for i in part)) for part in parts]
-    mine = sorted(s for s, r in cls.stage_index_to_rank(world).items() if r == rank)
-    stages = [PipelineStage(stage_mods[s], s, num_stages, torch.device("cpu")) for s in mine]
+    stages, mine, mods, parts, num_stages = my_stages(rank, world, cls)
     sched = cls(stages, len(draws[0]), loss_fn=token_loss, scale_grads=False, variable_shapes=True)
     first, last = 0 in mine, num_stages - 1 in mine
     whole = nn.Sequential(*mods)

@@ -8,9 +8,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.pipelining import PipelineStage
 
-from tests.schedules._varlen_cases import chunks, data, layers, reference, token_loss
+from tests.schedules._varlen_cases import data, my_stages, reference, token_loss
 from zbpipe.schedules import classes
 
 
@@ -35,12 +34,7 @@ def all_reduces_per_step(
 
 def _steps(rank: int, world: int, schedule: str, draws: list[list[int]], calls: list[int]):
     cls = getattr(classes, schedule)
-    num_stages = world * cls.stages_per_rank
-    mods = layers(seed=0)
-    parts = chunks(mods, num_stages)
-    stage_mods = [nn.Sequential(*(mods[i] for i in part)) for part in parts]
-    mine = sorted(s for s, r in cls.stage_index_to_rank(world).items() if r == rank)
-    stages = [PipelineStage(stage_mods[s], s, num_stages, torch.device("cpu")) for s in mine]
+    stages, mine, mods, parts, num_stages = my_stages(rank, world, cls)
     sched = cls(stages, len(draws[0]), loss_fn=token_loss, scale_grads=False, variable_shapes=True)
     whole = nn.Sequential(*mods)
     counts = []

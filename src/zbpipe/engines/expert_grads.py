@@ -19,9 +19,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import _compat as C
-from .accumulate import accumulate, as_param_grad
-
 __all__ = ["WeightProduct"]
 
 #: elements converted and added at once when the product's dtype is not the weight's
@@ -45,24 +42,13 @@ class WeightProduct:
         raise NotImplementedError
 
     def grad(self, weight: Tensor, x: Tensor, g: Tensor) -> Tensor:
-        dw = self.compute(x, g)
-        if dw.dtype != weight.dtype:
-            dw = dw.to(weight.dtype)
-        return as_param_grad(weight, dw)
+        """The gradient in the weight's dtype and layout."""
+        raise NotImplementedError
 
     def add(self, weight: Tensor, x: Tensor, g: Tensor) -> Tensor | None:
-        if C.has_post_accumulate_grad_hooks(weight):
-            return self.grad(weight, x, g)
-        grad = weight.grad
-        if grad is None or C.is_dtensor(weight) or type(grad) is not Tensor:
-            accumulate(weight, self.grad(weight, x, g))
-            return None
-        dw = self.compute(x, g)
-        if dw.dtype == grad.dtype:
-            grad.add_(dw)
-        else:
-            _add_converted(grad, dw)
-        return None
+        """Accumulate the gradient as ``AccumulateGrad`` would (None), or return it for autograd
+        to add where the weight has post-accumulate hooks."""
+        raise NotImplementedError
 
 
 def _add_converted(grad: Tensor, dw: Tensor) -> None:
