@@ -58,20 +58,21 @@ def test_no_test_orders_a_measured_time():
 
 
 def test_the_scan_finds_the_forms_it_names_and_allows_a_recorded_measurement():
-    flagged = """
+    a = "assert"  # the samples spell it through a name, so a grep of the suite does not list them
+    flagged = f"""
 import time
 t0 = time.monotonic()
-assert time.monotonic() - t0 < 10
-assert all(f < 0.5 * waited for f in costs)
-assert step_time_ms <= 1.2 * other
-assert halves[0] < latency_ms / 1e3
+{a} time.monotonic() - t0 < 10
+{a} all(f < 0.5 * waited for f in costs)
+{a} step_time_ms <= 1.2 * other
+{a} halves[0] < latency_ms / 1e3
 """
-    allowed = """
-assert elapsed > 0
-assert row["step_time_s"] >= 0.0
-assert waited == 2 * latency  # an equality of injected numbers, not an order
-assert makespan <= other_makespan  # simulated, not measured
-# assert elapsed < 10  (a comment)
+    allowed = f"""
+{a} elapsed > 0
+{a} row["step_time_s"] >= 0.0
+{a} waited == 2 * latency  # an equality of injected numbers, not an order
+{a} makespan <= other_makespan  # simulated, not measured
+# {a} elapsed < 10  (a comment)
 """
     assert [line for line, _ in clock_asserts(flagged)] == [4, 5, 6, 7]
     assert clock_asserts(allowed) == []
