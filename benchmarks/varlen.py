@@ -152,17 +152,10 @@ def _time_exchange(sched: Any) -> list[float] | None:
     shapes = getattr(sched, "_shapes", None)
     if shapes is None:
         return None
+    from varlen_overhead import timed_calls
+
     spent: list[float] = []
-    inner = shapes.before_step
-
-    def timed(*a: Any, **k: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return inner(*a, **k)
-        finally:
-            spent.append(time.perf_counter() - t0)
-
-    shapes.before_step = timed
+    timed_calls(shapes, "before_step", spent)
     return spent
 
 

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from real_run import Config, _batch, _build, _timed_step  # noqa: E402
 
 
-def _timed(obj: Any, method: str, spent: list[float], after: Any = None) -> None:
+def timed_calls(obj: Any, method: str, spent: list[float], after: Any = None) -> None:
     """Wrap ``obj.method`` so each call appends its duration to ``spent`` (then runs ``after``)."""
     inner = getattr(obj, method)
 
@@ -62,9 +62,9 @@ def _rank_main(rank: int, world: int, cfg: Config) -> dict | None:
             if sched._shapes is not None:
                 sh = sched._shapes
                 after = lambda _sh=sh, _l=label: skipped[_l].append(_sh.skipped_agree)  # noqa: E731
-                _timed(sh, "before_step", exchange_s[label], after)
+                timed_calls(sh, "before_step", exchange_s[label], after)
             if sched._fixed_shapes is not None:
-                _timed(sched._fixed_shapes, "check", check_s[label])
+                timed_calls(sched._fixed_shapes, "check", check_s[label])
             runs[label] = run
     labels = list(runs)
     ids, tgt = _batch(cfg)
