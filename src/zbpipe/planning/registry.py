@@ -18,6 +18,7 @@ from .core import Plan
 from .costs import Costs
 from .loop.heuristic import plan_zb1p, plan_zb2p
 from .loop.onef1b import plan_1f1b
+from .loop.zb_interleaved import plan_zb_interleaved
 from .loop.zbh1 import plan_zbh1
 from .loop.zbh2 import plan_zbh2
 from .v.dualpipev import plan_dualpipev
@@ -37,6 +38,7 @@ GENERATORS: dict[str, Generator] = {
     "ZBVHalf": plan_zbv_half,
     "ZBVMin": plan_zbv_min,
     "ZBDualPipeV": plan_dualpipev,
+    "ZBInterleaved": plan_zb_interleaved,
     "Continuous": plan_continuous,
 }
 

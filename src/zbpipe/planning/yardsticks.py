@@ -16,6 +16,8 @@ from here, so a promise means the same thing wherever it is checked:
   stages (chunks ``2i`` and ``2i + 1`` joined); V-Half ``(p + 2) / 2`` and V-Min ``(p + 4) / 3``
   microbatches of that model's stage 0 (chunks 0 and 1), plus what one backward in flight there
   holds beyond its forward (as 1F1B's yardstick counts it).
+* ZB-Interleaved (several loop stages per rank) promises interleaved 1F1B's peak
+  (:func:`zbpipe.planning.loop.interleaved.interleaved_peak`), counted the same way.
 * :func:`minimum_memory` and :func:`v_minimum_memory`: the least any plan holds (one microbatch
   in flight on the busiest stage; a V rank's two chunks), the floor a budget is raised to.
 """
@@ -127,6 +129,10 @@ def promised_peak(
     key = name.strip().lower()
     if stages_per_rank == 1 and key in ("zbh1", "zb1p", "zb2p"):
         return (2.0 if key == "zb2p" else 1.0) * onef1b_peak(num_ranks, n_microbatches, costs)
+    if stages_per_rank >= 2 and key == "zbinterleaved":
+        from .loop.interleaved import interleaved_peak
+
+        return interleaved_peak(num_ranks, n_microbatches, stages_per_rank, costs)
     modes: dict[str, VMemoryMode] = {"zbv": "zb", "zbvhalf": "half", "zbvmin": "min"}
     if stages_per_rank == 2 and key in modes:
         sc = costs.per_stage(2 * num_ranks)
