@@ -24,6 +24,7 @@ _LAZY: dict[str, str] = {
     "Schedule1F1BMulti": "zbpipe.schedules",
     "ScheduleZBH2": "zbpipe.schedules",
     "ScheduleZBV": "zbpipe.schedules",
+    "ScheduleZBInterleaved": "zbpipe.schedules",
     "ScheduleZBAuto": "zbpipe.schedules",
     "ScheduleDualPipeV": "zbpipe.schedules",
     "CommPoint": "zbpipe.schedules.comm_points",

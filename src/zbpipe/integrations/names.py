@@ -67,6 +67,7 @@ SCHEDULE_CLASSES: dict[str, type] = {
     "ZBVHalf": c.ScheduleZBVHalf,
     "ZBVMin": c.ScheduleZBVMin,
     "ZBDualPipeV": ScheduleDualPipeV,
+    "ZBInterleaved": c.ScheduleZBInterleaved,
     "Auto": chooser.ScheduleAuto,
     "AutoV": chooser.ScheduleAutoV,
     "Continuous": ScheduleContinuous,

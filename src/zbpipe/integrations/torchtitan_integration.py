@@ -48,17 +48,28 @@ _MARK = "__zbpipe_wrapped__"
 
 
 # ---------------------------------------------------------------- decisions, asked of the class
+def takes_stage_count(cls: type, pp_degree: int, num_stages: int) -> bool:
+    """Whether ``cls`` runs ``num_stages`` stages on ``pp_degree`` ranks: its own stages per
+    rank, or any number from there up for a class that takes several (ZB-Interleaved)."""
+    if getattr(cls, "any_stages_per_rank", False):
+        return num_stages % pp_degree == 0 and num_stages // pp_degree >= cls.stages_per_rank
+    return num_stages == pp_degree * cls.stages_per_rank
+
+
 def stage_indices(cls: type, pp_rank: int, pp_degree: int, num_stages: int) -> tuple[int, ...]:
     """The stages ``pp_rank`` holds under ``cls``'s own placement, in increasing order."""
     expected = pp_degree * cls.stages_per_rank
-    if num_stages != expected:
+    if not takes_stage_count(cls, pp_degree, num_stages):
         raise ValueError(
             f"{cls.__name__} runs {cls.stages_per_rank} stage(s) per rank, "
             f"so {pp_degree} pipeline ranks need {expected} model parts, got {num_stages}: "
             "leave pipeline_parallel_layers_per_stage unset "
             f"or give module_fqns_per_model_part with {expected} entries"
         )
-    placement = cls.stage_index_to_rank(pp_degree)
+    if getattr(cls, "any_stages_per_rank", False):
+        placement = cls.stage_index_to_rank(pp_degree, num_stages // pp_degree)
+    else:
+        placement = cls.stage_index_to_rank(pp_degree)
     return tuple(sorted(s for s, r in placement.items() if r == pp_rank))
 
 
@@ -89,7 +100,7 @@ def _wrap_pipeline_metadata(original: Callable) -> Callable:
         expected = parallel_dims.pp * cls.stages_per_rank
         if parallelism.pipeline_parallel_layers_per_stage is None:
             num_stages = expected  # torchtitan's default is 2 for any Multi; the class knows better
-        elif num_stages != expected:
+        elif not takes_stage_count(cls, parallel_dims.pp, num_stages):
             raise ValueError(
                 f"{cls.__name__} runs {cls.stages_per_rank} stage(s) per rank but "
                 "pipeline_parallel_layers_per_stage="

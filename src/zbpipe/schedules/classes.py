@@ -60,6 +60,32 @@ class ScheduleZBH2(PlannedSchedule):
     plan_name = "ZBH2"
 
 
+class ScheduleZBInterleaved(PlannedSchedule):
+    """ZB-Interleaved: interleaved 1F1B's placement with every backward split into B and W, the
+    W passes placed into the bubbles by the cost model (:mod:`zbpipe.planning.loop.
+    zb_interleaved`). Peak activation memory at most torch's Interleaved1F1B's busiest rank's;
+    never slower than interleaved 1F1B in the simulator for the costs it plans with.
+
+    Two or more stages per rank in loop placement: rank ``r`` holds stages ``r, r + p, ...``
+    (the stages given say how many; torchtitan builds two). ``n_microbatches``: what torch's
+    Interleaved1F1B takes, any multiple of the number of ranks among them. ``costs`` describe
+    each stage (one value, or one per stage); ``None`` means equal F, B and W.
+    """
+
+    plan_name = "ZBInterleaved"
+    stages_per_rank = 2
+    any_stages_per_rank = True
+
+    def build_plan(self, num_ranks: int, n_microbatches: int, costs: Costs, **options: Any) -> Plan:
+        num_stages = getattr(self, "_num_stages", None)  # (None before torch's __init__ ran)
+        if num_stages is not None:
+            options.setdefault("stages_per_rank", num_stages // num_ranks)
+        try:
+            return super().build_plan(num_ranks, n_microbatches, costs, **options)
+        except ValueError as e:
+            raise ValueError(f"{type(self).__name__}: {e}") from None
+
+
 class ScheduleZBV(PlannedSchedule):
     """ZB-V and its memory-controlled variants, planned from the stage costs.
 

@@ -184,6 +184,8 @@ def offer_faster(
 
     p, m = sched.pp_group_size, sched._n_microbatches
     v = sched.layout == "v"
+    if not v and sched._num_stages > p:  # several loop stages per rank: the chooser has no
+        return "; the chooser has no other schedule of this placement"  # candidate of its own
     cands = evaluate_candidates(
         p, m, float("inf"), None if v else costs, v_costs=costs if v else None,
         layouts=(sched.layout,), leave_out=leave_out,

@@ -3,7 +3,9 @@
 Splitting the backward pays only where W fills a bubble; where it cannot (a W that costs nearly
 nothing, sends long enough that no gap opens, a heavy head on a V rank), the zero-bubble plan
 for the costs can be slower in simulation than the plain order of the same placement: 1F1B for
-one stage per rank (loop), the V placement's 1F1B-style order
+one stage per rank (loop), interleaved 1F1B
+(:func:`zbpipe.planning.loop.interleaved.plan_interleaved_1f1b`) for several, the V placement's
+1F1B-style order
 (:func:`zbpipe.planning.v.plain.plan_v_1f1b`) for two. Every plan a schedule makes, at
 construction and in both re-plans (the bytes after the first step,
 :mod:`~zbpipe.schedules.memory_replan`; the times under ``costs="profile"``,
@@ -28,14 +30,21 @@ logger = logging.getLogger(__name__)
 
 
 def plain_plan(sched: Any, costs: Costs) -> Plan | None:
-    """The plain order of ``sched``'s placement (1F1B; the V placement's 1F1B-style order), or
-    None for a placement that has none here (several loop stages per rank)."""
+    """The plain order of ``sched``'s placement (1F1B; interleaved 1F1B for several loop stages
+    per rank; the V placement's 1F1B-style order), or None where there is none here."""
     p, m = sched.pp_group_size, sched._n_microbatches
     chunks = sched._num_stages // p
     if sched.layout == "loop" and chunks == 1:
         from ..planning.loop.onef1b import plan_1f1b
 
         return plan_1f1b(p, m, costs)
+    if sched.layout == "loop" and chunks > 1:
+        from ..planning.loop.interleaved import plan_interleaved_1f1b
+
+        try:
+            return plan_interleaved_1f1b(p, m, costs, chunks)
+        except ValueError:  # a microbatch count interleaved 1F1B cannot take: no plain order
+            return None
     if sched.layout == "v" and chunks == 2:
         from ..planning.v.plain import plan_v_1f1b
 

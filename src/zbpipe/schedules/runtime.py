@@ -91,6 +91,9 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
     plan_name: ClassVar[str]
     layout: ClassVar[Layout] = "loop"
     stages_per_rank: ClassVar[int] = 1
+    #: takes any number of loop stages per rank from ``stages_per_rank`` up (the stages it is
+    #: given say how many); ``stages_per_rank`` is then the number integrations build by default
+    any_stages_per_rank: ClassVar[bool] = False
     #: weight gradients bitwise equal to a fused backward's (the ``exact=`` option; set per
     #: instance in ``__init__``, before the plan is built)
     exact: bool = False
@@ -322,13 +325,20 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         return plan(self.plan_name, num_ranks, n_microbatches, costs=costs, **options)
 
     @classmethod
-    def stage_index_to_rank(cls, num_ranks: int) -> dict[int, int]:
-        """Which rank holds each stage, for integrations that build stages (torchtitan)."""
+    def stage_index_to_rank(
+        cls, num_ranks: int, stages_per_rank: int | None = None
+    ) -> dict[int, int]:
+        """Which rank holds each stage, for integrations that build stages (torchtitan);
+        ``stages_per_rank`` for a class that takes several (``any_stages_per_rank``), else the
+        class's own."""
         from ..planning import loop_placement, v_placement
 
         if cls.layout == "v":
             return v_placement(num_ranks)
-        return loop_placement(num_ranks, num_ranks * cls.stages_per_rank)
+        per_rank = cls.stages_per_rank
+        if stages_per_rank is not None and cls.any_stages_per_rank:
+            per_rank = stages_per_rank
+        return loop_placement(num_ranks, num_ranks * per_rank)
 
     # ------------------------------------------------------------------ stepping
     def step(

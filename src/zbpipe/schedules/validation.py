@@ -67,6 +67,9 @@ def check_schedule_args(cls: type, stages: Any, n_microbatches: Any, costs: Any)
                 f"stage {st.stage_index} has ({st.group_size}, {st.group_rank}, {st.num_stages})"
             )
     per_rank = cls.stages_per_rank
+    flexible = getattr(cls, "any_stages_per_rank", False)
+    if flexible and len(stages) >= per_rank:
+        per_rank = len(stages)  # (ZB-Interleaved: 2 or more loop stages per rank)
     if len(stages) != per_rank:
         raise ValueError(
             f"{name}: expects exactly {per_rank} stage(s) per rank, got {len(stages)}; "
@@ -78,7 +81,12 @@ def check_schedule_args(cls: type, stages: Any, n_microbatches: Any, costs: Any)
             f"but {num_ranks} ranks x {per_rank} stage(s) per rank = {per_rank * num_ranks} "
             f"are needed; set num_stages={per_rank * num_ranks} in every PipelineStage"
         )
-    expected = sorted(s for s, r in cls.stage_index_to_rank(num_ranks).items() if r == rank)
+    placement = (
+        cls.stage_index_to_rank(num_ranks, per_rank)
+        if flexible
+        else cls.stage_index_to_rank(num_ranks)
+    )
+    expected = sorted(s for s, r in placement.items() if r == rank)
     got = sorted(st.stage_index for st in stages)
     if got != expected:
         raise ValueError(
