@@ -83,6 +83,9 @@ def plan_zb_interleaved(
     Raises ``ValueError`` for a microbatch count interleaved 1F1B cannot take (the rounds of
     :func:`~.interleaved.round_size`: any multiple of ``num_ranks`` works) or a limit below
     interleaved 1F1B's peak.
+
+    Long because the checks, the candidates of every skeleton and W placement, and the choice
+    among them are one pass over the same sizes.
     """
     check_sizes(num_ranks, n_microbatches)
     p, m = num_ranks, n_microbatches
@@ -150,6 +153,9 @@ def greedy_w_orders(
     or if the next F (or a B that holds more than its F did) would take the rank over ``limit``.
     ``pick``: ``"oldest"`` pending W, or the ``"longest"`` that fits (the oldest of its stage,
     so each stage's Ws keep microbatch order).
+
+    Long because the co-simulation's state (each rank's position, free time, memory, pending Ws
+    and who waits for which value) is shared by the loop and its two helpers.
     """
     last = len(sc) - 1
     ranks = sorted(skeleton)
@@ -179,7 +185,8 @@ def greedy_w_orders(
                 heads.setdefault(w.stage, w)  # each stage's oldest
             fitting = [w for w in heads.values() if sc[w.stage].w <= gap + EPS]
             if fitting:
-                return max(fitting, key=lambda w: (sc[w.stage].w, -queue.index(w)))
+                order = {w: i for i, w in enumerate(queue)}
+                return max(fitting, key=lambda w: (sc[w.stage].w, -order[w]))
         head = queue[0]
         if forced or gap >= sc[head.stage].w - EPS or (fill_small and gap > EPS):
             return head
@@ -205,7 +212,7 @@ def greedy_w_orders(
                 forced = not within(mem[r] + grow, limit)
                 w = choose_w(r, t_ready - free[r], forced)
                 if w is not None:
-                    pending[r].remove(w)
+                    pending[r] = deque(x for x in pending[r] if x != w)
                     run(r, w, free[r])
                     continue
             run(r, a, t_ready)
