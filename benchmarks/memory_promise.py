@@ -10,6 +10,9 @@ against what the step after the re-plan holds (max over ranks), into
 memory_promise_ac_<ranks>ranks_m<m>.json (the bodies of the test's checkpointed case).
 
 Run:  PYTHONPATH=src:. python benchmarks/memory_promise.py [--ranks 4] [--microbatches 8]
+      [--engines deferred,graph] [--modes default,profile]  (a subset: e.g. ``--engines graph``)
+      [--ac full|selective]  (every block checkpointed, vocabulary 64, torch 1F1B's too)
+``--engines`` also selects the engines of ``--checkpointed`` (both by default).
 Writes benchmarks/results/memory_promise_<ranks>ranks_m<m>.json: per run, per step, the peak
 per rank in bytes and the max over ranks divided by torch 1F1B's max (V-Half and V-Min also by
 their formula, (p + 2) / 2 and (p + 4) / 3 microbatches of the p-stage model's stage 0, from
@@ -30,9 +33,17 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--out", default=None)
     ap.add_argument("--checkpointed", action="store_true")
+    ap.add_argument("--engines", default="deferred,graph", help="comma-separated splits to run")
+    ap.add_argument(
+        "--ac",
+        choices=("", "full", "selective"),
+        default="",
+        help="every block checkpointed (vocabulary 64), torch 1F1B's too",
+    )
+    ap.add_argument("--modes", default="default,profile", help="comma-separated: default,profile")
     args = ap.parse_args()
     if args.checkpointed:
-        checkpointed(args.ranks, args.microbatches, args.out)
+        checkpointed(args.ranks, args.microbatches, args.out, args.engines.split(","))
         return
     from results_io import write_result
     from tests.schedules import _memory_promise_cases as cases
@@ -40,9 +51,10 @@ def main() -> None:
     from zbpipe.testing import run_ranks
 
     p, m = args.ranks, args.microbatches
-    runs = [(n, e, mode) for mode in ("default", "profile") for e in ("deferred", "graph")
+    runs = [(n, e, mode) for mode in args.modes.split(",") for e in args.engines.split(",")
             for n in SCHEDULES]  # fmt: skip
-    per_rank = run_ranks(cases.promise_rows, p, m, runs, timeout=6000, pg_timeout=900)
+    build_kw = {"ac": args.ac, "vocab": 64} if args.ac else {}
+    per_rank = run_ranks(cases.promise_rows, p, m, runs, build_kw, timeout=6000, pg_timeout=900)
     torch_steps = [[per_rank[r]["torch"][i] for r in range(p)] for i in range(2)]
     base = max(max(s) for s in torch_steps)
     stage0 = torch_steps[-1][0] / min(p, m)
@@ -72,28 +84,30 @@ def main() -> None:
     )  # fmt: skip
 
 
-def checkpointed(p: int, m: int, out: str | None) -> None:
+def checkpointed(p: int, m: int, out: str | None, engines: list[str]) -> None:
     """Predicted against held peak under activation checkpointing (``--checkpointed``)."""
     from results_io import write_result
     from tests.schedules import _memory_promise_cases as cases
 
     from zbpipe.testing import run_ranks
 
-    names = ["ZBH1", "ZBV", "ZBVHalf"]
+    names = list(SCHEDULES)
     rows = []
-    for ac in ("full", "selective"):
-        for moe in (False, True):
-            kw = {"ac": ac, "moe": moe, "vocab": 64}
-            per_rank = run_ranks(cases.checkpointed_rows, p, m, kw, names, timeout=3000)
-            for name in names:
-                measured = max(r[name]["measured"] for r in per_rank)
-                predicted = per_rank[0][name]["predicted"]
-                rows.append(
-                    {"ac": ac, "experts": moe, "schedule": name, "measured_bytes": measured,
-                     "predicted_bytes": predicted, "measured_vs_predicted": measured / predicted}
-                )  # fmt: skip
-                print(f"{ac:<9} experts={moe!s:<5} {name:<8} measured / predicted "
-                      f"{measured / predicted:.3f}")  # fmt: skip
+    for engine in engines:
+        for ac in ("full", "selective"):
+            for moe in (False, True):
+                kw = {"ac": ac, "moe": moe, "vocab": 64}
+                per_rank = run_ranks(cases.checkpointed_rows, p, m, kw, names, engine, timeout=3000)
+                for name in names:
+                    measured = max(r[name]["measured"] for r in per_rank)
+                    predicted = per_rank[0][name]["predicted"]
+                    rows.append(
+                        {"engine": engine, "ac": ac, "experts": moe, "schedule": name,
+                         "measured_bytes": measured, "predicted_bytes": predicted,
+                         "measured_vs_predicted": measured / predicted}
+                    )  # fmt: skip
+                    print(f"{engine:<9} {ac:<9} experts={moe!s:<5} {name:<8} measured / "
+                          f"predicted {measured / predicted:.3f}")  # fmt: skip
     write_result(
         f"memory_promise_ac_{p}ranks_m{m}",
         {"config": {"ranks": p, "microbatches": m, "shape": cases.SHAPE, "vocab": 64},

@@ -163,34 +163,38 @@ def _num_stages(stages: list) -> int:
     return int(stages[0].num_stages)
 
 
-def promise_rows(rank: int, world: int, m: int, runs: list) -> dict:
+def promise_rows(rank: int, world: int, m: int, runs: list, build_kw: dict | None = None) -> dict:
     """torch 1F1B's held peak per step, then each ``(name, split, mode)`` of ``runs`` (and,
     under ``"grads"``, its last step's largest gradient difference from the reference).
 
     Two steps with defaults: the first runs the plan made before any byte is known (a V
     schedule's measured start), the second the plan re-made for the measured bytes. With
     ``costs="profile"`` three: a warm-up, one profiled step, then the plan re-made from the
-    profile (a second profiled step would run the same plan as the first)."""
+    profile (a second profiled step would run the same plan as the first). ``build_kw``: the
+    model's options (:func:`build`), torch 1F1B's included."""
     torch.set_num_threads(1)
-    out: dict = {"torch": run(rank, world, "torch", m, 2, {})[0], "grads": {}}
+    build_kw = build_kw or {}
+    out: dict = {"torch": run(rank, world, "torch", m, 2, build_kw)[0], "grads": {}}
     for name, split, mode in runs:
         options: dict = {"split": split}
         steps = 2
         if mode == "profile":
             options.update(costs="profile", profile=zbpipe.ProfileConfig(comm=0.0, profile_steps=1))
             steps = 3
-        peaks, _, diff = run(rank, world, name, m, steps, {}, grads=True, **options)
+        peaks, _, diff = run(rank, world, name, m, steps, build_kw, grads=True, **options)
         out[(name, split, mode)], out["grads"][(name, split, mode)] = peaks, diff
     return out
 
 
-def checkpointed_rows(rank: int, world: int, m: int, build_kw: dict, names: list) -> dict:
-    """Per schedule (deferred engine, defaults): the held peak of the step after the re-plan,
+def checkpointed_rows(
+    rank: int, world: int, m: int, build_kw: dict, names: list, split: str = "deferred"
+) -> dict:
+    """Per schedule (engine ``split``, defaults): the held peak of the step after the re-plan,
     and the re-made plan's predicted peak in bytes (max over ranks, every rank alike)."""
     torch.set_num_threads(1)
     out: dict = {}
     for name in names:
-        peaks, sched, _ = run(rank, world, name, m, 2, build_kw, last_only=True, split="deferred")
+        peaks, sched, _ = run(rank, world, name, m, 2, build_kw, last_only=True, split=split)
         r = simulate(sched.plan, sched.memory_costs)
         out[name] = {
             "measured": peaks[-1],

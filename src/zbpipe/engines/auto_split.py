@@ -51,16 +51,17 @@ def _auto(shares: dict[str, EngineShare], owner: str) -> EngineName:
     It costs what a fused backward costs (one autograd pass, then GEMMs), where the graph engine
     walks the graph in Python in B and again per weight region in W (1.1x-3x a fused backward,
     docs/design/backward.md): it is worth that only where it defers much more. It also refuses
-    compiled regions and selective activation checkpointing, so a rank with either always gets
-    the deferred engine.
+    compiled regions (and, on torch 2.11 only, selective activation checkpointing), so a rank
+    with one always gets the deferred engine. Selective checkpointing on torch 2.13 and later
+    does not decide it: the graph engine's W replays B's recompute
+    (:mod:`zbpipe.engines.graph_recompute`).
     """
     deferred, graph = shares["deferred"], shares["graph"]
     if graph.refused:
         logger.info(
             "zbpipe %s: split='auto' chose the deferred engine: these stages hold torch.compile'd "
-            "or selectively checkpointed submodules, which the graph engine cannot split; W "
-            "carries %.1f%% of the est. "
-            "weight-gradient FLOPs",
+            "submodules (or, on this torch, selectively checkpointed ones), which the graph "
+            "engine cannot split; W carries %.1f%% of the est. weight-gradient FLOPs",
             owner,
             100 * deferred.flops,
         )

@@ -11,8 +11,9 @@ defers some classes to W and leaves the rest in B:
   ``GroupedExperts``), expert weights that are DTensors (expert parallelism) inside compiled
   code (dynamo does not show the mode their ``to_local()``: :mod:`zbpipe.engines.expert_matmuls`),
   convolutions and any other weight.
-* **graph**: every weight goes to W; it refuses compiled regions and selective activation
-  checkpointing (a stage holding either cannot use it).
+* **graph**: every weight goes to W; it refuses compiled regions (a stage holding one cannot
+  use it), and selective activation checkpointing only on a torch whose recompute its W cannot
+  replay (2.11; :func:`zbpipe._compat.checkpoint_recompute_replayable`).
 
 Shares are given in weight elements and in estimated weight-gradient FLOPs per token: a
 Linear's or any matrix's ``2 x elements``, an expert weight's ``2 x elements x k / E`` (each token
@@ -60,8 +61,8 @@ class EngineShare:
     flops: float
     """share of estimated weight-gradient FLOPs W computes (0 to 1)"""
     refused: bool = False
-    """the engine refuses these stages (the graph engine, on compiled or selectively
-    checkpointed ones)"""
+    """the engine refuses these stages (the graph engine, on compiled ones, and on selectively
+    checkpointed ones where torch's recompute cannot be replayed: 2.11)"""
 
 
 def _top_k(expert: nn.Module, parents: dict[int, nn.Module]) -> tuple[int, int]:
@@ -139,10 +140,12 @@ def census(module: nn.Module) -> list[WeightClass]:
 def engine_shares(stages: list[Any]) -> dict[str, EngineShare]:
     """Each engine's share of the weight work of ``stages`` (their ``submod``\\ s together)."""
     classes = [c for st in stages for c in census(st.submod)]
-    # the graph engine refuses compiled regions and selective checkpointing (engines/graph.py)
+    # the graph engine refuses compiled regions, and selective checkpointing where its W cannot
+    # replay B's recompute (GraphEngine.check_stages)
+    sac_refused = not C.checkpoint_recompute_replayable()
     compiled = any(
         C.compiled_submodule(st.submod) is not None
-        or C.selective_checkpoint_submodule(st.submod) is not None
+        or (sac_refused and C.selective_checkpoint_submodule(st.submod) is not None)
         for st in stages
     )
     total_e = sum(c.elements for c in classes) or 1
@@ -165,8 +168,8 @@ def describe(stage_index: Any, classes: list[WeightClass], shares: dict[str, Eng
     for s in shares.values():
         if s.refused:
             parts.append(
-                f"nothing under the {s.engine} engine (it refuses compiled stages and "
-                "selectively checkpointed ones)"
+                f"nothing under the {s.engine} engine (it refuses compiled stages, and "
+                "selectively checkpointed ones on this torch)"
             )
             continue
         what = ""
