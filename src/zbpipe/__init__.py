@@ -42,6 +42,8 @@ _LAZY: dict[str, str] = {
     "ScheduleAutoV": "zbpipe.schedules.chooser",
     "choose_schedule": "zbpipe.schedules.chooser",
     "choose_plan": "zbpipe.planning.search.within_budget",
+    "split_packed": "zbpipe.schedules.packed",
+    "document_mask": "zbpipe.schedules.packed",
 }
 
 __all__ = ["Action", "Costs", "Plan", "PlanError", "SimResult", "simulate", *_LAZY]

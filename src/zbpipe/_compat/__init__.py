@@ -108,6 +108,7 @@ from .census import (
 from .compiler import (
     dynamo_counters,
     lower_with_operands_kept,
+    mark_dynamic,
     route_through_function_modes,
 )
 from .fake import ShapeRule, TensorSpec, data_dependent_error, output_specs, shape_rule
@@ -288,6 +289,7 @@ __all__ = [
     "outside_python_modes",
     "wait_tensor",
     "dynamo_counters",
+    "mark_dynamic",
     "grouped_mm",
     "has_grouped_mm",
     "grouped_mm_function",

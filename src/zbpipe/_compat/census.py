@@ -121,6 +121,8 @@ PRIVATE_AUTOGRAD_NAMES: tuple[tuple[str, str], ...] = (
     ("torch.utils.checkpoint", "_CheckpointFrame"),
     # the set dynamo hands to function modes (compiler.route_through_function_modes)
     ("torch._dynamo.variables.torch", "get_overridable_functions"),
+    # a size that varies from call to call, symbolic in the first compile (compiler.mark_dynamic)
+    ("torch._dynamo", "mark_dynamic"),
     # a stage's output shapes without data, for microbatches of different shapes (.fake)
     ("torch._subclasses.fake_tensor", "FakeTensorMode"),
     ("torch._subclasses.fake_tensor", "DataDependentOutputException"),

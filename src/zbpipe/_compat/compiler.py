@@ -1,5 +1,5 @@
 """What zbpipe asks of torch.compile's internals: an inductor lowering that keeps a custom op's
-operands, and dynamo's counters."""
+operands, dynamo's counters and its dynamic-size marks."""
 
 from __future__ import annotations
 
@@ -44,6 +44,15 @@ def dynamo_counters() -> Any:
     from torch._dynamo.utils import counters
 
     return counters
+
+
+def mark_dynamic(t: Any, dims: int | list[int]) -> None:
+    """Tell ``torch.compile`` that ``t``'s sizes at ``dims`` vary from call to call
+    (``torch._dynamo.mark_dynamic``): the first compile of a graph taking ``t`` is symbolic in
+    them, instead of specialized and then recompiled once the size changes."""
+    from torch._dynamo import mark_dynamic as mark
+
+    mark(t, dims)
 
 
 def route_through_function_modes(fn: Any) -> None:

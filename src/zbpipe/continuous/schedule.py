@@ -71,6 +71,7 @@ from ..planning.continuous.frontier import StreamFrontier
 from ..planning.continuous.periods import MODES, continuous_parts, plan_continuous, version_bound
 from ..planning.continuous.stale_orders import minibatches_apart
 from ..planning.continuous.tradeoff import continuous_tradeoff
+from ..schedules.fixed_shapes import FixedShapes
 from ..schedules.inputs import drop_inputs_off_stage0, microbatch_inputs
 from ..schedules.sends import ChainProofs, PendingSends
 from ..schedules.stage_seam import EVERY_KEY, StageSeam
@@ -81,12 +82,22 @@ from .versions import CORRECTIONS, WeightVersions
 
 log = logging.getLogger(__name__)
 
+_FIXED_SHAPES_REMEDY = (
+    "ScheduleContinuous takes no variable_shapes (docs/use/varlen.md): pad or pack every "
+    "microbatch to one shape, or use a planned schedule (ScheduleZBH1, ScheduleZBV, ...) with "
+    "variable_shapes=True"
+)
+
 LossRecord = tuple[int, list[torch.Tensor]]
 OptimizerArg = torch.optim.Optimizer | Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
 
 def _check_options(
-    stages: list[Any], mode: str, loss_fn: Any, post_validate: Any, correction: Any = None
+    stages: list[Any],
+    mode: str,
+    loss_fn: Any,
+    post_validate: Any,
+    correction: Any = None,
 ) -> None:
     """The construction checks of the continuous schedule's own options (ValueErrors)."""
     if mode not in MODES:
@@ -117,6 +128,19 @@ def _check_options(
             "ScheduleContinuous: a stage built with dw_builder runs in mode='sync' only, "
             f"got mode={mode!r}; "
             "use mode='sync' or build the stage without dw_builder"
+        )
+
+
+def _check_fixed_shapes(variable_shapes: Any) -> None:
+    """``variable_shapes`` may only be False here (checked before the stages are looked at)."""
+    if variable_shapes is not False:
+        raise ValueError(
+            f"ScheduleContinuous: variable_shapes={variable_shapes!r} is not supported: the "
+            "continuous stream has no per-mini-batch shape exchange (its ranks run different "
+            "mini-batches at once, with no step boundary to send the shapes at), so every "
+            "microbatch must have the first one's shapes. Pad or pack every microbatch to one "
+            "shape, or use a planned schedule (ScheduleZBH1, ScheduleZBV, ...) with "
+            "variable_shapes=True (docs/use/varlen.md)"
         )
 
 
@@ -156,7 +180,9 @@ class ScheduleContinuous(ContinuousActions, C.PipelineScheduleMultiBase):
     ``"predict"`` (mini-batch ``k`` runs on ``W(k-1) + (W(k-1) - W(k-2))``, a prediction of the
     ``W(k)`` sync would use: weight prediction) or ``"nesterov"`` (``W(k-1) + 2 (W(k-1) -
     W(k-2))``: that prediction plus a one-step look-ahead); docs/use/continuous.md has the
-    literature and what each earns back.
+    literature and what each earns back. ``variable_shapes``: only False (the default): every
+    microbatch must have the first one's shapes, which stage 0's rank checks before a
+    mini-batch is kept or sent (a ``ValueError`` otherwise; docs/use/varlen.md).
     """
 
     layout = "loop"
@@ -183,6 +209,7 @@ class ScheduleContinuous(ContinuousActions, C.PipelineScheduleMultiBase):
         split: Split = "auto",
         exact: bool = False,
         correction: Literal["predict", "nesterov"] | None = None,
+        variable_shapes: bool = False,
     ) -> None:
         """Check the arguments; plan the stream; build the stage seam, the optimizer and the weight
         versions; check that every rank built the same.
@@ -190,6 +217,7 @@ class ScheduleContinuous(ContinuousActions, C.PipelineScheduleMultiBase):
         Long because it takes torch's constructor signature plus the continuous options, each
         checked, then set, in order.
         """
+        _check_fixed_shapes(variable_shapes)
         stages = check_schedule_args(type(self), stages, n_microbatches, costs)
         _check_options(stages, mode, loss_fn, post_validate, correction)
         super().__init__(
@@ -249,6 +277,10 @@ class ScheduleContinuous(ContinuousActions, C.PipelineScheduleMultiBase):
             else None
         )
         self._initialized = False
+        #: stage 0's rank: every microbatch must have the first one's shapes (no exchange)
+        self._fixed_shapes = (
+            FixedShapes(remedy=_FIXED_SHAPES_REMEDY) if self.stage.is_first else None
+        )
         self._warned_ignored_inputs = False  # step(x) on a rank without stage 0: warned once
         self._minibatches_before = 0  # mini-batches completed by earlier (flushed) streams
         self._reset_stream()
@@ -326,8 +358,12 @@ class ScheduleContinuous(ContinuousActions, C.PipelineScheduleMultiBase):
         m = self._n_microbatches
         mbs = microbatch_inputs(self, args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
         arg_mbs, kwarg_mbs, target_mbs = mbs.arg_mbs, mbs.kwarg_mbs, mbs.target_mbs
+        if self._fixed_shapes is not None:  # before anything of this mini-batch is kept or sent
+            self._fixed_shapes.check(type(self).__name__, arg_mbs, kwarg_mbs)
         if not self._initialized:
             self._initialize(arg_mbs[0], kwarg_mbs[0], target_mbs[0] if target_mbs else None)
+            if self._fixed_shapes is not None:
+                self._fixed_shapes.set_up(arg_mbs[0], kwarg_mbs[0])
         start = self._given * m
         for j in range(m):
             if (

@@ -9,7 +9,9 @@ makespan (:func:`~zbpipe.planning.simulator.simulate_timing` with ``microbatch_s
 least; data order is one of them and wins ties, so the result is never slower in the simulator.
 
 :func:`token_scales` maps token lengths to the per-microbatch factors the simulator takes: time
-linear in tokens plus attention's term, quadratic in the length.
+linear in tokens plus attention's term, quadratic in the length. :func:`group_by_cost` makes the
+microbatches of a packed batch: whole documents, grouped so that each microbatch costs about the
+same (:mod:`zbpipe.schedules.packed` slices the tensors).
 """
 
 from __future__ import annotations
@@ -45,6 +47,30 @@ def token_scales(lengths: Sequence[int], *, quadratic_at: float | None = None) -
     raw = [n + (n * n / quadratic_at if quadratic_at else 0.0) for n in lengths]
     mean = sum(raw) / len(raw)
     return tuple(x / mean for x in raw)
+
+
+def group_by_cost(costs: Sequence[float], n_groups: int) -> tuple[tuple[int, ...], ...]:
+    """``n_groups`` groups of the items (indices into ``costs``), each item in one group, none
+    empty, of about equal total cost: the costliest item first, each into the group with the
+    least total so far (lowest index on ties; greedy list scheduling, whose largest total is at
+    most the mean total plus the costliest item). Items keep their order inside a group, and
+    groups are ordered by their first item, so the result depends only on ``costs``."""
+    if isinstance(n_groups, bool) or not isinstance(n_groups, int) or n_groups < 1:
+        raise ValueError(f"group_by_cost: n_groups must be an integer >= 1, got {n_groups!r}")
+    if len(costs) < n_groups:
+        raise ValueError(
+            f"group_by_cost: {len(costs)} items cannot fill {n_groups} groups without an empty "
+            "one; give fewer groups or more items"
+        )
+    if any(not c > 0 for c in costs):
+        raise ValueError(f"group_by_cost: costs must be > 0, got {list(costs)}")
+    totals = [0.0] * n_groups
+    members: list[list[int]] = [[] for _ in range(n_groups)]
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        g = min(range(n_groups), key=lambda g: (totals[g], g))
+        totals[g] += costs[i]
+        members[g].append(i)
+    return tuple(sorted((tuple(sorted(m)) for m in members), key=lambda m: m[0]))
 
 
 @dataclass(frozen=True)

@@ -42,9 +42,14 @@ def signature(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Signature:
 class FixedShapes:
     """The rank of stage 0's check that a step's microbatches have the first step's shapes."""
 
-    def __init__(self) -> None:
+    def __init__(self, remedy: str = "") -> None:
         #: microbatch 0 of the first step, once the stages were set up from it
         self.expected: Signature | None = None
+        #: what the error tells the user to do (the planned schedules': variable_shapes=True)
+        self.remedy = remedy or (
+            "Build the schedule with variable_shapes=True to send each step's shapes down the "
+            "pipeline (docs/use/varlen.md), or pad or pack every microbatch to one shape"
+        )
 
     def check(self, owner: str, arg_mbs: Sequence[Any], kwarg_mbs: Sequence[Any]) -> None:
         """Raise a ``ValueError`` if a microbatch's input shapes differ from what the stages
@@ -57,7 +62,7 @@ class FixedShapes:
         for i, (args, kwargs) in enumerate(zip(arg_mbs, kwarg_mbs, strict=True)):
             seen = signature(args, kwargs)
             if seen != expected:
-                raise ValueError(_mismatch(owner, i, seen, expected))
+                raise ValueError(_mismatch(owner, i, seen, expected, self.remedy))
 
     def set_up(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         """Remember the inputs the stages were set up from (the first step, after the set-up)."""
@@ -65,7 +70,7 @@ class FixedShapes:
             self.expected = signature(args, kwargs)
 
 
-def _mismatch(owner: str, mb: int, seen: Signature, expected: Signature) -> str:
+def _mismatch(owner: str, mb: int, seen: Signature, expected: Signature, remedy: str) -> str:
     """What differs, in the first input where it does, and what to do."""
     names, want_names = [w for w, _, _ in seen], [w for w, _, _ in expected]
     if names != want_names:
@@ -80,8 +85,6 @@ def _mismatch(owner: str, mb: int, seen: Signature, expected: Signature) -> str:
     return (
         f"{owner}.step(): microbatch {mb}'s {what}, but the stages were set up for {was} "
         "(microbatch 0 of the first step): receive buffers have that size, and a microbatch of "
-        "another shape would abort the receiving rank. Build the schedule with "
-        "variable_shapes=True to send each step's shapes down the pipeline "
-        "(docs/use/varlen.md), or pad or pack every microbatch to one shape. No microbatch of "
-        "this step was sent; the other ranks wait until the launcher ends them"
+        f"another shape would abort the receiving rank. {remedy}. No microbatch of this step "
+        "was sent; the other ranks wait until the launcher ends them"
     )

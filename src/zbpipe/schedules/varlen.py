@@ -79,7 +79,8 @@ class ShapeExchange:
         """Send this step's shapes down the pipeline and size every receive buffer (collective:
         every rank calls it at the same point of the step). ``slots`` (stage 0's rank; its
         microbatches already in that order, :mod:`.cost_order`) travels in the messages'
-        header: every rank gets it back (data order when not given)."""
+        header: every rank gets it back (data order when not given; other ranks' ``kwarg_mbs``
+        come in data order and follow it)."""
         self._finish_sends()
         stages = sorted(sched._stages, key=lambda st: st.stage_index)
         local = {st.stage_index: st for st in stages}
@@ -105,8 +106,9 @@ class ShapeExchange:
                 ins = found.get(s - 1)
             else:
                 status, said_known, said_order, ins = self._receive(st, m)
-                if known is None:  # the first message a rank without stage 0 gets
-                    known, order = said_known, said_order
+                if known is None:  # the first message a rank without stage 0 gets (its
+                    known, order = said_known, said_order  # kwargs came in data order)
+                    kwargs = [kwargs[i] for i in order]
                 failed = failed or status
                 if ins is not None:
                     self._size(st, ins, forward=True)
