@@ -82,8 +82,8 @@ class ScheduleZBInterleaved(PlannedSchedule):
             options.setdefault("stages_per_rank", num_stages // num_ranks)
         try:
             return super().build_plan(num_ranks, n_microbatches, costs, **options)
-        except ValueError as e:
-            raise ValueError(f"{type(self).__name__}: {e}") from None
+        except ValueError as e:  # the planner's message, with the class the user constructed
+            raise ValueError(f"{type(self).__name__} cannot plan for these stages: {e}") from None
 
 
 class ScheduleZBV(PlannedSchedule):
