@@ -44,7 +44,7 @@ from tests.integrations._torchtitan_trainer import (
     write_losses,
 )
 
-# Nine runs, each allowed 480 s by the run server, within the test's 1500 s: CI runs them beside
+# Ten runs, each allowed 480 s by the run server, within the test's 1500 s: CI runs them beside
 # the main suite on 2 cores.
 pytestmark = [pytest.mark.torchtitan_trainer, pytest.mark.timeout(1500)]
 
@@ -74,6 +74,9 @@ RUNS = {
     # run: the name form a torchtitan config uses (docs/use/torchtitan.md), in a launch that exists
     # anyway
     "zbpipe ZBV:profile, compiled": ("ZBV:profile", "full", True),
+    # the zero-bubble schedule of the interleaved placement, under torchtitan's default
+    # selective AC (where torch's own InterleavedZeroBubble stops: issue 47)
+    "zbpipe ZBInterleaved, selective AC": ("ZBInterleaved", "selective", False),
 }
 
 
@@ -195,3 +198,13 @@ def test_compiled_zbh1_with_torchtitans_default_selective_ac(trained):
     assert_same_losses(
         trained["zbpipe ZBH1, compiled, selective AC"], trained["torchtitan 1F1B, selective AC"]
     )
+
+
+def test_zb_interleaved_with_torchtitans_default_selective_ac(trained):
+    """``pipeline_parallel_schedule = "ZBInterleaved"``: torchtitan builds two loop-placed stages
+    per rank (rank 0 holds stages 0 and 2) and zbpipe's split backward trains them under the
+    default selective AC with the losses of torchtitan's Interleaved1F1B over the same four
+    chunks (its first three steps; the fixture also checks that W ran the weight GEMMs)."""
+    got = trained["zbpipe ZBInterleaved, selective AC"]
+    ref = trained["torchtitan Interleaved1F1B"]
+    assert_same_losses(got, {step: ref[step] for step in got})
