@@ -182,6 +182,15 @@ def trace_summary(per_rank: list[list[dict[str, Any]]], warmup: int) -> dict[str
     return out
 
 
+def cpu_balance(summary: dict[str, Any]) -> float | None:
+    """Rank 0's ``step()`` CPU seconds over rank 1's: how the split shares the work, read off
+    CPU clocks (a loaded machine stretches wall times, not these, by much)."""
+    r0, r1 = summary.get("rank0"), summary.get("rank1")
+    if not r0 or not r1 or not r1["step_cpu_s"]:
+        return None
+    return float(r0["step_cpu_s"] / r1["step_cpu_s"])
+
+
 # ---- running torchtitan ----
 
 
@@ -193,7 +202,7 @@ class Server:
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join(
-                [str(RECIPE), str(src), os.environ.get("PYTHONPATH", "")]
+                [str(RECIPE), str(src), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")]
             ),
             "HF_DATASETS_OFFLINE": "1",
             "HF_HUB_OFFLINE": "1",
@@ -351,6 +360,7 @@ def run_model(server: Server, cfg: argparse.Namespace, tmp: Path, model: str) ->
                         json.loads((trace_dir / f"rank{r}.json").read_text()) for r in range(2)
                     ]
                     row["trace"] = trace_summary(per_rank, cfg.warmup)
+                    row["cpu_rank0_over_rank1"] = cpu_balance(row["trace"])
             if spec not in said:
                 said[spec] = zbpipe_lines(logs[0] + "\n" + logs[-1])
             print(
