@@ -276,8 +276,20 @@ def attributes_defined(path: Path) -> set[str]:
 #: attribute names that zbpipe's higher layers define but that also name a builtin's, torch's or
 #: a library's attribute, which lower layers read on those objects (a set's ``add``, a process
 #: group's ``group``, scipy's ``status``, a queue's ``put``, a socket's ``bind``, a torch
-#: ``SymInt``'s ``node``)
-SHARED_ATTRIBUTE_NAMES = {"add", "clear", "group", "status", "put", "bind", "scale_grads", "node"}
+#: ``SymInt``'s ``node``, a file's ``flush``, the ``install`` of a hooks module the Trainer run
+#: server imports by name)
+SHARED_ATTRIBUTE_NAMES = {
+    "add",
+    "clear",
+    "group",
+    "status",
+    "put",
+    "bind",
+    "scale_grads",
+    "node",
+    "flush",
+    "install",
+}
 
 
 def upward_attribute_uses(root: Path, package: str, layers: dict[str, int]) -> list[str]:

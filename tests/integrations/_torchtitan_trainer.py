@@ -3,7 +3,7 @@
 Shared by tests/integrations/test_torchtitan_trainer.py and test_torchtitan_moe_trainer.py
 (torchtitan 0.3.x) and tests/integrations/test_torchtitan02_trainer.py (torchtitan 0.2.x): each
 run is ``python -m torchtitan.train ARGS`` on N ranks, forked from one server process per test
-session that imported torch and torchtitan's stack once (tests/integrations/_torchtitan_runs.py
+session that imported torch and torchtitan's stack once (zbpipe/testing/torchtitan_runs.py
 says how and why), with recipes/torchtitan/ on PYTHONPATH, offline, one thread per rank, every
 rank logging.
 """
@@ -26,7 +26,8 @@ from tests.integrations import _torchtitan_runs
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "torchtitan"
-_RUNS_ENTRY = Path(_torchtitan_runs.__file__)
+#: the run server, run as a module (its folder on sys.path would shadow top-level names)
+_RUNS_ENTRY = ("-m", "zbpipe.testing.torchtitan_runs")
 #: fp32 throughout; zbpipe's split backward sums each weight's microbatch gradients in another
 #: order than torch's fused one, AdamW turns that rounding into slightly different updates.
 #: Measured: up to 2e-5 relative by step 3 (torchtitan 0.3.0; 9e-6 with one seed checkpoint).
@@ -58,7 +59,7 @@ def _the_server() -> subprocess.Popen:
     preload = _PRELOAD["0.2" if version("torchtitan").startswith("0.2") else "0.3"]
     pipe = subprocess.PIPE
     _server = subprocess.Popen(
-        [sys.executable, str(_RUNS_ENTRY), *preload], env=env, stdin=pipe, stdout=pipe, text=True
+        [sys.executable, *_RUNS_ENTRY, *preload], env=env, stdin=pipe, stdout=pipe, text=True
     )
     atexit.register(_server.kill)
     assert _reply(_server, 300) == "ready", "the Trainer run server did not start"
@@ -86,7 +87,12 @@ def train_runs(
     rank_logs = [log_dir / f"rank{r}.log" for r in range(nproc)]
     server = _the_server()
     assert server.stdin is not None
-    request = {"ranks": nproc, "runs": list(runs.items()), "log_dir": str(log_dir)}
+    request = {
+        "ranks": nproc,
+        "runs": list(runs.items()),
+        "log_dir": str(log_dir),
+        "hooks": "tests.integrations._torchtitan_hooks",
+    }
     server.stdin.write(json.dumps({**request, "timeout": timeout}) + "\n")
     server.stdin.flush()
     answer = json.loads(_reply(server, timeout * len(runs) + 60))
