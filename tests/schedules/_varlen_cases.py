@@ -154,24 +154,33 @@ def steps(rank: int, world: int, schedule: str, split: str, draws: list[list[int
             if i == 1:  # the same stages under the default contract (mean of means)
                 mean_sched = cls(stages, m, loss_fn=mean_loss, split=split, variable_shapes=True)
             mean_sched.step(**kwargs)
-        got = [p.grad for p in nn.Sequential(*mods).parameters()]
-        for s in mine:
-            owned = {id(p) for i in parts[s] for p in mods[i].parameters()}
-            for j, (p, g, e) in enumerate(zip(nn.Sequential(*mods).parameters(), got, expected)):
-                if id(p) not in owned:
-                    continue
-                assert g is not None, f"{schedule}: parameter {j} got no gradient"
-                # fp32; microbatches are summed in another order than the reference's
-                torch.testing.assert_close(
-                    g,
-                    e,
-                    rtol=1e-4,
-                    atol=1e-6,
-                    msg=lambda e_, j=j, n=lengths: (
-                        f"{schedule}/{split} lengths {n} param {j}: {e_}"
-                    ),
-                )
-                worst = max(worst, (g - e).abs().max().item())
+        owned = {id(p) for s in mine for i in parts[s] for p in mods[i].parameters()}
+        params = list(nn.Sequential(*mods).parameters())
+        worst = max(
+            worst, owned_grads_close(params, expected, owned, f"{schedule}/{split}", lengths)
+        )
+    return worst
+
+
+def owned_grads_close(
+    params: list, expected: list, owned: set[int], what: str, lengths: list[int]
+) -> float:
+    """Each parameter this rank holds (``id`` in ``owned``) has a gradient close to the
+    unpipelined model's (fp32; microbatches summed in another order than the reference's);
+    returns the largest difference."""
+    worst = 0.0
+    for j, (p, e) in enumerate(zip(params, expected, strict=True)):
+        if id(p) not in owned:
+            continue
+        assert p.grad is not None, f"{what}: parameter {j} got no gradient"
+        torch.testing.assert_close(
+            p.grad,
+            e,
+            rtol=1e-4,
+            atol=1e-6,
+            msg=lambda e_, j=j: f"{what} lengths {lengths} param {j}: {e_}",
+        )
+        worst = max(worst, (p.grad - e).abs().max().item())
     return worst
 
 
