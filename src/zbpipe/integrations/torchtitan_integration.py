@@ -222,6 +222,7 @@ def _split_for(cls: type, model: Any, **kwargs: Any) -> list[list[str]] | None:
         num_ranks=dims.pp,
         num_stages=num_stages,
         default_parts=default,
+        loss_fn=kwargs.get("loss_fn"),
     )
     if split is None:
         return None

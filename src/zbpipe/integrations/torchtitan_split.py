@@ -70,15 +70,42 @@ def user_split(parallelism: Any) -> str | None:
     return None
 
 
+#: The most the head (final norm, vocabulary projection, loss) may cost, as a multiple of its
+#: analytic cost: the split judges every scale from 1 to this one and keeps a split no slower
+#: than torchtitan's at any of them. Why 2.3: in torchtitan 0.3's Trainer on llama3 debug (dim
+#: 256, vocab 2048, seq 128; docs/results/trainer.md) the chunked head and loss cost about 1.3
+#: layers where the FLOP count says 0.57: per-chunk overheads and the softmax over the
+#: vocabulary, memory-bound work no FLOP count sees.
+HEAD_COST_MAX = 2.3
+
+
+def chunked_loss(loss_fn: Any) -> bool:
+    """Whether ``loss_fn`` is torchtitan's ``ChunkedLossWrapper`` (or behaves as one: it takes
+    the ``lm_head`` and runs it per sequence chunk inside the loss call)."""
+    if loss_fn is None:
+        return False
+    try:
+        from torchtitan.components.loss import ChunkedLossWrapper
+    except ImportError:  # an older torchtitan: none of its losses chunk
+        return False
+    return isinstance(loss_fn, ChunkedLossWrapper)
+
+
 def _numel(module: Any) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
 def model_layer_costs(
-    model: Any, model_config: Any, seq: int, microbatch_size: int
+    model: Any, model_config: Any, seq: int, microbatch_size: int, *, chunked: bool = False
 ) -> list[LayerCost]:
     """The pieces of torchtitan's decoder ``model`` in model order, with analytic costs: the
-    embedding, ``layers.<i>``, then ``norm`` and ``lm_head`` together."""
+    embedding, ``layers.<i>``, then ``norm`` and ``lm_head`` together.
+
+    ``chunked``: the loss is torchtitan's ``ChunkedLossWrapper``, which runs the head and the
+    loss per sequence chunk inside the loss call, each chunk's forward and backward (input and
+    weight gradient, fused) at once: in ``torch.distributed.pipelining`` that is the last
+    stage's F. The head's whole cost is then F (three projections) and none of it B or W: its
+    backward cannot wait, its W cannot fill a bubble."""
     hidden = int(model_config.dim)
     pieces = [
         LayerCost(
@@ -113,9 +140,9 @@ def model_layer_costs(
     pieces.append(
         LayerCost(
             ("norm", "lm_head"),
-            f=projection,
-            b=projection,
-            w=projection,
+            f=3 * projection if chunked else projection,
+            b=0.0 if chunked else projection,
+            w=0.0 if chunked else projection,
             mem=4.0 * tokens * (hidden + 2 * vocab),
         )
     )
@@ -138,15 +165,21 @@ def schedule_split(
     num_ranks: int,
     num_stages: int,
     default_parts: list[list[str]],
+    loss_fn: Any = None,
 ) -> Split | None:
     """The split for ``cls`` in torchtitan, or None to keep torchtitan's (switched off, a user's
-    split, a schedule choosing its plan at run time, or nothing to split)."""
+    split, a schedule choosing its plan at run time, or nothing to split). ``loss_fn``: the
+    Trainer's loss (its kind decides where the head's backward runs, :func:`chunked_loss`).
+    The split is judged with the head anywhere from 1 to :data:`HEAD_COST_MAX` times its
+    analytic cost and is no slower than torchtitan's at any of them."""
     name = plan_name_of(cls)
     if split_mode() == "default" or user_split(parallelism) or name is None:
         return None
     microbatch_size = parallelism.pipeline_parallel_microbatch_size
     n_microbatches = max(training.local_batch_size // microbatch_size, 1)
-    pieces = model_layer_costs(model, model_config, training.seq_len, microbatch_size)
+    pieces = model_layer_costs(
+        model, model_config, training.seq_len, microbatch_size, chunked=chunked_loss(loss_fn)
+    )
     if len(pieces) < num_stages:
         return None
     plan_for = "costs" if getattr(cls, "fixed_options", {}).get("costs") == "profile" else "equal"
@@ -158,6 +191,7 @@ def schedule_split(
             n_microbatches,
             baseline=sizes_of(default_parts, pieces),
             plan_for=plan_for,
+            head_scales=(1.0, HEAD_COST_MAX),
         )
     except ValueError as error:  # a split the planner cannot judge: torchtitan's stays
         logger.info("zbpipe: keeping torchtitan's split for %s: %s", cls.__name__, error)
@@ -176,6 +210,7 @@ def describe(cls: type, split: Split, n_microbatches: int) -> str:
         f"zbpipe: {cls.__name__} splits the model {list(split.sizes)} (pieces per stage, "
         f"embedding and head one each; torchtitan's default {list(split.baseline_sizes)}): "
         f"simulated step {1 / split.gain:.3f}x the default's ({split.gain:.3f}x the steps a "
-        f"second) for {n_microbatches} microbatches, from analytic FLOPs; {ENV}=default keeps "
+        f"second) for {n_microbatches} microbatches, from analytic FLOPs ({split.worst_gain:.3f}x "
+        f"at worst with the head up to {HEAD_COST_MAX}x its FLOPs); {ENV}=default keeps "
         "torchtitan's"
     )

@@ -20,9 +20,10 @@ simulator. The search is deterministic (no hashing, no timing): every rank gets 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
+from .affine_pieces import affine_pieces
 from .core import EPS, Plan, PlanError
 from .costs import Costs
 from .registry import plan
@@ -78,10 +79,23 @@ class Split:
     """The most any candidate's plan could hold: the promise made for the baseline split (or
     the baseline plan's own peak when that is higher or the schedule promises none)."""
 
+    scenario_gains: tuple[float, ...] = ()
+    """Baseline step time over this split's in each cost scenario judged (the given layers
+    first, then ``scenarios``, then the head scales of ``head_scales``); empty when
+    :func:`choose_split` was given none."""
+    head_scales: tuple[float, ...] = ()
+    """The head scales judged (the points of ``head_scales``' range between which the
+    baseline's step time is affine); empty without ``head_scales``."""
+
     @property
     def gain(self) -> float:
         """Baseline step time over this split's (1.0: no gain; 1.2: 20% more steps a second)."""
         return self.baseline_makespan / self.makespan if self.makespan > 0 else 1.0
+
+    @property
+    def worst_gain(self) -> float:
+        """The least gain over the scenarios judged (:attr:`gain` when there were none)."""
+        return min(self.scenario_gains, default=self.gain)
 
 
 def even_sizes(num_pieces: int, num_stages: int) -> tuple[int, ...]:
@@ -107,6 +121,14 @@ def stage_costs(layers: Sequence[LayerCost], sizes: Sequence[int], comm: float =
         w.append(sum(x.w for x in run))
         mem.append(sum(x.mem for x in run))
     return Costs(f=f, b=b, w=w, comm=comm, mem_f=mem, mem_b=0.0, mem_w=[-m for m in mem])
+
+
+def scale_head(layers: Sequence[LayerCost], scale: float) -> list[LayerCost]:
+    """``layers`` with the last piece's (the head's) times multiplied by ``scale``, its memory
+    kept: the head's cost is the least certain (memory-bound softmax and loss, none of it in
+    FLOPs)."""
+    *body, head = layers
+    return [*body, replace(head, f=head.f * scale, b=head.b * scale, w=head.w * scale)]
 
 
 def num_stages_of(schedule: str, num_ranks: int) -> int:
@@ -207,6 +229,8 @@ def choose_split(
     comm: float = 0.0,
     memory_limit: float | None = None,
     max_evals: int = 400,
+    scenarios: Sequence[Sequence[LayerCost]] = (),
+    head_scales: tuple[float, float] | None = None,
 ) -> Split:
     """The split of ``layers`` (in model order, embedding first, head last) into the stages of
     the plan ``schedule`` on ``num_ranks`` ranks with ``n_microbatches`` microbatches.
@@ -215,15 +239,24 @@ def choose_split(
     to beat; the result's simulated step time is never longer than the baseline's, and its plan's
     peak memory never above the baseline's promise (its peak if higher). ``comm`` is the time one
     activation takes between ranks, in the unit of the layers' times. ``max_evals`` bounds the
-    number of splits simulated (each is one plan and one simulation). ``memory_limit`` (in the
-    layers' ``mem`` unit) replaces the baseline's promise as the most a candidate's plan may
-    hold; ``float("inf")`` lifts it.
+    number of splits simulated (each is one plan and one simulation per scenario).
+    ``memory_limit`` (in the layers' ``mem`` unit) replaces the baseline's promise as the most a
+    candidate's plan may hold; ``float("inf")`` lifts it.
 
-    Raises ``ValueError`` for too few pieces, a baseline of the wrong shape or a schedule the
-    plan layer does not know.
+    Robust to uncertain costs: ``scenarios`` (other cost lists of the same pieces) and
+    ``head_scales=(lo, hi)`` (the head's times anywhere from ``lo`` to ``hi`` times the given
+    ones, :func:`scale_head`) are judged beside ``layers``; the split chosen minimises the worst
+    ratio of its step time to the baseline's over them, and is no slower than the baseline and
+    within the limit in every one. With ``plan_for="equal"`` the head's range is judged exactly
+    at the scales where the baseline's step time bends (:mod:`.affine_pieces`), so "no slower"
+    holds for every scale in the range; with ``"costs"`` (re-planned per scale) those scales are
+    a heuristic grid.
 
-    Long because the checks, the baseline's limit and the local search from two starts share
-    one memo of simulated splits.
+    Raises ``ValueError`` for too few pieces, a baseline of the wrong shape, a scenario not of
+    the same pieces, a bad head range or a schedule the plan layer does not know.
+
+    Long because the checks, the baseline's limits and the local search from several starts
+    share one memo of simulated splits.
     """
     if num_ranks < 1 or n_microbatches < 1:
         raise ValueError(
@@ -232,6 +265,11 @@ def choose_split(
     if plan_for not in ("equal", "costs"):
         raise ValueError(f"plan_for must be 'equal' or 'costs', got {plan_for!r}")
     pieces = list(layers)
+    for other in scenarios:
+        if [x.names for x in other] != [x.names for x in pieces]:
+            raise ValueError("every scenario must list the same pieces as layers, in order")
+    if head_scales is not None and not 0 < head_scales[0] <= head_scales[1] < float("inf"):
+        raise ValueError(f"head_scales must be (lo, hi) with 0 < lo <= hi, got {head_scales}")
     num_stages = num_stages_of(schedule, num_ranks)
     base = tuple(baseline) if baseline is not None else even_sizes(len(pieces), num_stages)
     if len(base) != num_stages or sum(base) != len(pieces) or min(base, default=0) < 1:
@@ -240,31 +278,61 @@ def choose_split(
             f"{num_ranks} ranks at least one of the {len(pieces)} pieces, all of them in all"
         )
     equal = plan(schedule, num_ranks, n_microbatches) if plan_for == "equal" else None
-    judge = _Judge(pieces, schedule, num_ranks, n_microbatches, plan_for, comm, equal)
-    seen: dict[tuple[int, ...], tuple[float, float, float] | None] = {}
 
-    def score(sizes: tuple[int, ...]) -> tuple[float, float, float] | None:
+    def judge_of(costs: Sequence[LayerCost]) -> _Judge:
+        return _Judge(costs, schedule, num_ranks, n_microbatches, plan_for, comm, equal)
+
+    judges = [judge_of(pieces)] + [judge_of(list(x)) for x in scenarios]
+    if judges[0](base) is None:
+        raise ValueError(f"{schedule} cannot plan the baseline split {list(base)}")
+    scales: tuple[float, ...] = ()
+    if head_scales is not None:
+        lo, hi = head_scales
+
+        def base_time_at(scale: float) -> float:
+            result = judge_of(scale_head(pieces, scale))(base)
+            return float("inf") if result is None else result[0]
+
+        scales = affine_pieces(base_time_at, lo, hi)
+        judges += [judge_of(scale_head(pieces, x)) for x in scales if x != 1.0]
+    seen: dict[tuple[int, ...], list[tuple[float, float, float] | None]] = {}
+
+    def score(sizes: tuple[int, ...]) -> list[tuple[float, float, float] | None]:
         if sizes not in seen:
-            seen[sizes] = judge(sizes)
+            seen[sizes] = [judge(sizes) for judge in judges]
         return seen[sizes]
 
-    base_score = score(base)
-    if base_score is None:
-        raise ValueError(f"{schedule} cannot plan the baseline split {list(base)}")
-    base_time, base_peak, limit = base_score
-    if memory_limit is not None:
-        limit = memory_limit
+    base_scores = score(base)
+    if any(x is None for x in base_scores):
+        raise ValueError(f"{schedule} cannot plan the baseline split {list(base)} in a scenario")
+    base_times = [x[0] for x in base_scores if x is not None]
+    limits = [
+        memory_limit if memory_limit is not None else x[2] for x in base_scores if x is not None
+    ]
+    robust = len(judges) > 1
 
     def key(sizes: tuple[int, ...]) -> Key | None:
-        s = score(sizes)
-        if s is None or s[1] > limit + EPS * max(1.0, limit):
+        scores = score(sizes)
+        if any(
+            s is None or s[1] > limit + EPS * max(1.0, limit)
+            for s, limit in zip(scores, limits, strict=True)
+        ):
             return None
-        return (s[0], s[1], sizes)
+        times = [s[0] for s in scores if s is not None]
+        peak = max(s[1] for s in scores if s is not None)
+        if not robust:
+            return (times[0], peak, sizes)
+        ratio = max(t / b if b > 0 else 1.0 for t, b in zip(times, base_times, strict=True))
+        return (ratio, peak, sizes)
 
     best = base
     best_key = key(base)
-    assert best_key is not None  # the baseline is within its own limit
-    starts = [base, _minmax_sizes([x.f + x.b + x.w for x in pieces], num_stages)]
+    assert best_key is not None  # the baseline is within its own limits
+    starts = [base]
+    for judge in judges:
+        start = _minmax_sizes([x.f + x.b + x.w for x in judge.layers], num_stages)
+        if start not in starts:
+            starts.append(start)
     for start in starts:
         current, current_key = start, key(start)
         while current_key is not None and len(seen) < max_evals:
@@ -275,9 +343,16 @@ def choose_split(
             if step is None:
                 break
             current_key, current = step
-        if current_key is not None and current_key[:2] < best_key[:2]:
+        no_slower = all(  # in every scenario: the worst ratio says so, this says it plainly
+            s is not None and s[0] <= b * (1 + EPS)
+            for s, b in zip(score(current), base_times, strict=True)
+        )
+        if current_key is not None and no_slower and current_key[:2] < best_key[:2]:
             best, best_key = current, current_key
-    time, peak, _ = score(best) or base_score
+    final = [s for s in score(best) if s is not None]
+    assert len(final) == len(judges)  # best has a key: every scenario planned it
+    times = [s[0] for s in final]
+    peak = final[0][1]
     parts, start_at = [], 0
     for n in best:
         parts.append(tuple(name for x in pieces[start_at : start_at + n] for name in x.names))
@@ -285,9 +360,15 @@ def choose_split(
     return Split(
         sizes=best,
         parts=tuple(parts),
-        makespan=time,
+        makespan=times[0],
         baseline_sizes=base,
-        baseline_makespan=base_time,
+        baseline_makespan=base_times[0],
         peak_memory=peak,
-        memory_limit=limit,
+        memory_limit=limits[0],
+        scenario_gains=(
+            tuple(b / t if t > 0 else 1.0 for t, b in zip(times, base_times, strict=True))
+            if robust
+            else ()
+        ),
+        head_scales=scales,
     )
