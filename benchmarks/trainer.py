@@ -16,7 +16,8 @@ repetition. A run's tokens/s is the tokens of steps ``--warmup + 1`` .. ``--step
 time between the step lines of the rank that logs the loss (torchtitan's log timestamps, ms);
 its ratio to torch's ``1F1B`` is paired per repetition; per schedule the median, min and max.
 A run that crashes (torch's ``InterleavedZeroBubble`` / ``ZBVZeroBubble`` under selective AC)
-is recorded with its error and the benchmark goes on. A schedule may carry environment
+is recorded with its error, its later repetitions are skipped (a crash repeats), and the
+benchmark goes on; the results are written after each model. A schedule may carry environment
 variables for its ranks: ``ZBV@ZBPIPE_SPLIT=default`` is zbpipe's ZBV on torchtitan's split.
 
 Cost on the 2-core box here (Intel Xeon, loaded, 2026-12-03): one (model, schedule,
@@ -39,6 +40,7 @@ import json
 import os
 import re
 import select
+import shutil
 import statistics
 import subprocess
 import sys
@@ -316,9 +318,14 @@ def run_model(server: Server, cfg: argparse.Namespace, tmp: Path, model: str) ->
         raise RuntimeError(f"{model}: seed checkpoint failed: {err}\n{logs[0][-3000:]}")
     tokens = cfg.seq * cfg.microbatches
     runs, by_rep, said = [], [], {}
+    crashed: set[str] = set()
     for rep in range(cfg.reps):
         tps: dict[str, float | None] = {}
         for spec in rotated(list(cfg.schedules), rep):
+            if spec in crashed:  # a crash repeats (torch's zero-bubble schedules under SAC)
+                runs.append({"schedule": spec, "rep": rep, "status": "skipped: crashed before"})
+                tps[spec] = None
+                continue
             name, env = parse_schedule(spec)
             tag = re.sub(r"[^A-Za-z0-9_.-]", "_", spec)
             args = [
@@ -344,10 +351,13 @@ def run_model(server: Server, cfg: argparse.Namespace, tmp: Path, model: str) ->
                 cfg.run_timeout,
                 hooks="_trainer_trace" if cfg.trace else None,
             )
+            # its checkpoints and dumps: 24 MoE runs filled the disk (the logs stay)
+            shutil.rmtree(tmp / f"{model}-{tag}-{rep}", ignore_errors=True)
             row: dict[str, Any] = {"schedule": spec, "rep": rep}
             if err:
                 row.update(status="crash", error=f"{err}: {last_error(logs)}")
                 tps[spec] = None
+                crashed.add(spec)
             else:
                 times = {k: v for log in logs for k, v in step_times(log).items()}
                 row.update(
@@ -371,6 +381,37 @@ def run_model(server: Server, cfg: argparse.Namespace, tmp: Path, model: str) ->
             runs.append(row)
         by_rep.append(tps)
     return {"runs": runs, "ratios_to_1F1B": ratios(by_rep, BASELINE), "zbpipe_log": said}
+
+
+#: a run's line as ``run_model`` prints it: ``  MODEL rep N SCHEDULE TOKENS_PER_S_OR_ERROR``
+_RUN_LINE = re.compile(r"^  (\S+) rep (\d+) (\S+)\s+(.+)$")
+
+
+def results_from_log(text: str) -> dict[str, Any]:
+    """The per-model results of a run's printed lines (``--from-log``: a run cut short before
+    it wrote its JSON keeps what it printed; zbpipe's logged lines are not in it)."""
+    found: dict[str, dict[int, dict[str, float | None]]] = {}
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for line in text.splitlines():
+        m = _RUN_LINE.match(line)
+        if not m:
+            continue
+        model, rep, spec, value = m[1], int(m[2]), m[3], m[4].strip()
+        try:
+            tps: float | None = float(value)
+            row = {"schedule": spec, "rep": rep, "status": "ok", "tokens_per_s": tps}
+        except ValueError:
+            tps, row = None, {"schedule": spec, "rep": rep, "status": "crash", "error": value}
+        found.setdefault(model, {}).setdefault(rep, {})[spec] = tps
+        runs.setdefault(model, []).append(row)
+    return {
+        model: {
+            "runs": runs[model],
+            "ratios_to_1F1B": ratios([reps[r] for r in sorted(reps)], BASELINE),
+            "zbpipe_log": {},
+        }
+        for model, reps in found.items()
+    }
 
 
 def main() -> None:
@@ -400,6 +441,12 @@ def main() -> None:
     ap.add_argument("--run-timeout", type=float, default=900)
     ap.add_argument("--note", default="", help="recorded with the result (e.g. 'loaded machine')")
     ap.add_argument("--out", default=None, help="default benchmarks/results/trainer.json")
+    ap.add_argument(
+        "--from-log",
+        default=None,
+        help="store the results a cut-short run printed (its stdout) instead of running; "
+        "give the run's other flags as they were",
+    )
     cfg = ap.parse_args()
     if BASELINE not in cfg.schedules:
         ap.error(f"--schedules must include {BASELINE}: every ratio is paired with it")
@@ -412,12 +459,32 @@ def main() -> None:
 
     from results_io import cpu_model, write_result
 
+    setup = {k: v for k, v in vars(cfg).items() if k not in ("out",)}
+
+    def save(results: dict[str, Any]) -> Path:
+        """Every model measured so far (written after each: a long run cut short keeps them)."""
+        return write_result(
+            "trainer",
+            {
+                "cpu_model": cpu_model(),
+                "torchtitan": version("torchtitan"),
+                "setup": setup,
+                "tokens_per_s": "global tokens of the measured steps over their time (log clock)",
+                "results": results,
+            },
+            cfg.out,
+        )
+
+    if cfg.from_log:
+        print(f"wrote {save(results_from_log(Path(cfg.from_log).read_text()))}")
+        return
     results: dict[str, Any] = {}
     server = Server()
     try:
         with tempfile.TemporaryDirectory(prefix="zbpipe-trainer-") as tmp:
             for model in cfg.models:
                 results[model] = run_model(server, cfg, Path(tmp), model)
+                out = save(results)
     finally:
         server.close()
     for model, res in results.items():
@@ -429,18 +496,6 @@ def main() -> None:
                 else f"{r['median']:.3f} [{r['min']:.3f}-{r['max']:.3f}]"
             )
             print(f"  {name:32s} {text} ({r['pairs']} pairs)")
-    setup = {k: v for k, v in vars(cfg).items() if k not in ("out",)}
-    out = write_result(
-        "trainer",
-        {
-            "cpu_model": cpu_model(),
-            "torchtitan": version("torchtitan"),
-            "setup": setup,
-            "tokens_per_s": "global tokens of the measured steps over their time (log clock)",
-            "results": results,
-        },
-        cfg.out,
-    )
     print(f"wrote {out}")
 
 

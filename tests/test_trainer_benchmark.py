@@ -103,3 +103,23 @@ def test_trace_summary_prefers_zbpipes_spans_and_skips_the_warm_up():
     assert got["rank1"]["busy_cpu_s"] == pytest.approx({"B": 0.1, "F": 0.2})
     assert got["rank1"]["idle_wall_s"] == pytest.approx(0.6)
     assert got["rank1"]["source"] == "zbpipe spans"
+
+
+def test_a_cut_short_runs_printed_lines_give_its_results():
+    printed = "\n".join(
+        [
+            "  llama3 rep 0 1F1B                             900.0",
+            "  llama3 rep 0 ZBH1                             990.0",
+            "  llama3 rep 0 ZBVZeroBubble                    run 'run': exit codes [1]: boom",
+            "  llama3 rep 1 ZBH1                             1100.0",
+            "  llama3 rep 1 1F1B                             1000.0",
+            "llama3: tokens/s / torch 1F1B's (a summary line: not a run)",
+        ]
+    )
+    got = T.results_from_log(printed)["llama3"]
+    assert [r["status"] for r in got["runs"]] == ["ok", "ok", "crash", "ok", "ok"]
+    assert got["runs"][2]["error"].endswith("boom")
+    zbh1 = got["ratios_to_1F1B"]["ZBH1"]
+    assert zbh1["pairs"] == 2 and zbh1["min"] == pytest.approx(1.1)
+    assert zbh1["max"] == pytest.approx(1.1)
+    assert got["ratios_to_1F1B"]["ZBVZeroBubble"]["pairs"] == 0

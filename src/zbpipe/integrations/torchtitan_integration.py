@@ -231,6 +231,8 @@ def _split_for(cls: type, model: Any, **kwargs: Any) -> list[list[str]] | None:
             kwargs["training"].local_batch_size // parallelism.pipeline_parallel_microbatch_size, 1
         )
         logger.info(ts.describe(cls, split, m))
+    if not ts.worth_moving(split):
+        return None
     return [list(part) for part in split.parts]
 
 

@@ -6,7 +6,8 @@ per stage, the embedding and the head counted as one layer each) unless the conf
 :func:`schedule_split` returns the split :func:`zbpipe.planning.split.choose_split` makes for
 that schedule's plan from the model's analytic per-layer costs (parameters counted on the model,
 MoE experts at ``top_k / num_experts``), which the torchtitan integration passes on as
-``module_fqns_per_model_part``.
+``module_fqns_per_model_part`` where it gains at least :data:`MIN_SPLIT_GAIN` in simulation
+(:func:`worth_moving`): a smaller predicted gain is within the simulator's error.
 
 A user's split is never replaced: ``module_fqns_per_model_part``,
 ``pipeline_parallel_layers_per_stage`` or a ``pipeline_parallel_first_stage_less_layers`` /
@@ -77,6 +78,13 @@ def user_split(parallelism: Any) -> str | None:
 #: layers where the FLOP count says 0.57: per-chunk overheads and the softmax over the
 #: vocabulary, memory-bound work no FLOP count sees.
 HEAD_COST_MAX = 2.3
+
+#: The least simulated gain, at worst over the head's cost range, for which a split replaces
+#: torchtitan's. The simulator's step times are not exact (the split backward's overheads, the
+#: memory re-plan, host time): in torchtitan 0.3's Trainer on llama3 debug (docs/results/
+#: trainer.md, quiet machine) ZB-V on a split predicted 1.3% faster at worst ran 18% slower
+#: than on torchtitan's. A move has to promise more than that kind of error to be worth making.
+MIN_SPLIT_GAIN = 1.05
 
 
 def chunked_loss(loss_fn: Any) -> bool:
@@ -171,7 +179,8 @@ def schedule_split(
     split, a schedule choosing its plan at run time, or nothing to split). ``loss_fn``: the
     Trainer's loss (its kind decides where the head's backward runs, :func:`chunked_loss`).
     The split is judged with the head anywhere from 1 to :data:`HEAD_COST_MAX` times its
-    analytic cost and is no slower than torchtitan's at any of them."""
+    analytic cost and is no slower than torchtitan's at any of them; the integration moves to
+    it only where :func:`worth_moving` says so."""
     name = plan_name_of(cls)
     if split_mode() == "default" or user_split(parallelism) or name is None:
         return None
@@ -198,8 +207,22 @@ def schedule_split(
         return None
 
 
+def worth_moving(split: Split) -> bool:
+    """Whether ``split`` replaces torchtitan's: it is torchtitan's, or it gains at least
+    :data:`MIN_SPLIT_GAIN` at worst over the head's cost range."""
+    return split.sizes == split.baseline_sizes or split.worst_gain >= MIN_SPLIT_GAIN
+
+
 def describe(cls: type, split: Split, n_microbatches: int) -> str:
     """The one INFO line: what was chosen, against what, what the simulator predicts."""
+    if not worth_moving(split):
+        return (
+            f"zbpipe: {cls.__name__} keeps torchtitan's split {list(split.baseline_sizes)} "
+            f"(pieces per stage, embedding and head one each): the best other split, "
+            f"{list(split.sizes)}, simulates {split.worst_gain:.3f}x the steps a second at worst "
+            f"with the head up to {HEAD_COST_MAX}x its FLOPs, under the {MIN_SPLIT_GAIN}x a move "
+            "needs"
+        )
     if split.sizes == split.baseline_sizes:
         return (
             f"zbpipe: {cls.__name__} keeps torchtitan's split {list(split.sizes)} (pieces per "
