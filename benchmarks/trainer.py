@@ -24,8 +24,9 @@ Cost on the 2-core box here (Intel Xeon, loaded, 2026-12-03): one (model, schedu
 repetition) run of llama3 debug at seq 128, 6 steps, is about 15 s of wall time (most of it
 torchtitan's set-up, the checkpoint load and its last-step save; a step under a second);
 DeepSeek-V3 debug's steps take about 2 s (a 3-step run about 15 s); a Qwen3 MoE run over a
-minute on the quiet machine (docs/results/trainer.md). A seed checkpoint per model adds one run, the server's start about 15 s. So
-``--reps 3`` of 6 schedules on llama3 is about 5 minutes, all three models well under an hour.
+minute on the quiet machine (docs/results/trainer.md). A seed checkpoint per model adds one
+run, the server's start about 15 s. So ``--reps 3`` of 6 schedules on llama3 is about 5
+minutes; with Qwen3 the three models take about an hour.
 
 Run:  PYTHONPATH=src python benchmarks/trainer.py --models llama3 --reps 3 \\
           [--schedules 1F1B ZBV ZBV@ZBPIPE_SPLIT=default] [--out benchmarks/results/trainer.json]
