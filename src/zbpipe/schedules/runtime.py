@@ -510,14 +510,15 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         slots = self._choose_slots()
         if slots is not None:  # stage 0's rank: its microbatches in the order they run
             arg_mbs, kwarg_mbs = in_slots(arg_mbs, slots), in_slots(kwarg_mbs, slots)
+        learnt = False  # the order came from stage 0's rank with the shapes
         if self._shapes is not None:  # variable_shapes=True on several ranks (varlen.py)
-            chosen = slots
+            learnt = slots is None
             slots = self._shapes.before_step(self, arg_mbs, kwarg_mbs, slots)
-            if chosen is None and list(slots) != sorted(slots):
-                # a rank without stage 0 learnt the order: its keyword inputs (which reach
-                # every stage, a packed batch's metadata say) follow it
-                kwarg_mbs = in_slots(kwarg_mbs, slots)
         self._slots = slots if slots is not None and list(slots) != sorted(slots) else None
+        if learnt and self._slots is not None:
+            # a rank without stage 0 learnt the order: its keyword inputs (which reach every
+            # stage, a packed batch's metadata say) follow it
+            kwarg_mbs = in_slots(kwarg_mbs, self._slots)
         if self._slots is not None and target_mbs is not None:
             target_mbs = in_slots(target_mbs, self._slots)
         C.backward_counter(self).clear()
