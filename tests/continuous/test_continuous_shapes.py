@@ -1,20 +1,13 @@
-"""ScheduleContinuous and microbatches of different shapes (docs/use/varlen.md): not supported,
-and said so clearly. ``variable_shapes=True`` is refused at construction; a mini-batch whose
+"""ScheduleContinuous without ``variable_shapes=True`` (docs/use/varlen.md): a mini-batch whose
 microbatches differ in shape from the first one's raises on stage 0's rank before anything of it
-is sent (before, gloo aborted the receiving rank), and the stream goes on after a retry."""
+is sent (before, gloo aborted the receiving rank), and the stream goes on after a retry.
+``variable_shapes=True`` itself: tests/continuous/test_continuous_varlen.py."""
 
 import pytest
 
 from tests.continuous import _continuous_cases as cc
 from tests.continuous.test_continuous import TOL, _assert_params
-from zbpipe.continuous import ScheduleContinuous
 from zbpipe.testing import run_ranks
-
-
-@pytest.mark.parametrize("value", [True, "yes"])
-def test_variable_shapes_is_refused_with_what_to_do(value):
-    with pytest.raises(ValueError, match="use a planned schedule .* with variable_shapes=True"):
-        ScheduleContinuous([], 4, loss_fn=cc.lm_loss, optimizer=None, variable_shapes=value)
 
 
 @pytest.mark.dist
@@ -28,7 +21,7 @@ def test_a_microbatch_of_another_shape_raises_before_anything_is_sent():
             "ScheduleContinuous.step(): microbatch 1's argument 0 has shape (2, 5), "
             "but the stages were set up for (2, 8)" in e
         ), e
-        assert "ScheduleContinuous takes no variable_shapes" in e
+        assert "Build ScheduleContinuous with variable_shapes=True (mode='sync')" in e
     # the retries continued the stream: nothing of the refused mini-batches was kept or sent
     _assert_params(world, out, cc.plain_loop(world, m, n, "sgd"), "sgd", TOL["sgd"], "retried")
 

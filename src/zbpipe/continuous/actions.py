@@ -76,6 +76,7 @@ class ContinuousActions:
     _grad_template: tuple
     _sends: Any
     _proofs: Any
+    _shapes: Any  # variable_shapes=True: the stream's shapes (zbpipe.continuous.shapes), or None
 
     def _minibatch(self, g: int) -> int:
         return g // self._n_microbatches
@@ -116,10 +117,17 @@ class ContinuousActions:
     def _forward(self, g: int) -> None:
         st = self.stage
         self._validate()  # the previous step must be settled before these weights are read
+        shapes = self._shapes
+        if shapes is not None and g % self._n_microbatches == 0:  # before anything of g's
+            shapes.start_minibatch(self._minibatch(g), self._args, self._kwargs, self._sends)
         if st.is_first:
             args = self._args.pop(g)
         else:
-            C.activation_receives(st)[g] = _fresh(self._act_template)
+            C.activation_receives(st)[g] = (
+                shapes.activation_infos(g, self._act_template)
+                if shapes is not None
+                else _fresh(self._act_template)
+            )
             works = [_post(op) for op in st.get_fwd_recv_ops(g)]
             for w in works:
                 w.wait()
@@ -165,7 +173,11 @@ class ContinuousActions:
     def _backward_input(self, g: int) -> None:
         st = self.stage
         if not st.is_last:
-            C.grad_receives(st)[g] = _fresh(self._grad_template)
+            C.grad_receives(st)[g] = (
+                self._shapes.gradient_infos(g, self._grad_template)
+                if self._shapes is not None
+                else _fresh(self._grad_template)
+            )
             works = [_post(op) for op in st.get_bwd_recv_ops(g)]
             for w in works:
                 w.wait()

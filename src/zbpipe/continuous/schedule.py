@@ -78,14 +78,15 @@ from ..schedules.stage_seam import EVERY_KEY, StageSeam
 from ..schedules.validation import check_schedule_args, check_step_args
 from .actions import ContinuousActions
 from .optim import PostValidatedStep, StepReport
+from .shapes import StreamShapes
 from .versions import CORRECTIONS, WeightVersions
 
 log = logging.getLogger(__name__)
 
 _FIXED_SHAPES_REMEDY = (
-    "ScheduleContinuous takes no variable_shapes (docs/use/varlen.md): pad or pack every "
-    "microbatch to one shape, or use a planned schedule (ScheduleZBH1, ScheduleZBV, ...) with "
-    "variable_shapes=True"
+    "Build ScheduleContinuous with variable_shapes=True (mode='sync') to send each mini-batch's "
+    "shapes down the pipeline with its first activation (docs/use/varlen.md), or pad or pack "
+    "every microbatch to one shape"
 )
 
 LossRecord = tuple[int, list[torch.Tensor]]
@@ -131,16 +132,18 @@ def _check_options(
         )
 
 
-def _check_fixed_shapes(variable_shapes: Any) -> None:
-    """``variable_shapes`` may only be False here (checked before the stages are looked at)."""
-    if variable_shapes is not False:
+def _check_variable_shapes(variable_shapes: Any, mode: Any) -> None:
+    """``variable_shapes`` is a bool, and True only in sync mode (checked before the stages are
+    looked at)."""
+    if not isinstance(variable_shapes, bool):
         raise ValueError(
-            f"ScheduleContinuous: variable_shapes={variable_shapes!r} is not supported: the "
-            "continuous stream has no per-mini-batch shape exchange (its ranks run different "
-            "mini-batches at once, with no step boundary to send the shapes at), so every "
-            "microbatch must have the first one's shapes. Pad or pack every microbatch to one "
-            "shape, or use a planned schedule (ScheduleZBH1, ScheduleZBV, ...) with "
-            "variable_shapes=True (docs/use/varlen.md)"
+            f"ScheduleContinuous: variable_shapes must be True or False, got {variable_shapes!r}"
+        )
+    if variable_shapes and mode != "sync":
+        raise ValueError(
+            f"ScheduleContinuous: variable_shapes=True is supported in mode='sync' only, got "
+            f"mode={mode!r}: the shape headers of the 2bw and stash streams are not tested yet "
+            "(docs/use/varlen.md). Use mode='sync', or pad or pack every microbatch to one shape"
         )
 
 
@@ -180,9 +183,11 @@ class ScheduleContinuous(ContinuousActions, C.PipelineScheduleMultiBase):
     ``"predict"`` (mini-batch ``k`` runs on ``W(k-1) + (W(k-1) - W(k-2))``, a prediction of the
     ``W(k)`` sync would use: weight prediction) or ``"nesterov"`` (``W(k-1) + 2 (W(k-1) -
     W(k-2))``: that prediction plus a one-step look-ahead); docs/use/continuous.md has the
-    literature and what each earns back. ``variable_shapes``: only False (the default): every
-    microbatch must have the first one's shapes, which stage 0's rank checks before a
-    mini-batch is kept or sent (a ``ValueError`` otherwise; docs/use/varlen.md).
+    literature and what each earns back. ``variable_shapes`` (sync mode only): microbatches may
+    differ in shape; each mini-batch's shapes travel down the pipeline with its first
+    activation (:mod:`zbpipe.continuous.shapes`, docs/use/varlen.md). Without it (the
+    default) every microbatch must have the first one's shapes, which stage 0's rank checks
+    before a mini-batch is kept or sent (a ``ValueError`` otherwise).
     """
 
     layout = "loop"
@@ -217,7 +222,7 @@ class ScheduleContinuous(ContinuousActions, C.PipelineScheduleMultiBase):
         Long because it takes torch's constructor signature plus the continuous options, each
         checked, then set, in order.
         """
-        _check_fixed_shapes(variable_shapes)
+        _check_variable_shapes(variable_shapes, mode)
         stages = check_schedule_args(type(self), stages, n_microbatches, costs)
         _check_options(stages, mode, loss_fn, post_validate, correction)
         super().__init__(
@@ -250,13 +255,14 @@ class ScheduleContinuous(ContinuousActions, C.PipelineScheduleMultiBase):
         if check_peers:
             plan = plan_continuous(p, m, self.costs, memory_limit, n_minibatches=2, mode=mode)
             fp = config_fingerprint(type(self), m, self._num_stages, plan)
+            fp += "|variable_shapes" if variable_shapes else ""
             check_peers_agree(
                 type(self),
                 self.stage.group,
                 self.rank,
                 fp,
                 f"ScheduleContinuous(n_microbatches={m}, mode={mode}, "
-                f"correction={correction}, plan {fp})",
+                f"correction={correction}, variable_shapes={variable_shapes}, plan {fp})",
             )
         self.optimizer = _build_optimizer(optimizer, list(self.stage.submod.parameters()))
         self._pv = (
@@ -277,9 +283,19 @@ class ScheduleContinuous(ContinuousActions, C.PipelineScheduleMultiBase):
             else None
         )
         self._initialized = False
-        #: stage 0's rank: every microbatch must have the first one's shapes (no exchange)
+        self.variable_shapes = variable_shapes
+        several_ranks = self._num_stages > 1
+        #: variable_shapes=True: each mini-batch's shapes travel with its first activation
+        self._shapes = (
+            StreamShapes(self.stage, n_microbatches, type(self).__name__)
+            if variable_shapes and several_ranks
+            else None
+        )
+        #: otherwise, stage 0's rank: every microbatch must have the first one's shapes
         self._fixed_shapes = (
-            FixedShapes(remedy=_FIXED_SHAPES_REMEDY) if self.stage.is_first else None
+            FixedShapes(remedy=_FIXED_SHAPES_REMEDY)
+            if self.stage.is_first and not variable_shapes
+            else None
         )
         self._warned_ignored_inputs = False  # step(x) on a rank without stage 0: warned once
         self._minibatches_before = 0  # mini-batches completed by earlier (flushed) streams
@@ -361,9 +377,12 @@ class ScheduleContinuous(ContinuousActions, C.PipelineScheduleMultiBase):
         if self._fixed_shapes is not None:  # before anything of this mini-batch is kept or sent
             self._fixed_shapes.check(type(self).__name__, arg_mbs, kwarg_mbs)
         if not self._initialized:
-            self._initialize(arg_mbs[0], kwarg_mbs[0], target_mbs[0] if target_mbs else None)
+            first_target = target_mbs[0] if target_mbs else None
+            self._initialize(arg_mbs[0], kwarg_mbs[0], first_target, loss_kwargs)
             if self._fixed_shapes is not None:
                 self._fixed_shapes.set_up(arg_mbs[0], kwarg_mbs[0])
+        if self._shapes is not None and not self._shapes.checked:  # collective, once
+            self._shapes.check_every_rank(arg_mbs[0] if self.stage.is_first else (), kwarg_mbs[0])
         start = self._given * m
         for j in range(m):
             if (
@@ -488,6 +507,8 @@ class ScheduleContinuous(ContinuousActions, C.PipelineScheduleMultiBase):
         self._reported = 0
         self._w_done: dict[int, int] = {}
         self.seam.clear()
+        if self._shapes is not None:
+            self._shapes.forget()
         #: 2bw/stash: each microbatch's leaf set and its key (zbpipe.continuous.versions)
         self._leaves: dict[int, tuple[tuple[int, int], list[torch.Tensor]]] = {}
         if self._versions is not None:
@@ -496,11 +517,14 @@ class ScheduleContinuous(ContinuousActions, C.PipelineScheduleMultiBase):
         self._sends = PendingSends(consume_proofs=True)
         self._proofs = ChainProofs(self.stage.stage_index)
 
-    def _initialize(self, args: Any, kwargs: Any, target: Any) -> None:
-        """torch's shape inference and buffers, re-keyed by global microbatch (see module doc)."""
+    def _initialize(
+        self, args: Any, kwargs: Any, target: Any, loss_kwargs: dict[str, Any] | None
+    ) -> None:
+        """torch's shape inference and buffers, re-keyed by global microbatch (see module doc).
+        torch's backward inference calls ``loss_fn`` too: it gets the step's ``loss_kwargs``."""
         st = self.stage
         st.has_backward = True
-        self._initialize_stages(args, kwargs, target)
+        C.initialize_stages(self, args, kwargs, target, loss_kwargs)
         self._act_template, self._grad_template = C.key_by_global_microbatch(st)
         for q in st.submod.parameters():  # shape inference must not leave gradients behind
             q.grad = None

@@ -67,10 +67,16 @@ class PendingSends:
         if ops:  # named as the receiving stage names it (see Message)
             to = stage.stage_index + 1 if forward else stage.stage_index - 1
             # one isend per tensor, never coalesced (torch 2.11's _batch_p2p coalesces on NCCL)
-            self._works[(forward, to, mb)] = [
+            self._works.setdefault((forward, to, mb), []).extend(
                 dist.isend(op.tensor, group=op.group, tag=op.tag, group_dst=op.group_peer)
                 for op in ops
-            ]
+            )
+
+    def attach(self, message: Message, work: dist.Work) -> None:
+        """Hold ``work``, a send posted before ``message`` on the same channel (the continuous
+        stream's shape header, :mod:`zbpipe.continuous.shapes`), until ``message``'s send is let
+        go of: whatever proves that one received proves this one."""
+        self._works.setdefault(message, []).append(work)
 
     def prune(self) -> None:
         """Let go of the sends whose works say they completed (not gloo's: see the module).
