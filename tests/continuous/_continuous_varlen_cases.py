@@ -65,7 +65,9 @@ def _stages(rank: int, world: int, mods: list[nn.Module]) -> tuple[PipelineStage
 
 
 def run_stream(rank: int, world: int, split: str, draws: list[list[int]]) -> float:
-    """One stream, a mini-batch per draw, flushed; the largest difference to the reference."""
+    """A mini-batch per draw, flushed after the second (a new stream then starts) and at the
+    end; the largest difference to the reference. Also checks the header count: one per
+    mini-batch per rank boundary, none per transfer."""
     mods = layers(seed=0)
     expected_grads, expected_params = reference(mods, draws)
     stage, mine = _stages(rank, world, mods)
@@ -88,7 +90,12 @@ def run_stream(rank: int, world: int, split: str, draws: list[list[int]]) -> flo
             target_mbs=targets if last else None,
             loss_kwargs={"num_tokens": sum(t.numel() for t in targets)},
         )
+        if k == 1:
+            sched.flush()
     sched.flush()
+    shapes = sched._shapes
+    assert shapes.headers_sent == (0 if last else len(draws)), shapes.headers_sent
+    assert shapes.headers_received == (0 if first else len(draws)), shapes.headers_received
     # this rank's parameters, in the order of the whole model's (its layers are a slice of it)
     offsets = [0]
     for mod in mods:
