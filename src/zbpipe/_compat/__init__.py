@@ -106,6 +106,8 @@ from .census import (
     TORCH_INTERNAL_ATTRIBUTES,
 )
 from .compiler import (
+    DONATED_BUFFER_ERROR,
+    donated_buffers,
     dynamo_counters,
     lower_with_operands_kept,
     mark_dynamic,
@@ -288,6 +290,8 @@ __all__ = [
     "backward_group",
     "outside_python_modes",
     "wait_tensor",
+    "DONATED_BUFFER_ERROR",
+    "donated_buffers",
     "dynamo_counters",
     "mark_dynamic",
     "grouped_mm",

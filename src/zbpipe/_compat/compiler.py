@@ -3,6 +3,8 @@ operands, dynamo's counters and its dynamic-size marks."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -44,6 +46,23 @@ def dynamo_counters() -> Any:
     from torch._dynamo.utils import counters
 
     return counters
+
+
+#: what AOTAutograd's backward says when a graph compiled with donated buffers is walked with
+#: ``retain_graph=True`` (``torch._functorch.config.donated_buffer``)
+DONATED_BUFFER_ERROR = "compiled with non-empty donated buffers"
+
+
+@contextmanager
+def donated_buffers(enabled: bool) -> Iterator[None]:
+    """Within the block, graphs AOTAutograd compiles donate their backward's saved buffers or
+    not (``torch._functorch.config.donated_buffer``). A donating backward refuses
+    ``retain_graph=True``, which the graph engine's B needs (its W walks the graph again): a
+    compiled region under ``split="graph"`` must be compiled (its first call) with ``False``."""
+    from torch._functorch import config
+
+    with config.patch(donated_buffer=enabled):
+        yield
 
 
 def mark_dynamic(t: Any, dims: int | list[int]) -> None:

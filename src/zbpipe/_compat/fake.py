@@ -6,6 +6,11 @@ The module's real parameters are read as constants of the fake computation (no c
 inputs are fake tensors of the given shapes. An operator whose output shape depends on the
 values of its input (``.item()``, ``nonzero``) raises inside the mode: that stage's output shape
 is not a function of its input's shape, and the caller says so.
+
+Compiled code in the module runs eagerly here (``torch.compiler.set_stance("force_eager")``):
+tracing it under a fake mode would compile graphs for fake inputs that no real call reuses,
+and inductor, given symbolic fake inputs, aborts the process (``Cannot call numel() on tensor
+with symbolic sizes/strides``, torch 2.13, a C++ terminate no ``except`` can catch).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ def output_specs(
     ``args`` / ``kwargs`` hold real tensors (read for their shapes only), :class:`TensorSpec`s,
     or other values passed as they are. Exceptions of the module's forward propagate.
     """
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
+    with _eager(), FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
 
         def fake(v: Any) -> Any:
             if isinstance(v, TensorSpec):
@@ -130,7 +135,11 @@ def shape_rule(
         for a in args
     ]
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True, shape_env=env) as mode, torch.no_grad():
+        with (
+            _eager(),
+            FakeTensorMode(allow_non_fake_inputs=True, shape_env=env) as mode,
+            torch.no_grad(),
+        ):
             fakes, inputs = [], []
             for a in real:
                 if not isinstance(a, torch.Tensor):
@@ -152,6 +161,11 @@ def shape_rule(
         guards=tuple(g.expr for g in env.guards),
         ranges=ranges,
     )
+
+
+def _eager() -> Any:
+    """Run ``torch.compile``d callables as their eager code (see the module's docstring)."""
+    return torch.compiler.set_stance("force_eager")
 
 
 def _expr(size: Any) -> Any:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from torch import Tensor
 
 from .._compat import (
+    DONATED_BUFFER_ERROR,
     checkpoint_recompute_replayable,
     compiled_submodule,
     selective_checkpoint_submodule,
@@ -78,9 +79,20 @@ class GraphEngine:
         saved: SavedTensors | None,
     ) -> tuple[Tensor | None, ...]:
         """B: the input gradients; W's graph calls wait, with ``params()`` as the weights."""
-        grads, self._pending[key] = backward_input(
-            outputs, output_grads, inputs, params(), saved=saved
-        )
+        try:
+            grads, self._pending[key] = backward_input(
+                outputs, output_grads, inputs, params(), saved=saved
+            )
+        except RuntimeError as e:
+            if DONATED_BUFFER_ERROR not in str(e):
+                raise
+            raise RuntimeError(
+                f"zbpipe: stage {key[0]}'s graph holds a torch.compile'd function whose backward "
+                "donates its buffers, which refuses retain_graph=True; the graph engine's B keeps "
+                "the graph for W. Compile it (its first call) within "
+                "zbpipe._compat.donated_buffers(False) (torch._functorch.config.donated_buffer), "
+                "or use split='deferred' (docs/use/varlen.md, 'Compiled code')"
+            ) from e
         return grads
 
     def backward_input_steps(
