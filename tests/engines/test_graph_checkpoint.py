@@ -89,8 +89,9 @@ def test_graph_engine_trains_selective_checkpointing_in_a_forward():
 @pytest.mark.parametrize("ending", cases.ENDINGS)
 def test_b_keeps_what_ws_recompute_needs_and_frees_the_rest(ending):
     """One stage, B and W by hand: after B the checkpointed region's input is still held (W's
-    calls through the region unpack it, then replay B's recompute) while the activation-only tensor saved outside the region (the
-    input of ``sin``) is freed; W then gives the reference gradients."""
+    calls through the region unpack it, then replay B's recompute) while the activation-only
+    tensor saved outside the region (the input of ``sin``) is freed; W then gives the reference
+    gradients."""
     torch.manual_seed(0)
     inner = cases.Inner(ending)
     x = torch.randn(4, 8, requires_grad=True)
