@@ -14,7 +14,11 @@ microbatch through each engine, as the schedules call them, on a microbatch afte
 first (``.grad`` already set). Each engine runs its own copy of the module; repetitions
 interleave the engines. Reported: the median of W / (B + W) per engine, the deferred share over
 the graph share (paired per repetition: median, min, max), and the largest difference of each
-engine's gradients from a fused backward's.
+engine's gradients from a fused backward's. Beside them: a fused backward's time, the input
+gradient's alone (no weight needing a gradient: the least any B costs), the deferred share's
+bound that follows (its W over that least B plus its W), and per engine the share of W's
+profiled self CPU time that is GEMMs (one profiled microbatch; the rest: casts, zero-padded
+copies, adds).
 
 Run:  PYTHONPATH=src python benchmarks/expert_w_share.py [--reps 8] [--tokens 512]
 Writes benchmarks/results/expert_w_share.json (``--out``); docs/results/moe.md records it.
@@ -23,7 +27,9 @@ Writes benchmarks/results/expert_w_share.json (``--out``); docs/results/moe.md r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import functools
 import statistics
 import sys
 import time
@@ -138,7 +144,7 @@ def measure(build: Callable[[], nn.Module], tokens: int, reps: int) -> dict[str,
     g = torch.randn(int(counts.sum()), D)
     mb = [0]
 
-    def split(name: str) -> tuple[float, float]:
+    def split(name: str, around_w: Any = None) -> tuple[float, float]:
         mod, engine = mods[name], engines[name]
         key = (0, mb[0])
         mb[0] += 1
@@ -150,7 +156,8 @@ def measure(build: Callable[[], nn.Module], tokens: int, reps: int) -> dict[str,
         engine.backward_input(key, [out], [g], [x], lambda: params, None)
         t_b = time.thread_time() - t
         t = time.thread_time()
-        engine.backward_weight(key)
+        with around_w or contextlib.nullcontext():
+            engine.backward_weight(key)
         return t_b, time.thread_time() - t
 
     # one microbatch each against a fused backward (gradients), then one more to warm up: the
@@ -164,17 +171,43 @@ def measure(build: Callable[[], nn.Module], tokens: int, reps: int) -> dict[str,
             for p, q in zip(mods[n].parameters(), ref.parameters(), strict=True)
         )
         split(n)
+    bare = copy.deepcopy(ref).requires_grad_(False)
+
+    def whole(fused: bool) -> float:
+        """A fused backward (``fused``), or the input gradient alone with no weight needing
+        one: the least any B can cost on this module."""
+        x = x0.clone().requires_grad_()
+        out = (ref if fused else bare)(x, counts)
+        t = time.thread_time()
+        if fused:
+            out.backward(g)
+        else:
+            torch.autograd.grad(out, x, g)
+        return time.thread_time() - t
+
+    whole(True), whole(False)
     samples: dict[str, list[tuple[float, float]]] = {n: [] for n in ENGINES}
+    fused_s: list[float] = []
+    input_s: list[float] = []
     for rep in range(reps):
         for n in ENGINES if rep % 2 == 0 else ENGINES[::-1]:
             samples[n].append(split(n))
+        fused_s.append(whole(True))
+        input_s.append(whole(False))
     out: dict[str, Any] = {"tokens_per_expert": counts.tolist(), "max_grad_diff": worst}
+    out["fused_ms"] = 1e3 * statistics.median(fused_s)
+    out["input_grad_only_ms"] = 1e3 * statistics.median(input_s)
     for n in ENGINES:
         out[n] = {
             "b_ms": 1e3 * statistics.median(b for b, _ in samples[n]),
             "w_ms": 1e3 * statistics.median(w for _, w in samples[n]),
             "w_share": statistics.median(w / (b + w) for b, w in samples[n]),
+            "w_gemm_fraction": _gemm_fraction(functools.partial(split, n)),
         }
+    # the most W / (B + W) the deferred engine could reach with its W as it is: B at the
+    # input gradient's own cost
+    w_d = out["deferred"]["w_ms"]
+    out["deferred_share_bound"] = w_d / (out["input_grad_only_ms"] + w_d)
     ratios = [
         (wd / (bd + wd)) / (wg / (bg + wg))
         for (bd, wd), (bg, wg) in zip(samples["deferred"], samples["graph"], strict=True)
@@ -185,6 +218,19 @@ def measure(build: Callable[[], nn.Module], tokens: int, reps: int) -> dict[str,
         "max": max(ratios),
     }
     return out
+
+
+def _gemm_fraction(run: Callable[..., tuple[float, float]]) -> float:
+    """The share of W's profiled self CPU time spent in GEMMs (``mm``, ``bmm``, grouped): the
+    rest is what W does besides the weight-gradient products (casts, zero-padded copies, adds)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gemms = ("aten::mm", "aten::bmm", "aten::_grouped_mm", "aten::addmm")
+    prof = profile(activities=[ProfilerActivity.CPU])
+    run(around_w=prof)  # one microbatch, W alone profiled
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events) or 1.0
+    return sum(e.self_cpu_time_total for e in events if e.key in gemms) / total
 
 
 def main() -> None:
@@ -198,14 +244,21 @@ def main() -> None:
     from results_io import write_result
 
     res = {name: measure(build, args.tokens, args.reps) for name, build in SHAPES.items()}
-    print("| shape | deferred W/(B+W) | graph W/(B+W) | deferred / graph (min-max) | B ms d/g |")
-    print("|---|---|---|---|---|")
+    print(
+        "| shape | deferred W/(B+W) | graph W/(B+W) | deferred / graph (min-max) | B ms d/g |"
+        " W ms d/g | W GEMM share d/g | fused ms | input grad ms | deferred share bound |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, r in res.items():
         q = r["deferred_share_over_graph"]
         print(
             f"| {name} | {r['deferred']['w_share']:.3f} | {r['graph']['w_share']:.3f} | "
             f"{q['median']:.3f} ({q['min']:.3f}-{q['max']:.3f}) | "
-            f"{r['deferred']['b_ms']:.2f} / {r['graph']['b_ms']:.2f} |"
+            f"{r['deferred']['b_ms']:.2f} / {r['graph']['b_ms']:.2f} | "
+            f"{r['deferred']['w_ms']:.2f} / {r['graph']['w_ms']:.2f} | "
+            f"{r['deferred']['w_gemm_fraction']:.2f} / {r['graph']['w_gemm_fraction']:.2f} | "
+            f"{r['fused_ms']:.2f} | {r['input_grad_only_ms']:.2f} | "
+            f"{r['deferred_share_bound']:.3f} |"
         )
     cfg = {"reps": args.reps, "tokens": args.tokens, "experts": E, "dim": D, "hidden": H}
     path = write_result("expert_w_share", {"config": cfg, "shapes": res}, args.out)

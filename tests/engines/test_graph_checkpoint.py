@@ -12,9 +12,11 @@ inputs used to be tagged activation-only and freed, and W's recompute found them
 Selective checkpointing (a ``context_fn`` from ``create_selective_checkpoint_contexts``, as
 torchtitan's ``SelectiveAC``) hands each saved op output to one backward call only. The graph
 engine's W replays B's recompute instead of recomputing (issue 46), so both forms (the wrapper,
-a call in a forward) train under ``split="graph"`` on torch 2.13+; ``split="auto"`` still picks
-the deferred engine for the wrapper. The deferred engine's B is the one backward call and splits
-both flavours.
+a call in a forward) train under ``split="graph"`` on torch 2.13+. ``split="auto"`` on these
+Linear-only blocks takes the deferred engine whether wrapped or not (it defers all their weight
+work; which engine ``auto`` takes for a wrapper is tests/engines/test_auto_split_selective.py's
+and test_graph_promise_refusal.py's). The deferred engine's B is the one backward call and
+splits both flavours.
 
 Gradients are compared with an unpipelined, uncheckpointed copy: the recompute replays the same
 ops on the same inputs, so the only difference is the order microbatch gradients are summed in
@@ -64,8 +66,10 @@ def test_selective_checkpointing_in_the_forward_grads_equal_reference(runs, endi
 
 
 @pytest.mark.parametrize("ending", cases.ENDINGS)
-def test_auto_takes_the_deferred_engine_for_a_selective_checkpoint_wrapper(runs, ending):
-    """torchtitan's form (``checkpoint_wrapper(block, context_fn=...)``), seen at construction."""
+def test_auto_split_trains_a_selective_checkpoint_wrapper(runs, ending):
+    """torchtitan's form (``checkpoint_wrapper(block, context_fn=...)``) under ``split="auto"``:
+    the deferred engine (Linear-only blocks: it defers all their weight work), gradients equal
+    to the unpipelined, unwrapped reference."""
     got = runs[ending, "none", "auto", True]
     assert got["split"] == "deferred"
     assert got["worst"] < TOL, got
@@ -84,9 +88,10 @@ def test_graph_engine_trains_selective_checkpointing_in_a_forward():
 
 @pytest.mark.parametrize("ending", cases.ENDINGS)
 def test_b_keeps_what_ws_recompute_needs_and_frees_the_rest(ending):
-    """One stage, B and W by hand: after B the checkpointed region's input is still held (W
-    recomputes the region from it) while the activation-only tensor saved outside the region (the
-    input of ``sin``) is freed; W then gives the reference gradients."""
+    """One stage, B and W by hand: after B the checkpointed region's input is still held (W's
+    calls through the region unpack it, then replay B's recompute) while the activation-only
+    tensor saved outside the region (the input of ``sin``) is freed; W then gives the reference
+    gradients."""
     torch.manual_seed(0)
     inner = cases.Inner(ending)
     x = torch.randn(4, 8, requires_grad=True)

@@ -115,6 +115,7 @@ from .compiler import (
 )
 from .fake import ShapeRule, TensorSpec, data_dependent_error, output_specs, shape_rule
 from .modules import (
+    checkpointed_submodule,
     compiled_submodule,
     is_compiled,
     is_dtensor,
@@ -277,6 +278,7 @@ __all__ = [
     "is_dtensor",
     "local_tensor",
     "compiled_submodule",
+    "checkpointed_submodule",
     "selective_checkpoint_submodule",
     "asked_by_checkpoint",
     "checkpoint_frame",

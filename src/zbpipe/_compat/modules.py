@@ -68,6 +68,19 @@ def compiled_submodule(module: Any) -> str | None:
     return None
 
 
+def checkpointed_submodule(module: Any) -> str | None:
+    """The name of ``module``'s first submodule wrapped by torch's ``checkpoint_wrapper`` (full or
+    selective activation checkpointing, as torchtitan applies both; ``""``: itself), else None.
+
+    Matched by class name, as :func:`selective_checkpoint_submodule` says why. A
+    ``torch.utils.checkpoint`` call written in a forward is not visible here.
+    """
+    for name, mod in module.named_modules():
+        if type(mod).__name__ == "CheckpointWrapper":
+            return str(name)
+    return None
+
+
 def selective_checkpoint_submodule(module: Any) -> str | None:
     """The name of ``module``'s first submodule wrapped by torch's ``checkpoint_wrapper`` with a
     ``context_fn`` (``""``: itself), else None: selective activation checkpointing as torchtitan

@@ -21,6 +21,8 @@ Both re-planners (:mod:`zbpipe.schedules.memory_replan` after the first step,
   plan, the fastest whose simulated peak keeps the budget, so a re-plan never makes a schedule
   slower than the plan for equal bytes where that plan already keeps the promise; on a tie the
   plan for equal bytes stays (the promise then changes nothing).
+* :func:`promise_words`: the promise in words, for the engine choice's log line
+  (:func:`zbpipe.engines.choose_engine`).
 * :func:`cost_line`: what keeping the promise cost in simulated step time, and, when no plan
   within the budget beats 1F1B, a line saying so and what does (the chooser's candidates).
 """
@@ -67,6 +69,32 @@ def first_step_plan(sched: Any) -> Plan | None:
         mem_w=[-(1 + beta) * h for h in held],
     )
     return plan_zbh1(p, m, costs, exact=sched.exact)
+
+
+#: each promise in words, by plan name (lower case); the budgets: zbpipe.planning.yardsticks
+_PROMISES = {
+    "zbh1": "1F1B's peak",
+    "zb1p": "1F1B's peak",
+    "zb2p": "twice 1F1B's peak",
+    "zbv": "1F1B's peak",
+    "zbvhalf": "V-Half's (p + 2) / 2 microbatches",
+    "zbvmin": "V-Min's (p + 4) / 3 microbatches",
+    "zbinterleaved": "interleaved 1F1B's peak",
+}
+
+
+def promise_words(sched: Any, plan: Plan) -> str | None:
+    """The memory promise of ``plan`` in words (``"1F1B's peak"``) where it splits the backward
+    and :func:`promised_budget` knows a budget for it; else None. A plain order that replaced a
+    zero-bubble plan keeps that plan's promise."""
+    if not plan.uses_split_backward() and INSTEAD_OF not in plan.meta:
+        return None  # (a plain order's re-plans may split it again)
+    name = str(plan.meta.get(INSTEAD_OF) or plan.name)
+    chunks = sched._num_stages // sched.pp_group_size
+    costs = Costs()
+    if promised_peak(name, sched.pp_group_size, sched._n_microbatches, costs, chunks) is None:
+        return None
+    return _PROMISES.get(name.strip().lower(), f"{name}'s memory budget")
 
 
 def promised_budget(sched: Any, plan: Plan, costs: Costs) -> float | None:

@@ -42,7 +42,7 @@ from .entry import entry_name
 from .fixed_shapes import FixedShapes
 from .inputs import FirstStageKeywords, drop_inputs_off_stage0, microbatch_inputs
 from .measured_start import MeasuredStart
-from .memory_promise import first_step_plan
+from .memory_promise import first_step_plan, promise_words
 from .memory_replan import MemoryReplanner
 from .nonfinite import NonfiniteLosses
 from .pairs import PairRunner, bind_pair
@@ -204,7 +204,8 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
             # until the bytes are measured: a plan that keeps the promise whatever they are
             self.plan = first_step_plan(self) or self.plan
         check_plan_for_runtime(self.plan, stages)
-        engine = choose_engine(split, stages, type(self).__name__, exact=exact)
+        promise = promise_words(self, self.equal_bytes_plan) if type(self).memory_planned else None
+        engine = choose_engine(split, stages, type(self).__name__, exact=exact, promise=promise)
         #: the split-backward engine in use: "deferred" or "graph" (see zbpipe.engines)
         self.split: EngineName = engine.name
         if self.plan.uses_split_backward():
