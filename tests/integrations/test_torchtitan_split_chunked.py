@@ -1,7 +1,7 @@
 """The head's cost when torchtitan's loss is a ``ChunkedLossWrapper`` (issue 47): the head and
 the loss run per sequence chunk inside the loss call, forward and backward at once, so the
-whole head is F in the split's costs; a plain loss keeps F = B = W. The reference is the
-projection's FLOPs counted here from the tiny model's dimensions.
+whole head is F in the split's costs and keeps no logits until B; a plain loss keeps F = B = W.
+The reference is the projection's FLOPs counted here from the tiny model's dimensions.
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ def test_a_chunked_loss_makes_the_head_all_forward():
     assert head.names == ("norm", "lm_head")
     assert (head.f, head.b, head.w) == pytest.approx((3 * projection, 0.0, 0.0))
     assert (plain[-1].f, plain[-1].b, plain[-1].w) == pytest.approx((projection,) * 3)
-    assert head.mem == plain[-1].mem  # where the backward runs changes no activation count
+    # the chunked loss keeps its input's gradient (fp32) and the norm's input, not the logits
+    assert head.mem == pytest.approx(4.0 * (tiny.SEQ * 2) * 2 * tiny.DIM)
+    assert plain[-1].mem == pytest.approx(4.0 * (tiny.SEQ * 2) * (tiny.DIM + 2 * tiny.VOCAB))
     assert chunked[:-1] == plain[:-1]  # the embedding and the layers are untouched
 
 

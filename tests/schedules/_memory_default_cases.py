@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import logging
 
 import torch
 import torch.nn as nn
@@ -55,7 +56,14 @@ def torch_1f1b_peak(rank: int, world: int, m: int, steps: int = 2) -> int:
 
 
 def default_peak_and_grads(
-    rank: int, world: int, name: str, split: str, m: int, steps: int = 2, **options
+    rank: int,
+    world: int,
+    name: str,
+    split: str,
+    m: int,
+    steps: int = 2,
+    keep_sched: bool = False,
+    **options,
 ) -> dict:
     """One zbpipe schedule built with default arguments (plus ``options``): this rank's peak
     held for backward in the last of ``steps`` steps (the first re-planned for the measured
@@ -101,19 +109,49 @@ def default_peak_and_grads(
         "mem_f": None
         if sched.memory_costs is None
         else [f * sched.memory_unit_bytes for f in sched.memory_costs.mem_f],
+        **({"sched": sched} if keep_sched else {}),
     }
 
 
 def heavy_head_rows(rank: int, world: int, m: int, runs: list[tuple[str, str]]) -> dict:
     """torch 1F1B's peak, then every ``(schedule name, engine)`` of ``runs`` with defaults,
     then :func:`opted_out`."""
-    import logging
-
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     out: dict = {"torch": torch_1f1b_peak(rank, world, m)}
     for name, split in runs:
         out[(name, split)] = default_peak_and_grads(rank, world, name, split, m)
     out["opted_out"] = opted_out(rank, world, m)
+    out["unpromised"] = unpromised(rank, world, m)
+    return out
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def unpromised(rank: int, world: int, m: int) -> dict:
+    """ZB-H1 with and without ``memory_promise``: this rank's peak in step 2, the gradient
+    difference from the unpipelined reference, whether the plan is the one for equal bytes,
+    and rank 0's ``zbpipe memory:`` lines."""
+    out: dict = {}
+    for promise in (True, False):
+        lines = _Lines()
+        logging.getLogger("zbpipe").addHandler(lines)
+        try:
+            row = default_peak_and_grads(
+                rank, world, "ZBH1", "deferred", m, memory_promise=promise, keep_sched=True
+            )
+        finally:
+            logging.getLogger("zbpipe").removeHandler(lines)
+        sched = row.pop("sched")
+        row["equal_bytes_plan"] = sched.plan.order == sched.equal_bytes_plan.order
+        row["lines"] = [x for x in lines.lines if x.startswith("zbpipe memory:")]
+        out[promise] = row
     return out
 
 

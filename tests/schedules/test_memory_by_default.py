@@ -67,3 +67,24 @@ def test_measure_memory_false_keeps_the_equal_bytes_plan(two_ranks):
 # The gradients after the re-plan on 4 ranks (ZB-H1, ZB-V, V-Min, deferred engine, defaults):
 # test_memory_promise_4ranks.py::test_grads_after_the_re_plan_equal_the_unpipelined_reference
 # checks them in its 4-rank launch, with every other run there.
+
+
+def test_memory_promise_false_runs_the_plan_for_equal_bytes_and_says_what_it_holds(two_ranks):
+    """On the heavy head the promise re-makes ZB-H1's plan; ``memory_promise=False`` keeps the
+    plan for equal bytes (gradients still the unpipelined model's), which holds more than
+    torch 1F1B's peak there, and rank 0 logs that plan's predicted peak. The default's line
+    names the option."""
+    torch_peak = max(out["torch"] for out in two_ranks)
+    kept = [out["unpromised"][True] for out in two_ranks]
+    unkept = [out["unpromised"][False] for out in two_ranks]
+    assert not any(row["equal_bytes_plan"] for row in kept)  # the promise changed the plan
+    assert all(row["equal_bytes_plan"] and row["replanned"] for row in unkept)  # bytes measured
+    assert all(row["grad_diff"] < 1e-5 for row in kept + unkept)
+    assert max(row["peak"] for row in kept) <= 1.05 * torch_peak
+    assert max(row["peak"] for row in unkept) > 1.05 * torch_peak  # the memory it costs
+    (line,) = unkept[0]["lines"]
+    assert "keeps ZBH1's plan for equal bytes per stage (memory_promise=False" in line
+    assert "predicted peak per rank" in line
+    (default,) = kept[0]["lines"]
+    assert "memory_promise=False keeps the plan for equal bytes instead (predicted peak" in default
+    assert unkept[1]["lines"] == kept[1]["lines"] == []  # rank 0 speaks

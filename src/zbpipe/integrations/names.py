@@ -12,7 +12,8 @@ Options a config can only give in the name (torchtitan passes none to the constr
 it after colons, ``"<name>[:<budget>][:<engine>][:profile]"``: ``":profile"`` fixes
 ``costs="profile"`` (``"ZBV:profile"``, ``"ZBVHalf:profile"``: :func:`with_profile`), a budget
 fixes ``memory_limit=`` (``"Auto:40GiB"``, ``"AutoV:80%:profile"``: :func:`with_budget`), an
-engine fixes ``split=`` (``"ZBV:deferred"``, ``"ZBH1:graph:profile"``: :func:`with_split`). Each
+engine fixes ``split=`` (``"ZBV:deferred"``, ``"ZBH1:graph:profile"``: :func:`with_split`),
+``":nopromise"`` fixes ``memory_promise=False`` (``"ZBV:nopromise"``: :func:`without_promise`). Each
 name with options is one class, made once, whatever the options' order.
 
 Plan names (``plan("ZBVHalf", ...)``) are a different table, :data:`zbpipe.planning.GENERATORS`:
@@ -86,6 +87,10 @@ BYTES_ONLY: tuple[type, ...] = (ScheduleDualPipeV,)
 #: the stages' costs and bytes and the plan is re-made for them (:mod:`zbpipe.observe.profile`)
 PROFILE = "profile"
 
+#: the name option that fixes ``memory_promise=False`` (``"ZBV:nopromise"``): the plan for
+#: equal bytes per stage runs, not re-made to keep the promise in the measured bytes
+NOPROMISE = "nopromise"
+
 
 def is_torch_shaped(cls: type) -> bool:
     """Whether torch's and torchtitan's builders can drive ``cls``: torch's constructor
@@ -118,20 +123,24 @@ def find_schedule_class(name: str, *, torch_shaped_only: bool = False) -> type |
 
 def with_options(cls: type, name: str, options: list[str]) -> type:
     """``cls`` with the options of the name ``name`` fixed: at most one memory budget (classes in
-    :data:`BUDGETED`), at most one engine (``deferred``, ``graph``, ``auto``) and at most one
-    ``profile``, in any order; the same class for any order. Anything else raises
-    ``ValueError`` saying what a name can carry."""
+    :data:`BUDGETED`), at most one engine (``deferred``, ``graph``, ``auto``), at most one
+    ``profile`` and at most one ``nopromise``, in any order; the same class for any order.
+    Anything else raises ``ValueError`` saying what a name can carry."""
     budget: str | None = None
     split: str | None = None
-    profile = False
+    profile = nopromise = False
     for raw in options:
         option = raw.strip()
-        if option.lower() in ("1p", "2p", PROFILE, *SPLITS):
+        if option.lower() in ("1p", "2p", PROFILE, NOPROMISE, *SPLITS):
             option = option.lower()
         if option == PROFILE:
             if profile:
                 raise ValueError(f"schedule name {name!r}: ':profile' given twice")
             profile = True
+        elif option == NOPROMISE:
+            if nopromise:
+                raise ValueError(f"schedule name {name!r}: ':{NOPROMISE}' given twice")
+            nopromise = True
         elif option in SPLITS:
             if split is not None:
                 raise ValueError(
@@ -150,13 +159,21 @@ def with_options(cls: type, name: str, options: list[str]) -> type:
                 f"':{PROFILE}' (costs measured on the first steps, every schedule but "
                 f"Continuous), an engine for the split backward ({_split_names()}) and, for "
                 f"{_budgeted_names()}, a memory budget per rank: '1p', '2p', bytes like '40GiB' "
-                "or a share of the device like '80%'; e.g. 'ZBV:profile', 'ZBV:deferred', "
-                "'Auto:40GiB', 'AutoV:40GiB:profile'"
+                f"or a share of the device like '80%', and ':{NOPROMISE}' (the plan for equal "
+                "bytes, not re-made to keep the memory promise); e.g. 'ZBV:profile', "
+                "'ZBV:deferred', 'ZBV:nopromise', 'Auto:40GiB', 'AutoV:40GiB:profile'"
             )
+    if nopromise and profile:
+        raise ValueError(
+            f"schedule name {name!r}: ':{NOPROMISE}' and ':{PROFILE}' do not go together (the "
+            "profile's re-plan keeps the memory promise in the measured bytes); give one"
+        )
     if budget is not None:
         cls = with_budget(cls, budget)
     if split is not None:
         cls = with_split(cls, split)
+    if nopromise:
+        cls = without_promise(cls)
     return with_profile(cls) if profile else cls
 
 
@@ -226,6 +243,30 @@ def with_split(cls: type, split: str) -> type:
             f"schedule {cls.__name__} takes no ':{split}': an engine goes after any of {works}"
         )
     return c.with_fixed_option(cls, f"{cls.__name__}:{split}", "split", split)
+
+
+@functools.cache  # one class per class: torchtitan compares classes
+def without_promise(cls: type) -> type:
+    """``cls`` with ``memory_promise=False`` fixed: the class ``"ZBV:nopromise"`` names. Its
+    plan for equal bytes per stage runs from the first step; the bytes are still measured in
+    the first step and the plan's predicted peak logged, but the plan is not re-made to keep
+    the promise in them: faster where the promise binds, for the memory the log states.
+
+    Raises ``ValueError`` for a class that makes no memory promise (``1F1BMulti``,
+    ``Continuous``), takes a memory budget instead (``Auto``, ``ZB1P``...) or has it fixed
+    already.
+    """
+
+    def takes(v: type) -> bool:  # (a budgeted class's budget is what the user asked for)
+        return issubclass(v, PlannedSchedule) and v.memory_planned and not issubclass(v, BUDGETED)
+
+    if not takes(cls) or "memory_promise" in getattr(cls, "fixed_options", {}):
+        works = sorted(k for k, v in SCHEDULE_CLASSES.items() if takes(v))
+        raise ValueError(
+            f"schedule {cls.__name__} takes no ':{NOPROMISE}': it works for the schedules "
+            f"whose memory promise is fixed, {works} (a memory budget is given instead)"
+        )
+    return c.with_fixed_option(cls, f"{cls.__name__}:{NOPROMISE}", "memory_promise", False)
 
 
 @functools.cache  # one class per class: torchtitan compares classes

@@ -113,7 +113,8 @@ def model_layer_costs(
     loss per sequence chunk inside the loss call, each chunk's forward and backward (input and
     weight gradient, fused) at once: in ``torch.distributed.pipelining`` that is the last
     stage's F. The head's whole cost is then F (three projections) and none of it B or W: its
-    backward cannot wait, its W cannot fill a bubble."""
+    backward cannot wait, its W cannot fill a bubble. Nor does it keep the logits until B: only
+    the gradient of its input, which the wrapper accumulates (fp32), and the norm's input."""
     hidden = int(model_config.dim)
     pieces = [
         LayerCost(
@@ -151,7 +152,9 @@ def model_layer_costs(
             f=3 * projection if chunked else projection,
             b=0.0 if chunked else projection,
             w=0.0 if chunked else projection,
-            mem=4.0 * tokens * (hidden + 2 * vocab),
+            # a plain loss keeps the logits and their gradient; the chunked one only the norm's
+            # input and the gradient it accumulates for the stage's B (fp32)
+            mem=4.0 * tokens * (2 * hidden if chunked else hidden + 2 * vocab),
         )
     )
     return pieces

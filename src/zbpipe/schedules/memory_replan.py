@@ -97,11 +97,19 @@ class MemoryReplanner:
         fields, unit_bytes = measured
         costs = dataclasses.replace(sched.costs, **fields)
         sched.memory_unit_bytes = unit_bytes
+        if not getattr(sched, "memory_promise", True):  # the plan for equal bytes runs on
+            sched.memory_costs = costs
+            if sched.rank == 0 and logger.isEnabledFor(logging.INFO):
+                line = predicted_memory_line(
+                    sched, sched.equal_bytes_plan, costs, unit_bytes, held, kept=True
+                )
+                logger.info("%s", line)
+            plan: Plan = sched.equal_bytes_plan
+            return plan
         new = self._plan(sched, costs)
         if new is None:
             sched.memory_unit_bytes = None
-            plan: Plan = sched.equal_bytes_plan  # (the first step's plan was for then)
-            return plan
+            return sched.equal_bytes_plan  # (the first step's plan was for then)
         # Never slower than the plan for equal bytes (nor the first step's) where that plan
         # already keeps the promise in the measured bytes: the generators search, they do not
         # prove their result the fastest. On a tie the plan for equal bytes stays.
@@ -124,7 +132,7 @@ class MemoryReplanner:
             known = at[id(chosen)], at.get(id(sched.equal_bytes_plan), spans[0])
             cost, _ = cost_line(sched, chosen, costs, sched.equal_bytes_plan, unit_bytes, known)
             line = predicted_memory_line(sched, chosen, costs, unit_bytes, held)
-            logger.info("%s%s", line, cost)
+            logger.info("%s%s%s", line, cost, _unkept_offer(sched, chosen, costs, unit_bytes))
         return chosen
 
     def _plan(self, sched: Any, costs: Costs) -> Plan | None:
@@ -163,6 +171,20 @@ class MemoryReplanner:
         return new
 
 
+def _unkept_offer(sched: Any, chosen: Plan, costs: Costs, unit_bytes: float) -> str:
+    """Where keeping the promise changed the plan: what the plan for equal bytes would hold, and
+    the option that runs it, in the form the schedule was named by (``"ZBV:nopromise"`` from a
+    config, ``memory_promise=False`` from the constructor)."""
+    if chosen.order == sched.equal_bytes_plan.order:
+        return ""
+    peak = max(simulate(sched.equal_bytes_plan, costs).peak_memory.values()) * unit_bytes
+    option = f"'{sched.entry_name}:nopromise'" if sched.entry_name else "memory_promise=False"
+    return (
+        f"; {option} keeps the plan for equal bytes instead (predicted peak "
+        f"{format_bytes(peak)}): more memory, no Ws run early to keep the promise"
+    )
+
+
 def _equal_bytes_kept(sched: Any, costs: Costs) -> bool:
     """Whether the plan for equal bytes keeps the promise in the measured bytes. It then runs
     unless a re-made plan is strictly faster (:func:`fastest_keeping`), which at the default
@@ -179,18 +201,27 @@ def _equal_bytes_kept(sched: Any, costs: Costs) -> bool:
 
 
 def predicted_memory_line(
-    sched: Any, plan: Plan, costs: Costs, unit_bytes: float, held: dict[int, Any] | None = None
+    sched: Any,
+    plan: Plan,
+    costs: Costs,
+    unit_bytes: float,
+    held: dict[int, Any] | None = None,
+    kept: bool = False,
 ) -> str:
     """``zbpipe memory: ScheduleZBH1 ...: predicted peak per rank 35.1 / 34.8 MiB (max 1.00x
-    1F1B's 35.3 MiB)``: the log line of a re-plan for measured bytes."""
+    1F1B's 35.3 MiB)``: the log line of a re-plan for measured bytes, or (``kept``) of the plan
+    for equal bytes kept without its promise (``memory_promise=False``)."""
     from ..planning.yardsticks import onef1b_peak
 
     peaks = simulate(plan, costs).peak_memory
     per_rank = " / ".join(format_bytes(peaks[r] * unit_bytes) for r in sorted(peaks))
-    text = (
-        f"zbpipe memory: {type(sched).__name__} planned {plan.name} for the measured bytes per "
-        f"microbatch; predicted peak per rank {per_rank}"
+    did = (
+        f"keeps {plan.name}'s plan for equal bytes per stage (memory_promise=False: not re-made "
+        "to keep its promise in the measured bytes)"
+        if kept
+        else f"planned {plan.name} for the measured bytes per microbatch"
     )
+    text = f"zbpipe memory: {type(sched).__name__} {did}; predicted peak per rank {per_rank}"
     chunks = sched._num_stages // sched.pp_group_size
     if chunks == 1 or (chunks == 2 and plan.layout == "v"):
         base = onef1b_peak(sched.pp_group_size, sched._n_microbatches, costs.joined(chunks))

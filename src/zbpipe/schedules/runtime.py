@@ -136,6 +136,7 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         split: Split = "auto",
         exact: bool = False,
         measure_memory: bool = True,
+        memory_promise: bool = True,
         variable_shapes: bool = False,
         **plan_options: Any,
     ) -> None:
@@ -153,6 +154,26 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
             raise ValueError(
                 f"{type(self).__name__}: measure_memory must be True or False, "
                 f"got {measure_memory!r}"
+            )
+        if not isinstance(memory_promise, bool):
+            raise ValueError(
+                f"{type(self).__name__}: memory_promise must be True or False, "
+                f"got {memory_promise!r}"
+            )
+        #: False: the plan for equal bytes per stage runs from the first step and is not re-made
+        #: to keep the promise in the measured bytes, which are still measured and logged
+        #: (zbpipe.schedules.memory_replan): speed where the promise binds, for memory
+        self.memory_promise = memory_promise
+        if not memory_promise and profiling:
+            raise ValueError(
+                f"{type(self).__name__}: memory_promise=False with costs='profile': the "
+                "profile's re-plan keeps the promise in the measured bytes; drop one of them"
+            )
+        if not memory_promise and getattr(self, "memory_limit", None) is not None:
+            raise ValueError(
+                f"{type(self).__name__}: memory_promise=False with memory_limit="
+                f"{self.memory_limit!r}: the budget is the promise; give a larger memory_limit "
+                "instead"
             )
         if not isinstance(variable_shapes, bool):
             raise ValueError(
@@ -200,7 +221,8 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         )
         #: the plan for equal bytes per stage (what ``measure_memory=False`` runs throughout)
         self.equal_bytes_plan: Plan = self.plan
-        if measure_memory and type(self).memory_planned and (profile or ProfileConfig()).memory:
+        measured = measure_memory and (profile or ProfileConfig()).memory
+        if measured and memory_promise and type(self).memory_planned:
             # until the bytes are measured: a plan that keeps the promise whatever they are
             self.plan = first_step_plan(self) or self.plan
         check_plan_for_runtime(self.plan, stages)
@@ -247,7 +269,9 @@ class PlannedSchedule(C._PipelineScheduleRuntime):  # type: ignore[misc]
         )
         self._measured_start = (
             MeasuredStart(self)
-            if self._memory_replanner is not None and measured_start.applies(self)
+            if self._memory_replanner is not None
+            and memory_promise
+            and measured_start.applies(self)
             else None
         )
         # dict/TensorDict batches reach stage 0 by keyword (torch stages take only tensors
