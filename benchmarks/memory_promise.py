@@ -80,6 +80,8 @@ def main() -> None:
             row["vs_formula"] = [max(s) / formula[run[0]] for s in steps]
             budget = per_rank[0]["budgets"][run]
             if budget is not None:
+                # the probe's forward part against the same part from the independent meter
+                budget["forward_vs_formula"] = budget["forward_bytes"] / formula[run[0]]
                 row["budget"] = budget
                 row["vs_budget"] = [max(s) / budget["budget_bytes"] for s in steps]
         rows.append(row)
