@@ -150,6 +150,20 @@ def zbpipe_lines(log: str) -> list[str]:
     return list(seen)
 
 
+_COSTS = re.compile(r"measured costs \(ms\) F=\[([^]]*)\] B=\[([^]]*)\] W=\[([^]]*)\]")
+
+
+def profile_costs(lines: list[str]) -> dict[str, Any] | None:
+    """The per-stage F, B and W times (ms) a ``:profile`` run measured (its ``zbpipe profile:``
+    line), with W's share of the backward, sum W / sum (B + W); None without that line."""
+    for line in lines:
+        m = _COSTS.search(line)
+        if m:
+            f, b, w = ([float(x) for x in g.split(",")] for g in m.groups())
+            return {"F": f, "B": b, "W": w, "w_share_of_backward": sum(w) / (sum(b) + sum(w))}
+    return None
+
+
 def trace_summary(per_rank: list[list[dict[str, Any]]], warmup: int) -> dict[str, Any]:
     """Per rank, means over the steps after ``warmup`` (:mod:`_trainer_trace`'s records): the
     ``step()`` call's wall and CPU seconds; per action kind its wall and CPU seconds and count
@@ -375,6 +389,9 @@ def run_model(server: Server, cfg: argparse.Namespace, tmp: Path, model: str) ->
                     row["cpu_rank0_over_rank1"] = cpu_balance(row["trace"])
             if spec not in said:
                 said[spec] = zbpipe_lines(logs[0] + "\n" + logs[-1])
+            costs = profile_costs(zbpipe_lines(logs[0]))  # (rank 0 logs it)
+            if costs is not None:
+                row["measured_costs_ms"] = costs
             print(
                 f"  {model} rep {rep} {spec:32s} {row.get('tokens_per_s') or row['error']}",
                 flush=True,

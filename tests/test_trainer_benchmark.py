@@ -123,3 +123,14 @@ def test_a_cut_short_runs_printed_lines_give_its_results():
     assert zbh1["pairs"] == 2 and zbh1["min"] == pytest.approx(1.1)
     assert zbh1["max"] == pytest.approx(1.1)
     assert got["ratios_to_1F1B"]["ZBVZeroBubble"]["pairs"] == 0
+
+
+def test_a_profiled_runs_measured_costs_are_read_from_its_line():
+    line = (
+        "INFO zbpipe profile: ScheduleZBV:profile measured costs (ms) F=[70,40,80,60] "
+        "B=[110,50,150,60] W=[20,10,30,10] comm=[0.04,0.04,0.04,0.04]; plan ZBV a -> b"
+    )
+    costs = T.profile_costs(["INFO zbpipe memory: something else", line])
+    assert costs["F"] == [70, 40, 80, 60] and costs["W"] == [20, 10, 30, 10]
+    assert costs["w_share_of_backward"] == pytest.approx(70 / (370 + 70))
+    assert T.profile_costs(["INFO zbpipe memory: no profile here"]) is None
