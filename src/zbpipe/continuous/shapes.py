@@ -26,7 +26,8 @@ schedule exists to remove. So the shapes travel *with the data*:
 
 A stage's output shapes come from its shape rule (expressions of its input sizes, one symbolic
 fake forward: :func:`zbpipe._compat.shape_rule`), or where its guards do not hold from a concrete
-fake forward, cached by input shapes: a shape seen before costs a dict lookup.
+fake forward, cached by input shapes: a shape seen before costs a dict lookup. The planned
+schedules use the same rule (:mod:`zbpipe.schedules.stage_shapes`).
 
 Errors. A stage whose output shape is not a function of its input's (``.item()``, ``nonzero``
 on the path to an output) is found in the **first** ``step()``: after torch's shape inference,
@@ -42,7 +43,7 @@ already, are ended by the launcher (as for any forward that fails mid-stream).
 from __future__ import annotations
 
 import copy
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -50,8 +51,7 @@ import torch.distributed as dist
 
 from .. import _compat as C
 from .._compat.shims import stage_metas
-
-Specs = tuple[C.TensorSpec, ...]
+from ..schedules.stage_shapes import Specs, StageShapes, peer, specs_of, unpack_specs
 
 
 class StreamShapes:
@@ -59,10 +59,8 @@ class StreamShapes:
 
     def __init__(self, stage: Any, n_microbatches: int, owner: str = "ScheduleContinuous") -> None:
         self.stage, self.m, self.owner = stage, n_microbatches, owner
-        #: input key -> output specs of this stage
-        self._outputs: dict[Hashable, Specs] = {}
-        #: inputs' ranks and dtypes -> the stage's shape rule (None: none found)
-        self._rules: dict[Hashable, C.ShapeRule | None] = {}
+        #: this stage's output specs per input specs (the planned schedules' rule too)
+        self._rule = StageShapes(stage)
         self._ins: dict[int, Specs] = {}  # g -> input specs (activation receive buffers)
         self._outs: dict[int, Specs] = {}  # g -> output specs (gradient receive buffers)
         #: whether the first step's check passed on every rank
@@ -76,11 +74,11 @@ class StreamShapes:
         """Collective, once: every rank learns whether some stage's output shape is not a
         function of its input shapes (found on microbatch 0's), and raises the same error."""
         st = self.stage
-        ins = _specs(args0) if st.is_first else _meta_specs(stage_metas(st, "inputs"))
+        ins = specs_of(args0) if st.is_first else _meta_specs(stage_metas(st, "inputs"))
         failure = ""
         if not st.is_last:
             try:
-                self.outputs_for(args0, ins, kwargs0)
+                self._rule.outputs(args0, ins, kwargs0)
             except ValueError as e:
                 failure = str(e)
         code = torch.tensor([st.stage_index + 1 if failure else 0], dtype=torch.int64)
@@ -106,7 +104,7 @@ class StreamShapes:
         status = 0
         ins: list[Specs] | None = None
         if st.is_first:
-            ins = [_specs(args[g]) for g in gs]
+            ins = [specs_of(args[g]) for g in gs]
         else:
             status, ins = self._receive(st, m)
         outs: list[Specs] = []
@@ -115,7 +113,7 @@ class StreamShapes:
             try:
                 assert ins is not None
                 for g, spec in zip(gs, ins, strict=True):
-                    outs.append(self.outputs_for(args.get(g, ()), spec, kwargs.get(g) or {}))
+                    outs.append(self._rule.outputs(args.get(g, ()), spec, kwargs.get(g) or {}))
             except ValueError as e:
                 status, failure = st.stage_index + 1, str(e)
         if not st.is_last:
@@ -144,59 +142,6 @@ class StreamShapes:
         self._ins.clear()
         self._outs.clear()
 
-    # ------------------------------------------------------------------ shapes
-    def outputs_for(self, args: Any, ins: Specs, kwargs: Mapping[str, Any]) -> Specs:
-        """This stage's output specs for inputs ``ins`` (stage 0 also reads ``args``' values
-        where a fake forward needs them), or a ``ValueError`` saying why there are none."""
-        st = self.stage
-        key = _input_key(ins, kwargs)
-        cached = self._outputs.get(key) if key is not None else None
-        if cached is not None:
-            return cached
-        fake_args = tuple(args) if st.is_first else ins
-        try:
-            outs = self._by_rule(ins, kwargs) or C.output_specs(
-                st.submod, fake_args, dict(kwargs), st.device
-            )
-        except Exception as e:
-            why = (
-                "its output shape depends on the values of its input, not only on its shape"
-                if C.data_dependent_error(e)
-                else "its forward failed on fake tensors of these shapes"
-            )
-            raise ValueError(
-                f"stage {st.stage_index} cannot take microbatches of this shape "
-                f"(inputs {[tuple(x.shape) for x in ins]}): {why} ({type(e).__name__}: {e}). "
-                "zbpipe sizes each receive buffer from the stage's output shape for its input "
-                "shapes; make the stage's output shape a function of its input shapes (no "
-                ".item(), nonzero() or data-dependent slicing on the path to its outputs), or "
-                "give every microbatch the same shape"
-            ) from None
-        expected = stage_metas(st, "outputs")
-        if len(outs) != len(expected) or any(
-            len(o.shape) != len(e.shape) or o.dtype != e.dtype
-            for o, e in zip(outs, expected, strict=False)
-        ):
-            raise ValueError(
-                f"stage {st.stage_index} gives outputs {[(o.shape, o.dtype) for o in outs]} for "
-                f"inputs {[tuple(x.shape) for x in ins]}, but "
-                f"{[(tuple(e.shape), e.dtype) for e in expected]} for the first microbatch: "
-                "microbatches may differ in their sizes, not in the number, rank or dtype of "
-                "a stage's outputs"
-            )
-        if key is not None:
-            self._outputs[key] = outs
-        return outs
-
-    def _by_rule(self, ins: Specs, kwargs: Mapping[str, Any]) -> Specs | None:
-        if kwargs or not ins:  # keyword inputs: a concrete fake forward decides
-            return None
-        key = tuple((len(x.shape), x.dtype) for x in ins)
-        if key not in self._rules:
-            self._rules[key] = C.shape_rule(self.stage.submod, tuple(ins), self.stage.device)
-        rule = self._rules[key]
-        return rule.apply(tuple(x.shape for x in ins)) if rule is not None else None
-
     # ------------------------------------------------------------------ headers
     # int64: [status, then each microbatch's output dimensions, in order]; status is 1 + the
     # index of the first stage that cannot take the mini-batch's shapes (0: none)
@@ -207,7 +152,7 @@ class StreamShapes:
         msg = torch.tensor(words, dtype=torch.int64)
         # posted before g0's activation on the same channel: the receiver reads it first; the
         # work (holding msg) is let go of with that activation's send (zbpipe.schedules.sends)
-        work = dist.isend(msg, dst=_peer(st, st.stage_index + 1), group=st.group)
+        work = dist.isend(msg, dst=peer(st, st.stage_index + 1), group=st.group)
         sends.attach((True, st.stage_index + 1, g0), work)
         self.headers_sent += 1
 
@@ -215,19 +160,12 @@ class StreamShapes:
         metas = stage_metas(st, "inputs")
         ndims = [len(x.shape) for x in metas]
         words = torch.empty(1 + m * sum(ndims), dtype=torch.int64)
-        dist.recv(words, src=_peer(st, st.stage_index - 1), group=st.group)
+        dist.recv(words, src=peer(st, st.stage_index - 1), group=st.group)
         self.headers_received += 1
         msg = words.tolist()
         if msg[0]:
             return int(msg[0]), None
-        at, ins = 1, []
-        for _ in range(m):
-            mb = []
-            for meta, n in zip(metas, ndims, strict=True):
-                mb.append(C.TensorSpec(tuple(msg[at : at + n]), meta.dtype))
-                at += n
-            ins.append(tuple(mb))
-        return 0, ins
+        return 0, unpack_specs(msg[1:], metas, m)
 
 
 def _sized(template: tuple, specs: Specs) -> tuple:
@@ -253,29 +191,5 @@ def _elsewhere(owner: str, stage: int, when: str) -> str:
     )
 
 
-def _peer(st: Any, stage_index: int) -> int:
-    group_rank = st.stage_index_to_group_rank[stage_index]
-    return dist.get_global_rank(st.group, group_rank) if st.group is not None else group_rank
-
-
-def _specs(args: Any) -> Specs:
-    return tuple(C.TensorSpec(tuple(a.shape), a.dtype) for a in args if isinstance(a, torch.Tensor))
-
-
 def _meta_specs(metas: Sequence[Any]) -> Specs:
     return tuple(C.TensorSpec(tuple(x.shape), x.dtype) for x in metas)
-
-
-def _input_key(ins: Specs, kwargs: Mapping[str, Any]) -> Hashable | None:
-    """What a stage's output shapes may depend on: input shapes, keyword shapes and values
-    (None when a keyword value cannot be a key: then the fake forward runs each time)."""
-    kw = tuple(
-        (k, C.TensorSpec(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v)
-        for k, v in sorted(kwargs.items())
-    )
-    key = (ins, kw)
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key

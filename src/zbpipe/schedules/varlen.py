@@ -13,7 +13,8 @@ pipeline once:
    costs a dict lookup; a new one is read off the stage's shape rule, expressions of its input
    sizes from one forward on fake tensors with symbolic sizes, :func:`zbpipe._compat.shape_rule`,
    and where the rule's guards do not hold, from a concrete fake forward,
-   :func:`zbpipe._compat.output_specs`) and sends them to the next stage's rank as one small
+   :func:`zbpipe._compat.output_specs`; the rule the continuous stream shares,
+   :mod:`.stage_shapes`) and sends them to the next stage's rank as one small
    int64 message, posted without waiting for it (a stage on the same rank gets them without one);
 3. each rank sizes its stages' receive buffers: activations from the input shapes, output
    gradients from the output shapes. A buffer of the right shape stays; the others are pooled by
@@ -45,21 +46,19 @@ import torch.distributed as dist
 
 from .. import _compat as C
 from .._compat.shims import stage_metas
+from .stage_shapes import Specs, StageShapes, input_key, peer, specs_of, unpack_specs
 
 logger = logging.getLogger(__name__)
-
-Specs = tuple[C.TensorSpec, ...]
 
 
 class ShapeExchange:
     """Sizes the receive buffers of one schedule's stages for each step's microbatches."""
 
     def __init__(self) -> None:
-        #: (stage index, input key) -> output specs; seeded from torch's first-step inference
-        self._outputs: dict[tuple[int, Hashable], Specs] = {}
+        #: stage index -> its output shapes per input shapes; seeded from torch's first-step
+        #: inference
+        self._shapes: dict[int, StageShapes] = {}
         self._seeded = False
-        #: (stage index, inputs' ranks and dtypes) -> the stage's shape rule (None: no rule)
-        self._rules: dict[tuple[int, Hashable], C.ShapeRule | None] = {}
         #: stage-0 input keys of the microbatches of every step whose exchange succeeded
         self._seen_first: set[Hashable] = set()
         #: buffers allocated (not reused) by the last step, for tests and logs
@@ -99,8 +98,8 @@ class ShapeExchange:
             s = st.stage_index
             ins: list[Specs] | None
             if st.is_first:
-                ins = [_specs(a) for a in arg_mbs]
-                first_keys = [_input_key(i, kw) for i, kw in zip(ins, kwargs, strict=True)]
+                ins = [specs_of(a) for a in arg_mbs]
+                first_keys = [input_key(i, kw) for i, kw in zip(ins, kwargs, strict=True)]
                 known = all(k is not None and k in self._seen_first for k in first_keys)
             elif s - 1 in local:
                 ins = found.get(s - 1)
@@ -162,65 +161,19 @@ class ShapeExchange:
             outs = tuple(_spec_of_meta(x) for x in stage_metas(st, "outputs"))
             if None in ins or None in outs or not arg_mbs:
                 continue
-            key = _input_key(ins, _stage_kwargs(sched, st, kwargs[0]))
-            if key is not None:
-                self._outputs[(st.stage_index, key)] = outs  # type: ignore[assignment]
+            kw = _stage_kwargs(sched, st, kwargs[0])
+            self._stage_shapes(st).seed(ins, kw, outs)  # type: ignore[arg-type]
 
     def _stage_outputs(
         self, sched: Any, st: Any, args: tuple, ins: Specs, kwargs: dict[str, Any]
     ) -> Specs:
-        kw = _stage_kwargs(sched, st, kwargs)
-        key = _input_key(ins, kw)
-        cached = self._outputs.get((st.stage_index, key)) if key is not None else None
-        if cached is not None:
-            return cached
-        fake_args = args if st.is_first else ins
-        try:
-            outs = self._by_rule(st, fake_args, ins, kw) or C.output_specs(
-                st.submod, tuple(fake_args), kw, st.device
-            )
-        except Exception as e:
-            why = (
-                "its output shape depends on the values of its input, not only on its shape"
-                if C.data_dependent_error(e)
-                else "its forward failed on fake tensors of these shapes"
-            )
-            raise ValueError(
-                f"stage {st.stage_index} cannot take microbatches of this shape "
-                f"(inputs {[tuple(x.shape) for x in ins]}): {why} ({type(e).__name__}: {e}). "
-                "zbpipe sizes each receive buffer from the stage's output shape for its input "
-                "shapes before the step; make the stage's output shape a function of its input "
-                "shapes (no .item(), nonzero() or data-dependent slicing on the path to its "
-                "outputs), or give every microbatch the same shape"
-            ) from None
-        expected = stage_metas(st, "outputs")
-        if len(outs) != len(expected) or any(
-            len(o.shape) != len(e.shape) or o.dtype != e.dtype
-            for o, e in zip(outs, expected, strict=False)
-        ):
-            raise ValueError(
-                f"stage {st.stage_index} gives outputs {[(o.shape, o.dtype) for o in outs]} for "
-                f"inputs {[tuple(x.shape) for x in ins]}, but "
-                f"{[(tuple(e.shape), e.dtype) for e in expected]} for the first microbatch: "
-                "microbatches may differ in their sizes, not in the number, rank or dtype of "
-                "a stage's outputs"
-            )
-        if key is not None:
-            self._outputs[(st.stage_index, key)] = outs
-        return outs
+        return self._stage_shapes(st).outputs(args, ins, _stage_kwargs(sched, st, kwargs))
 
-    def _by_rule(self, st: Any, args: Any, ins: Specs, kw: Mapping[str, Any]) -> Specs | None:
-        """The outputs from the stage's :class:`~zbpipe._compat.ShapeRule` (one symbolic fake
-        forward per stage and input ranks/dtypes, then an expression per shape), or None where
-        it does not apply (keyword inputs, a guard that fails, a symbolic forward that failed):
-        then a concrete fake forward decides, and says why a shape cannot be taken."""
-        if kw or len(tuple(args)) != len(ins):
-            return None
-        key = (st.stage_index, tuple((len(x.shape), x.dtype) for x in ins))
-        if key not in self._rules:
-            self._rules[key] = C.shape_rule(st.submod, tuple(ins), st.device)
-        rule = self._rules[key]
-        return rule.apply(tuple(x.shape for x in ins)) if rule is not None else None
+    def _stage_shapes(self, st: Any) -> StageShapes:
+        shapes = self._shapes.get(st.stage_index)
+        if shapes is None:
+            shapes = self._shapes[st.stage_index] = StageShapes(st)
+        return shapes
 
     # ------------------------------------------------------------------ buffers
     def _size(self, st: Any, specs: list[Specs], forward: bool) -> None:
@@ -261,7 +214,7 @@ class ShapeExchange:
         msg = torch.tensor(header + dims + [0] * (m * sum(ndims) - len(dims)), dtype=torch.int64)
         # posted, not waited for: the receiver needs it before its first receive of the step,
         # the sender does not; its handle (and the tensor it reads) is kept until the next step
-        work = dist.isend(msg, dst=_peer(st, st.stage_index + 1), group=st.group)
+        work = dist.isend(msg, dst=peer(st, st.stage_index + 1), group=st.group)
         self._in_flight.append((work, msg))
 
     def _receive(self, st: Any, m: int) -> tuple[int, bool, tuple[int, ...], list[Specs] | None]:
@@ -269,19 +222,12 @@ class ShapeExchange:
         ndims = [len(x.shape) for x in metas]
         head = self._HEADER + m
         words = torch.empty(head + m * sum(ndims), dtype=torch.int64)
-        dist.recv(words, src=_peer(st, st.stage_index - 1), group=st.group)
+        dist.recv(words, src=peer(st, st.stage_index - 1), group=st.group)
         msg = words.tolist()
         status, known, order = int(msg[0]), bool(msg[1]), tuple(msg[self._HEADER : head])
         if status:
             return status, known, order, None
-        dims, at, ins = msg[head:], 0, []
-        for _ in range(m):
-            mb = []
-            for meta, n in zip(metas, ndims, strict=True):
-                mb.append(C.TensorSpec(tuple(dims[at : at + n]), meta.dtype))
-                at += n
-            ins.append(tuple(mb))
-        return 0, known, order, ins
+        return 0, known, order, unpack_specs(msg[head:], metas, m)
 
     def _agree(
         self, sched: Any, st: Any, failed: int, failure: str, collective: bool = True
@@ -304,15 +250,6 @@ class ShapeExchange:
         )
 
 
-def _peer(st: Any, stage_index: int) -> int:
-    group_rank = st.stage_index_to_group_rank[stage_index]
-    return dist.get_global_rank(st.group, group_rank) if st.group is not None else group_rank
-
-
-def _specs(args: Any) -> Specs:
-    return tuple(C.TensorSpec(tuple(a.shape), a.dtype) for a in args if isinstance(a, torch.Tensor))
-
-
 def _spec_of_meta(meta: Any) -> C.TensorSpec | None:
     shape, dtype = getattr(meta, "shape", None), getattr(meta, "dtype", None)
     return None if shape is None or dtype is None else C.TensorSpec(tuple(shape), dtype)
@@ -323,18 +260,3 @@ def _stage_kwargs(sched: Any, st: Any, kwargs: Mapping[str, Any]) -> dict[str, A
     if st.is_first:
         return dict(kwargs)
     return dict(sched._batch_keywords._drop(dict(kwargs)) or {})
-
-
-def _input_key(ins: Specs, kwargs: Mapping[str, Any]) -> Hashable | None:
-    """What a stage's output shapes may depend on: input shapes, keyword shapes and values.
-    None when a keyword value cannot be a key (then the fake forward runs every step)."""
-    kw = tuple(
-        (k, C.TensorSpec(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v)
-        for k, v in sorted(kwargs.items())
-    )
-    key = (ins, kw)
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
