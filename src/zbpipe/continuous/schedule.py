@@ -374,20 +374,10 @@ class ScheduleContinuous(ContinuousActions, C.PipelineScheduleMultiBase):
         m = self._n_microbatches
         mbs = microbatch_inputs(self, args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
         arg_mbs, kwarg_mbs, target_mbs = mbs.arg_mbs, mbs.kwarg_mbs, mbs.target_mbs
-        if self._fixed_shapes is not None:  # before anything of this mini-batch is kept or sent
-            self._fixed_shapes.check(type(self).__name__, arg_mbs, kwarg_mbs)
-        if not self._initialized:
-            first_target = target_mbs[0] if target_mbs else None
-            self._initialize(arg_mbs[0], kwarg_mbs[0], first_target, loss_kwargs)
-            if self._fixed_shapes is not None:
-                self._fixed_shapes.set_up(arg_mbs[0], kwarg_mbs[0])
-        if self._shapes is not None and not self._shapes.checked:  # collective, once
-            self._shapes.check_every_rank(arg_mbs[0] if self.stage.is_first else (), kwarg_mbs[0])
+        self._first_shapes(arg_mbs, kwarg_mbs, target_mbs, loss_kwargs)
         start = self._given * m
         for j in range(m):
-            if (
-                self.stage.is_first
-            ):  # only stage 0 consumes positional inputs (else they would pile up)
+            if self.stage.is_first:  # only stage 0 consumes positional inputs (else they pile up)
                 self._args[start + j] = arg_mbs[j]
             self._kwargs[start + j] = kwarg_mbs[j]
             if target_mbs is not None:
@@ -398,6 +388,26 @@ class ScheduleContinuous(ContinuousActions, C.PipelineScheduleMultiBase):
         self._frontier.give(self._given)
         self._run(self._frontier.advance(self._given * m))
         return self._report(losses)
+
+    def _first_shapes(
+        self,
+        arg_mbs: list,
+        kwarg_mbs: list,
+        target_mbs: list | None,
+        loss_kwargs: dict[str, Any] | None,
+    ) -> None:
+        """Before anything of a mini-batch is kept or sent: its shapes checked against the
+        first's (fixed shapes), and on the first step torch's shape inference and, with
+        ``variable_shapes``, the every-rank check of the stage's shape rule (a collective)."""
+        if self._fixed_shapes is not None:
+            self._fixed_shapes.check(type(self).__name__, arg_mbs, kwarg_mbs)
+        if not self._initialized:
+            first_target = target_mbs[0] if target_mbs else None
+            self._initialize(arg_mbs[0], kwarg_mbs[0], first_target, loss_kwargs)
+            if self._fixed_shapes is not None:
+                self._fixed_shapes.set_up(arg_mbs[0], kwarg_mbs[0])
+        if self._shapes is not None and not self._shapes.checked:  # collective, once
+            self._shapes.check_every_rank(arg_mbs[0] if self.stage.is_first else (), kwarg_mbs[0])
 
     def eval(self, *args: Any, **kwargs: Any) -> Any:
         """Not supported: a continuous schedule only trains (torch's ``eval()`` would train here).
