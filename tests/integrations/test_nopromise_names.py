@@ -55,3 +55,30 @@ def test_the_constructor_refuses_memory_promise_false_beside_a_budget_or_a_profi
         ScheduleZBH1([], 4, memory_promise=False, costs="profile")
     with pytest.raises(ValueError, match="the budget is the promise"):
         zbpipe.ScheduleZBAuto([], 4, memory_limit="2p", memory_promise=False)
+
+
+def test_the_memory_line_offers_nopromise_only_where_the_schedule_takes_it():
+    """A re-made plan's line names ``:nopromise`` (or ``memory_promise=False``), except where
+    that is refused: with ``costs="profile"`` or a ``memory_limit``."""
+    from types import SimpleNamespace
+
+    from zbpipe.planning import Costs, plan
+    from zbpipe.schedules.memory_replan import _unkept_offer
+
+    equal = plan("ZBH1", 2, 4)
+    remade = plan("1F1B", 2, 4)  # any other order stands for the plan the promise re-made
+    costs = Costs()
+
+    def offer(**attrs):
+        base = dict(equal_bytes_plan=equal, _profiler=None, _plan_options={}, entry_name=None)
+        return _unkept_offer(SimpleNamespace(**{**base, **attrs}), remade, costs, 1.0)
+
+    assert "memory_promise=False keeps the plan for equal bytes" in offer()
+    assert "'ZBH1:nopromise' keeps the plan" in offer(entry_name="ZBH1")
+    assert offer(_profiler=object()) == ""
+    assert offer(memory_limit="1p") == ""
+    assert offer(_plan_options={"memory_limit": 3.0}) == ""
+    same = SimpleNamespace(
+        equal_bytes_plan=equal, _profiler=None, _plan_options={}, entry_name=None
+    )
+    assert _unkept_offer(same, equal, costs, 1.0) == ""  # the promise changed nothing

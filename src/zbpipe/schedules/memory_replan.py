@@ -175,7 +175,12 @@ def _unkept_offer(sched: Any, chosen: Plan, costs: Costs, unit_bytes: float) -> 
     """Where keeping the promise changed the plan: what the plan for equal bytes would hold, and
     the option that runs it, in the form the schedule was named by (``"ZBV:nopromise"`` from a
     config, ``memory_promise=False`` from the constructor)."""
-    if chosen.order == sched.equal_bytes_plan.order:
+    takes_it = (  # what memory_promise=False is refused with (runtime.PlannedSchedule)
+        getattr(sched, "_profiler", None) is None
+        and getattr(sched, "memory_limit", None) is None
+        and "memory_limit" not in sched._plan_options
+    )
+    if not takes_it or chosen.order == sched.equal_bytes_plan.order:
         return ""
     peak = max(simulate(sched.equal_bytes_plan, costs).peak_memory.values()) * unit_bytes
     option = f"'{sched.entry_name}:nopromise'" if sched.entry_name else "memory_promise=False"
