@@ -2,7 +2,8 @@
 variable_shapes=True) on microbatches of drawn lengths, against a plain synchronous loop over the
 unpipelined model (tests/schedules/_varlen_cases.py's layers) run in the rank itself: the
 gradient of every mini-batch (recorded by the optimizer when it steps) and the parameters after
-the last step."""
+the last step. Also the same stream over blocks compiled in place (aot_eager), against the same
+eager loop, with dynamo's graph count after every call."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 
 from tests.schedules._varlen_cases import (
+    BLOCKS,
+    Block,
     Truncate,
     chunks,
     data,
@@ -20,6 +23,8 @@ from tests.schedules._varlen_cases import (
     square_loss,
     token_loss,
 )
+from tests.schedules._varlen_compiled_cases import MarkedEmbed
+from zbpipe import _compat as C
 from zbpipe.continuous import ScheduleContinuous
 
 LR, MOMENTUM = 0.05, 0.9
@@ -58,19 +63,37 @@ def reference(mods: list[nn.Module], draws: list[list[int]]) -> tuple[list[list]
     return grads, [p.detach().clone() for p in ref.parameters()]
 
 
-def _stages(rank: int, world: int, mods: list[nn.Module]) -> tuple[PipelineStage, list[int]]:
+def _stages(
+    rank: int, world: int, mods: list[nn.Module], compiled: bool = False
+) -> tuple[PipelineStage, list[int]]:
+    """This rank's stage of ``mods``; ``compiled``: each block compiled in place (aot_eager,
+    torchtitan's way) and the embedding's output length marked dynamic, as in
+    tests/schedules/_varlen_compiled_cases.py."""
     parts = chunks(mods, world)
-    mod = nn.Sequential(*(mods[i] for i in parts[rank]))
+    if not compiled:
+        mod = nn.Sequential(*(mods[i] for i in parts[rank]))
+    else:
+        mod = nn.Sequential(*(MarkedEmbed(mods[i]) if i == 0 else mods[i] for i in parts[rank]))
+        for block in mod:
+            if isinstance(block, Block):
+                block.compile(backend="aot_eager", fullgraph=True)
     return PipelineStage(mod, rank, world, torch.device("cpu")), parts[rank]
 
 
-def run_stream(rank: int, world: int, split: str, draws: list[list[int]]) -> float:
+def run_stream(
+    rank: int, world: int, split: str, draws: list[list[int]], graphs: list | None = None
+) -> float:
     """A mini-batch per draw, flushed after the second (a new stream then starts) and at the
     end; the largest difference to the reference. Also checks the header count: one per
-    mini-batch per rank boundary, none per transfer."""
+    mini-batch per rank boundary, none per transfer. ``graphs`` (a list): the blocks are
+    compiled, and dynamo's graph count is appended after every ``step()`` and ``flush()``."""
     mods = layers(seed=0)
-    expected_grads, expected_params = reference(mods, draws)
-    stage, mine = _stages(rank, world, mods)
+    expected_grads, expected_params = reference(mods, draws)  # eager: before any compile
+    if graphs is not None:
+        torch.compiler.reset()
+        counters = C.dynamo_counters()
+        counters.clear()
+    stage, mine = _stages(rank, world, mods, compiled=graphs is not None)
     record: list = []
     m = len(draws[0])
     sched = ScheduleContinuous(
@@ -90,9 +113,14 @@ def run_stream(rank: int, world: int, split: str, draws: list[list[int]]) -> flo
             target_mbs=targets if last else None,
             loss_kwargs={"num_tokens": sum(t.numel() for t in targets)},
         )
+        if graphs is not None:
+            graphs.append(counters["stats"]["unique_graphs"])
         if k == 1:
             sched.flush()
     sched.flush()
+    if graphs is not None:
+        graphs.append(counters["stats"]["unique_graphs"])
+        assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     shapes = sched._shapes
     assert shapes.headers_sent == (0 if last else len(draws)), shapes.headers_sent
     assert shapes.headers_received == (0 if first else len(draws)), shapes.headers_received
@@ -144,9 +172,27 @@ def data_dependent(rank: int, world: int) -> str:
     return ""
 
 
-def all_cases(rank: int, world: int, splits: list[str], draws: list[list[int]]) -> dict:
+def compiled_stream(rank: int, world: int, draws: list[list[int]]) -> dict:
+    """The stream over compiled blocks (deferred engine: the graph engine refuses compiled
+    blocks), from an empty compile cache: its largest difference to the eager loop, dynamo's
+    graph count after every call, and how many blocks this rank compiled."""
+    graphs: list[int] = []
+    worst = run_stream(rank, world, "deferred", draws, graphs=graphs)
+    blocks = sum(1 <= i <= BLOCKS for i in chunks([], world)[rank])  # layers 1..BLOCKS
+    return {"worst": worst, "graphs": graphs, "blocks": blocks}
+
+
+def all_cases(
+    rank: int,
+    world: int,
+    splits: list[str],
+    draws: list[list[int]],
+    compiled_draws: list[list[int]] | None = None,
+) -> dict:
     """Everything one launch checks: the error first (the group must still work after it), then a
-    stream per engine."""
+    stream per engine, then (``compiled_draws``) the stream over compiled blocks."""
     out: dict = {"error": data_dependent(rank, world) if world == 2 else None}
     out["worst"] = [run_stream(rank, world, split, draws) for split in splits]
+    if compiled_draws is not None:
+        out["compiled"] = compiled_stream(rank, world, compiled_draws)
     return out

@@ -35,8 +35,8 @@ def _draws(n: int) -> list[list[int]]:
 
 
 def test_varlen_gradients_equal_the_unpipelined_model():
-    """ZB-H1 (both engines), ZB-1p, ZB-V and V-Half: every draw's gradients equal the whole
-    model's, under the token-count loss contract (even steps) and the default mean of
+    """ZB-H1, ZB-1p and ZB-V (each under both engines) and V-Half: every draw's gradients equal
+    the whole model's, under the token-count loss contract (even steps) and the default mean of
     per-microbatch means (odd steps)."""
     from tests.schedules._varlen_cases import grads_cases
 
@@ -44,7 +44,9 @@ def test_varlen_gradients_equal_the_unpipelined_model():
         ("ScheduleZBH1", "deferred"),
         ("ScheduleZBH1", "graph"),
         ("ScheduleZB1P", "auto"),
+        ("ScheduleZB1P", "graph"),
         ("ScheduleZBV", "deferred"),
+        ("ScheduleZBV", "graph"),
         ("ScheduleZBVHalf", "auto"),
     ]
     draws = _draws(2)

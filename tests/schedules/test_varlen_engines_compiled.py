@@ -3,8 +3,8 @@ step brings new lengths, the gradients equal the eager unpipelined model's, and 
 a bounded number of graphs, all in the first step (docs/use/varlen.md, "Compiled code").
 
 One launch of 2 gloo ranks runs every case, each from an empty compile cache, backend
-aot_eager (inductor by hand: docs/results/varlen.md): ZB-V under the deferred engine over
-blocks compiled in place, and ZB-V under ``split="graph"`` over eager blocks whose
+aot_eager (inductor by hand: docs/results/varlen.md): ZB-V, V-Half and ZB-1p under the deferred
+engine over blocks compiled in place, and ZB-V under ``split="graph"`` over eager blocks whose
 weight-free cores (attention, the MLP's activation) are compiled functions (the graph engine
 refuses compiled blocks: tests/engines/test_compiled_every_schedule.py).
 """
@@ -20,10 +20,13 @@ from zbpipe.testing import run_ranks
 
 #: two steps of 4 microbatches, every length new (none of 1: dynamo specializes 0 and 1)
 DRAWS = [[7, 29, 13, 50], [9, 31, 12, 44]]
-#: V placement under both engines (ZB-H1 with compiled blocks: test_varlen_compiled.py)
+#: V placement under both engines, V-Half and ZB-1p under the deferred one (ZB-H1 with compiled
+#: blocks: test_varlen_compiled.py)
 CASES = [
     ("ScheduleZBV", "deferred", "blocks", "aot_eager"),
     ("ScheduleZBV", "graph", "cores", "aot_eager"),
+    ("ScheduleZBVHalf", "deferred", "blocks", "aot_eager"),
+    ("ScheduleZB1P", "deferred", "blocks", "aot_eager"),
 ]
 
 
